@@ -1,0 +1,34 @@
+# The README's commands. `make train` and `make test` set up .venv first when it is missing.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+ARGS    ?=
+
+.PHONY: setup train test bench lint clean
+
+setup: $(STAMP)
+
+# torch is pinned here for this machine's local CPU build; the package itself asks for torch>=2.6.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m bench $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check launcher tests bench hydra_plugins
+	$(BIN)/ruff format --check launcher tests bench hydra_plugins
+
+clean:
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,115 @@
+"""Entry points only: compose (Hydra), resolve, check, dispatch. Bad input ends as one line, exit 2."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import io
+import re
+import sys
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.config import LauncherError, TrainConfig, default_batch, validate
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+BAD_INPUT = 2
+
+
+def schema_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, for 'did you mean' hints."""
+    keys = []
+    for f in fields(node):
+        key = prefix + f.name
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys += schema_keys(type(default), key + ".")
+        elif f.name == "batch":
+            keys += [f"{key}.{k}" for k in default_batch()]
+        else:
+            keys.append(key)
+    return keys
+
+
+def one_line(message: str) -> str:
+    """Hydra/OmegaConf compose errors span several lines; keep what names the key and the fix."""
+    unknown = re.search(r"Key '([^']+)' is not in struct\s+full_key: (\S+)", message)
+    if unknown:
+        full = unknown.group(2)
+        close = difflib.get_close_matches(full, schema_keys(), n=1, cutoff=0.6)
+        hint = f"did you mean '{close[0]}'?" if close else "see `train --cfg job` for the keys"
+        return f"unknown config key '{full}': {hint}"
+    drop = ("Set the environment variable HYDRA_FULL_ERROR", "object_type=", "reference_type=")
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip() and not ln.strip().startswith(drop)]
+    text = " ".join(lines)
+    text = re.sub(r"Available options in '(\w+)':\s*(.*)", lambda m: f"available {m.group(1)}: " + ", ".join(
+        m.group(2).split()), text)
+    return text or "invalid command line"
+
+
+def run_app(config_name: str, task: Callable[[Any], None]) -> None:
+    """Run a Hydra app; errors raised before `task` starts (composition) become one line, exit 2."""
+    captured, real_stderr, started = io.StringIO(), sys.stderr, []
+
+    def wrapped(cfg: DictConfig) -> None:
+        sys.stderr = real_stderr
+        real_stderr.write(captured.getvalue())
+        started.append(True)
+        try:
+            task(OmegaConf.to_object(cfg))
+        except LauncherError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(BAD_INPUT)
+
+    app = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(wrapped)
+    try:
+        with contextlib.redirect_stderr(captured):
+            sys.stderr = captured
+            app()
+    except SystemExit as exit_:
+        if started or exit_.code in (0, None):
+            real_stderr.write("" if started else captured.getvalue())
+            raise
+        print(f"error: {one_line(captured.getvalue())}", file=real_stderr)
+        sys.exit(BAD_INPUT)
+    finally:
+        sys.stderr = real_stderr
+    if not started:
+        real_stderr.write(captured.getvalue())
+
+
+def train_task(cfg: TrainConfig) -> None:
+    from launcher.layout import resolve_layout
+    from launcher.data.corpus import check_source
+    from launcher.spawn import WorkerFailed, env_rank, launch
+
+    env = env_rank()
+    layout = resolve_layout(cfg, env.world_size if env else None)
+    validate(cfg, layout.dp)
+    check_source(cfg.data)
+    run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        launch(cfg, run_dir, layout)
+    except WorkerFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+def train() -> None:
+    run_app("train", train_task)
+
+
+def plan_task(cfg: TrainConfig) -> None:
+    from launcher.planner import run_plan
+
+    run_plan(cfg)
+
+
+def plan() -> None:
+    run_app("plan", plan_task)

@@ -1,0 +1,65 @@
+"""Deterministic, resumable batches, sharded over data-parallel ranks.
+
+Sample i of a run (counting over all ranks) starts at a pseudo-random offset that depends only on
+(seed, i), so the stream is the same whatever the data-parallel size: rank r of D takes the r-th
+contiguous share of each global batch. The whole state is one number, the samples consumed, which
+is why a run can resume under a different data-parallel degree and see the same next samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """A counter-based hash (Steele et al. 2014): uniform 64-bit values from consecutive integers."""
+    with np.errstate(over="ignore"):
+        z = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
+        z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
+        z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
+        return z ^ (z >> np.uint64(31))
+
+
+def sample_offsets(seed: int, first: int, count: int, n_tokens: int, seq_len: int) -> np.ndarray:
+    span = n_tokens - seq_len - 1  # room for inputs plus the shifted targets
+    idx = np.arange(first, first + count, dtype=np.uint64) + np.uint64(seed) * np.uint64(1 << 40)
+    return (splitmix64(idx) % np.uint64(span)).astype(np.int64)
+
+
+def gather(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([np.asarray(tokens[o : o + seq_len + 1], dtype=np.int64) for o in offsets])
+    t = torch.from_numpy(rows)
+    return t[:, :-1], t[:, 1:]
+
+
+@dataclass
+class BatchLoader:
+    tokens: np.ndarray
+    seq_len: int
+    global_batch: int  # sequences per step over all data-parallel ranks
+    dp_rank: int = 0
+    dp_size: int = 1
+    seed: int = 0
+    position: int = 0  # global samples consumed so far: the loader's whole state
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.dp_size
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the next global batch: inputs and targets, (local_batch, seq_len)."""
+        first = self.position + self.dp_rank * self.local_batch
+        offsets = sample_offsets(self.seed, first, self.local_batch, self.tokens.size, self.seq_len)
+        self.position += self.global_batch
+        return gather(self.tokens, offsets, self.seq_len)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position, self.seed = int(state["position"]), int(state["seed"])

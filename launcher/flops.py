@@ -1,0 +1,122 @@
+"""Parameter and FLOP counts: the one source for the MFU meter and the planner (no torch here).
+
+Conventions (as in PaLM, Chowdhery et al. 2022, appendix B):
+- Training FLOPs per token = 6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len.
+- N_matmul counts the weights that take part in matrix multiplies: every projection of every block
+  (q, k, v with their GQA widths, o, and the MLP: three matrices for SwiGLU, two for GELU) and the
+  output projection. The input embedding is a lookup, not a matmul, so it is excluded; with tied
+  embeddings the shared matrix is counted once, as the output projection. Norms, biases and learned
+  positions are excluded (negligible, and not matmul FLOPs).
+- Attention scores (QK^T) and the weighted sum (AV) cost 2 * 2 * seq * n_heads * head_dim per token
+  and layer forward, x3 for forward + backward. Causal attention is counted in full (not halved),
+  as PaLM does, so MFU stays comparable across implementations.
+- MFU uses model FLOPs: recomputation does not count. Hardware FLOPs (HFU, used by the planner to
+  predict time) add one extra forward of the recomputed part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class ModelShape(Protocol):
+    """Anything with the architecture fields of `config.ModelConfig`."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    norm: str
+    norm_position: str
+    mlp: str
+    positions: str
+    tied_embeddings: bool
+    bias: bool
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int  # token embedding (+ learned positions)
+    per_layer: int  # one transformer block, all parameters
+    per_layer_matmul: int  # one block, matmul weights only
+    final_norm: int
+    output: int  # untied output projection (0 when tied)
+    output_matmul: int  # the logits matmul, counted even when tied
+
+    def total(self, n_layers: int) -> int:
+        return self.embedding + n_layers * self.per_layer + self.final_norm + self.output
+
+    def matmul(self, n_layers: int) -> int:
+        return n_layers * self.per_layer_matmul + self.output_matmul
+
+
+def kv_heads(m: ModelShape) -> int:
+    return m.n_kv_heads or m.n_heads
+
+
+def head_dim(m: ModelShape) -> int:
+    return m.dim // m.n_heads
+
+
+def norm_params(m: ModelShape) -> int:
+    return m.dim * (2 if m.norm == "layernorm" else 1)
+
+
+def param_counts(m: ModelShape) -> ParamCounts:
+    d, hd = m.dim, head_dim(m)
+    q_out, kv_out = m.n_heads * hd, kv_heads(m) * hd
+    attn = d * q_out + 2 * d * kv_out + q_out * d
+    mlp_mats = 3 if m.mlp == "swiglu" else 2
+    mlp = mlp_mats * d * m.ffn_dim
+    matmul = attn + mlp
+    biases = 0
+    if m.bias:
+        biases = q_out + 2 * kv_out + d + (m.ffn_dim * (mlp_mats - 1)) + d
+    embedding = m.vocab_size * d + (m.max_seq_len * d if m.positions == "learned" else 0)
+    final_norm = norm_params(m) if m.norm_position == "pre" else 0
+    return ParamCounts(
+        embedding=embedding,
+        per_layer=matmul + biases + 2 * norm_params(m),
+        per_layer_matmul=matmul,
+        final_norm=final_norm,
+        output=0 if m.tied_embeddings else m.vocab_size * d,
+        output_matmul=m.vocab_size * d,
+    )
+
+
+def num_params(m: ModelShape) -> int:
+    return param_counts(m).total(m.n_layers)
+
+
+def attention_flops_per_token(m: ModelShape, seq_len: int) -> float:
+    """Forward + backward FLOPs of QK^T and AV for one token, all layers (full, not causal)."""
+    return 12.0 * m.n_layers * m.n_heads * head_dim(m) * seq_len
+
+
+def flops_per_token(m: ModelShape, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward), the numerator of MFU."""
+    return 6.0 * param_counts(m).matmul(m.n_layers) + attention_flops_per_token(m, seq_len)
+
+
+def hardware_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> float:
+    """FLOPs actually executed per token: model FLOPs plus the recomputed forward.
+
+    full recompute re-runs each block's forward (1/3 of the block FLOPs again); selective recompute
+    re-runs only the attention core (QK^T, softmax, AV).
+    """
+    base = flops_per_token(m, seq_len)
+    if recompute == "full":
+        block = 6.0 * m.n_layers * param_counts(m).per_layer_matmul
+        return base + (block + attention_flops_per_token(m, seq_len)) / 3.0
+    if recompute == "selective":
+        return base + attention_flops_per_token(m, seq_len) / 3.0
+    return base
+
+
+def mfu(tokens_per_s_per_device: float, model_flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak."""
+    return tokens_per_s_per_device * model_flops_per_token / peak_flops if peak_flops > 0 else 0.0

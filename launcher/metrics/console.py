@@ -1,0 +1,91 @@
+"""The terminal view: a live rich panel on a terminal, plain lines in logs and CI."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+COLUMNS = [  # (key, label, format)
+    ("step", "step", "{:d}"),
+    ("loss", "loss", "{:.4f}"),
+    ("val_loss", "val loss", "{:.4f}"),
+    ("lr", "lr", "{:.2e}"),
+    ("grad_norm", "grad norm", "{:.3f}"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("tflops_per_device", "TFLOP/s/dev", "{:.3f}"),
+    ("mfu", "MFU", "{:.1%}"),
+    ("mem_gib", "mem GiB", "{:.2f}"),
+]
+
+
+def fmt(key: str, value: Any) -> str:
+    spec = next((f for k, _, f in COLUMNS if k == key), "{}")
+    try:
+        return spec.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def metrics_table(row: dict[str, Any], title: str | None = None) -> Table:
+    table = Table(title=title, show_header=True, header_style="bold")
+    shown = [(k, label) for k, label, _ in COLUMNS if k in row]
+    for _, label in shown:
+        table.add_column(label, justify="right")
+    table.add_row(*(fmt(k, row[k]) for k, _ in shown))
+    return table
+
+
+class ConsoleView:
+    """`rich`: live panel; `plain`: a line every `every` steps; `none`: silent."""
+
+    def __init__(self, mode: str, total_steps: int, header: str) -> None:
+        if mode == "auto":
+            mode = "rich" if sys.stdout.isatty() else "plain"
+        self.mode = mode
+        self.console = Console()
+        self.total = total_steps
+        self.every = max(total_steps // 20, 1)
+        self.last: dict[str, Any] = {}
+        self.live: Live | None = None
+        if mode != "none":
+            self.console.print(header)
+        if mode == "rich":
+            self.progress = Progress(
+                TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            )
+            self.task = self.progress.add_task("train", total=total_steps)
+            self.live = Live(self._view(), console=self.console, refresh_per_second=4)
+            self.live.start()
+
+    def _view(self) -> Group:
+        return Group(self.progress, metrics_table(self.last)) if self.last else Group(self.progress)
+
+    def update(self, row: dict[str, Any]) -> None:
+        self.last.update(row)
+        if self.live is not None:
+            self.progress.update(self.task, completed=row["step"])
+            self.live.update(self._view())
+        elif self.mode == "plain" and (row["step"] % self.every == 0 or row["step"] in (1, self.total)):
+            print("  ".join(f"{label}={fmt(k, self.last[k])}" for k, label, _ in COLUMNS if k in self.last), flush=True)
+
+    def note(self, text: str) -> None:
+        if self.mode != "none":
+            self.console.print(text)
+
+    def close(self, summary: dict[str, Any]) -> None:
+        if self.live is not None:
+            self.live.stop()
+        if self.mode == "none":
+            return
+        table = Table(title="summary", show_header=False)
+        for key, value in summary.items():
+            if not isinstance(value, dict):
+                shown = fmt(key, value) if any(k == key for k, _, _ in COLUMNS) else value
+                table.add_row(key, f"{shown:.4g}" if isinstance(shown, float) else str(shown))
+        self.console.print(table)

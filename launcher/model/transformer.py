@@ -1,0 +1,153 @@
+"""One decoder-only transformer for the Llama and GPT-2 families, chosen by config.
+
+Read top to bottom: norms, rotary positions, attention (GQA), MLP (SwiGLU or GELU), block (pre- or
+post-norm), model. Shapes are written so that tensor parallelism can shard heads and hidden widths
+without changes here: head counts are inferred from the projected width (`view(..., -1, head_dim)`),
+and a pipeline stage is the same model with some parts set to None (names stay stable, so
+checkpoints load across layouts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from launcher.config import ModelConfig
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+    return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device) -> torch.Tensor:
+    """cos and sin of the rotary angles, stacked: (2, seq_len, head_dim)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()])
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, heads, seq, head_dim) by the tables for the first `seq` positions."""
+    seq = x.shape[-2]
+    cos, sin = rope[0, :seq].to(x.dtype), rope[1, :seq].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.n_rep = cfg.n_heads // (cfg.n_kv_heads or cfg.n_heads)
+        kv_width = (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.dim, kv_width, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.dim, kv_width, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        # (batch, heads, seq, head_dim): SDPA's fast path wants 4-D inputs
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.n_rep > 1:  # GQA: query head i reads KV head i // n_rep
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x). GELU: w2(gelu(w1 x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.pre_norm = cfg.norm_position == "pre"
+        self.attention_norm = make_norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = make_norm(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        if self.pre_norm:  # residual stream never normalised: gradients reach early layers intact
+            x = x + self.dropout(self.attention(self.attention_norm(x), rope))
+            return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+        # post-norm (original Transformer / BERT): the norm sits on the residual path
+        x = self.attention_norm(x + self.dropout(self.attention(x, rope)))
+        return self.ffn_norm(x + self.dropout(self.feed_forward(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embeddings: nn.Embedding | None = (
+            nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
+        )
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = make_norm(cfg) if cfg.norm_position == "pre" else None
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", self._rope_tables(), persistent=False)
+
+    def _rope_tables(self) -> torch.Tensor | None:
+        if self.cfg.positions != "rope":
+            return None
+        device = next(self.parameters()).device
+        return rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed` (GPT-2 style: residual projections scaled by depth)."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:  # norm weights are 1, biases 0
+                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else self.cfg.init_std
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p))
+        if self.rope is not None:
+            self.rope = self._rope_tables()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) → logits (batch, seq, vocab); a middle pipeline stage maps h → h."""
+        h = tokens
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h

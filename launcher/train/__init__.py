@@ -1,0 +1,1 @@
+"""Training: the worker body (loop.py) and the optimizer and schedule (optim.py)."""

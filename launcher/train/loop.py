@@ -1,0 +1,146 @@
+"""The worker: everything one rank does, from its device to the summary. The loop fits one screen."""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launcher import flops
+from launcher.config import TrainConfig
+from launcher.data import BatchLoader, load_splits
+from launcher.hardware import peak_flops
+from launcher.layout import Layout, resolve_layout
+from launcher.metrics.console import ConsoleView
+from launcher.metrics.meter import Meter
+from launcher.metrics.sinks import JsonlSink, WandbSink, write_json
+from launcher.model import Transformer
+from launcher.parallel import Runner, parallelize
+from launcher.train.optim import build_optimizer
+
+log = logging.getLogger("launcher")
+
+
+def pick_device(cfg: TrainConfig) -> torch.device:
+    if cfg.hardware.kind == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def autocast_for(cfg: TrainConfig, device: torch.device) -> torch.autocast | None:
+    """bf16 autocast on CUDA (dtype=auto|bf16); fp32 on CPU, where bf16 is slower without AMX."""
+    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else None
+
+
+def rank_logger(run_dir: Path, rank: int) -> None:
+    handler = logging.FileHandler(run_dir / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def build_model(cfg: TrainConfig, device: torch.device) -> Transformer:
+    torch.manual_seed(cfg.seed)
+    with device:
+        model = Transformer(cfg.model)
+    model.init_weights(cfg.seed)
+    return model
+
+
+def run_eval(runner: Runner, loader: BatchLoader, batches: int) -> float:
+    loader.position = 0  # the same validation samples every time
+    losses = [runner.evaluate(*loader.next_batch()) for _ in range(batches)]
+    return sum(losses) / len(losses)
+
+
+def train(cfg: TrainConfig, run_dir: Path, rank: int = 0, layout: Layout | None = None) -> dict[str, Any]:
+    """Train one rank to the end; return the summary (the same on every rank)."""
+    t_start = time.perf_counter()
+    layout = layout or resolve_layout(cfg, 1)
+    rank_logger(run_dir, rank)
+    device = pick_device(cfg)
+    coords = layout.coordinates(rank)
+    owner = coords["pp"] == layout.pp - 1 and coords["dp"] == 0 and coords["tp"] == 0
+    threads = cfg.threads or max((os.cpu_count() or 1) // layout.world_size, 1)
+    torch.set_num_threads(threads)
+
+    splits = load_splits(cfg.data)
+    global_batch = cfg.batch["global"] or cfg.batch["micro"] * layout.dp
+    train_loader = BatchLoader(splits.train, cfg.seq_len, global_batch, coords["dp"], layout.dp, cfg.seed)
+    val_loader = BatchLoader(splits.val, cfg.seq_len, global_batch, coords["dp"], layout.dp, cfg.seed + 1)
+
+    model = build_model(cfg, device)
+    runner = parallelize(model, layout, cfg, autocast_for(cfg, device))
+    optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
+
+    flops_per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
+    peak = peak_flops(cfg.hardware, threads, cfg.data.cache_dir)
+    meter = Meter(global_batch * cfg.seq_len, flops_per_token, peak, layout.world_size, device)
+    n_params = flops.num_params(cfg.model)
+    header = (
+        f"[bold]{cfg.model.name}[/] {n_params / 1e6:.1f}M params · layout {asdict(layout)} · "
+        f"batch {global_batch}x{cfg.seq_len} · {threads} threads/worker · peak {peak / 1e12:.3f} TFLOP/s/device"
+    )
+    view = ConsoleView(cfg.metrics.console if owner else "none", cfg.steps, header)
+    sinks: list[Any] = []
+    if owner:
+        sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        if cfg.metrics.wandb.mode != "disabled":
+            sinks.append(WandbSink(cfg.metrics.wandb, run_dir, {"layout": asdict(layout), **asdict(cfg)}))
+    log.info("rank %d coords %s threads %d device %s", rank, coords, threads, device)
+
+    rows: list[dict[str, Any]] = []
+    val_loss = None
+    for step in range(1, cfg.steps + 1):
+        meter.start()
+        inputs, targets = train_loader.next_batch()
+        loss = runner.forward_backward(inputs.to(device), targets.to(device))
+        grad_norm = runner.clip_grad_norm(cfg.optim.grad_clip)
+        lr = schedule.get_last_lr()[0]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        row = meter.stop(step, loss, lr, grad_norm)
+        if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
+            val_loss = row["val_loss"] = run_eval(runner, val_loader, cfg.eval.batches)
+        rows.append(row)
+        if step % cfg.metrics.log_every == 0 or step == cfg.steps or "val_loss" in row:
+            for sink in sinks:
+                sink.log(row)
+            view.update(row)
+            log.info("%s", row)
+
+    timed = rows[1:] or rows  # the first step pays one-time costs (allocations, caches)
+    summary = {
+        "final_loss": rows[-1]["loss"],
+        "val_loss": val_loss,
+        "steps": cfg.steps,
+        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "median_tflops_per_device": statistics.median(r["tflops_per_device"] for r in timed),
+        "median_mfu": statistics.median(r["mfu"] for r in timed),
+        "peak_mem_gib": max(r["mem_gib"] for r in rows),
+        "world_size": layout.world_size,
+        "layout": asdict(layout),
+        "model": cfg.model.name,
+        "params": n_params,
+        "flops_per_token": flops_per_token,
+        "peak_flops_per_device": peak,
+        "threads_per_worker": threads,
+        "wall_time_s": time.perf_counter() - t_start,
+    }
+    if owner:
+        write_json(run_dir / "summary.json", summary)
+        for sink in sinks:
+            sink.close()
+    view.close(summary)
+    return summary
