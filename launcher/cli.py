@@ -7,9 +7,10 @@ import difflib
 import io
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -38,17 +39,25 @@ def schema_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
 
 def one_line(message: str) -> str:
     """Hydra/OmegaConf compose errors span several lines; keep what names the key and the fix."""
-    unknown = re.search(r"Key '([^']+)' is not in struct\s+full_key: (\S+)", message)
+    unknown = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'\w+')\s+full_key: (\S+)", message)
     if unknown:
         full = unknown.group(2)
         close = difflib.get_close_matches(full, schema_keys(), n=1, cutoff=0.6)
         hint = f"did you mean '{close[0]}'?" if close else "see `train --cfg job` for the keys"
         return f"unknown config key '{full}': {hint}"
+    wrong_type = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)\s+full_key: (\S+)", message)
+    if wrong_type:
+        value, expected, key = wrong_type.groups()
+        return f"{key}={value}: expected a value of type {expected}"
+    message = message.split("Config search path")[0]
     drop = ("Set the environment variable HYDRA_FULL_ERROR", "object_type=", "reference_type=")
     lines = [ln.strip() for ln in message.splitlines() if ln.strip() and not ln.strip().startswith(drop)]
     text = " ".join(lines)
-    text = re.sub(r"Available options in '(\w+)':\s*(.*)", lambda m: f"available {m.group(1)}: " + ", ".join(
-        m.group(2).split()), text)
+    text = re.sub(
+        r"Available options in '(\w+)':\s*(.*)",
+        lambda m: f"available {m.group(1)}: " + ", ".join(m.group(2).split()),
+        text,
+    )
     return text or "invalid command line"
 
 
@@ -84,8 +93,8 @@ def run_app(config_name: str, task: Callable[[Any], None]) -> None:
 
 
 def train_task(cfg: TrainConfig) -> None:
-    from launcher.layout import resolve_layout
     from launcher.data.corpus import check_source
+    from launcher.layout import resolve_layout
     from launcher.spawn import WorkerFailed, env_rank, launch
 
     env = env_rank()

@@ -7,7 +7,7 @@ override. This module must not import torch: `plan` composes the same schema.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -24,7 +24,7 @@ class ModelConfig:
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 8
-    n_kv_heads: Optional[int] = None  # None: as many as n_heads (no GQA)
+    n_kv_heads: int | None = None  # None: as many as n_heads (no GQA)
     ffn_dim: int = 688  # hidden width of the MLP (per gate for SwiGLU)
     vocab_size: int = 256
     max_seq_len: int = 1024
@@ -43,9 +43,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: str = "stdlib"  # stdlib | tokens
-    path: Optional[str] = None  # flat token file (data=tokens)
+    path: str | None = None  # flat token file (data=tokens)
     dtype: str = "uint16"  # uint16 | uint32 for data=tokens
-    val_path: Optional[str] = None  # separate validation token file; None: hold out val_fraction
+    val_path: str | None = None  # separate validation token file; None: hold out val_fraction
     val_fraction: float = 0.02
     max_bytes: int = 16_000_000  # stdlib corpus size cap (bytes of source)
     cache_dir: str = "${oc.env:XDG_CACHE_HOME,${oc.env:HOME}/.cache}/launcher"
@@ -81,8 +81,8 @@ class EvalConfig:
 class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
     project: str = "launcher"
-    entity: Optional[str] = None
-    name: Optional[str] = None
+    entity: str | None = None
+    name: str | None = None
 
 
 @dataclass
@@ -98,7 +98,7 @@ class LinkConfig:
 
     name: str = "link"
     size: int = 1  # devices inside one domain of this level
-    bandwidth_gbs: Optional[float] = None  # GB/s per device, one direction; None: calibrate (cpu)
+    bandwidth_gbs: float | None = None  # GB/s per device, one direction; None: calibrate (cpu)
     latency_us: float = 1.0
 
 
@@ -106,7 +106,7 @@ class LinkConfig:
 class HardwareConfig:
     name: str = "cpu"
     kind: str = "cpu"  # cpu | cuda | tpu (tpu: planner only)
-    peak_tflops: Optional[float] = None  # dense bf16 (fp32 on cpu); None: calibrate (cpu)
+    peak_tflops: float | None = None  # dense bf16 (fp32 on cpu); None: calibrate (cpu)
     memory_gib: float = 16.0
     devices_per_node: int = 1
     matmul_efficiency: float = 1.0  # achievable share of peak for large matmuls (planner)
@@ -133,7 +133,7 @@ class TrainConfig:
     steps: int = 200
     seq_len: int = 256
     seed: int = 1234
-    run_dir: Optional[str] = None  # None: Hydra's output directory
+    run_dir: str | None = None  # None: Hydra's output directory
 
     # layout: degrees are ints or "auto"
     nodes: int = 1
@@ -144,13 +144,13 @@ class TrainConfig:
     dp_replicate: Any = "auto"  # DDP degree inside dp (HSDP when both > 1)
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
-    microbatches: Optional[int] = None  # pipeline microbatches; None: 2 x pp
+    microbatches: int | None = None  # pipeline microbatches; None: 2 x pp
     virtual_stages: int = 1
     recompute: str = "none"  # none | selective | full
 
     compile: bool = False
     dtype: str = "auto"  # auto (bf16 autocast on cuda, fp32 on cpu) | fp32 | bf16
-    threads: Optional[int] = None  # torch intra-op threads per worker; None: cores / local workers
+    threads: int | None = None  # torch intra-op threads per worker; None: cores / local workers
     max_local_workers: int = 8
     dry_run: bool = False
     force: bool = False
@@ -200,7 +200,15 @@ def validate(cfg: TrainConfig, dp: int) -> None:
         if get_key(cfg, key) not in allowed:
             raise LauncherError(f"{key}={get_key(cfg, key)}: choose one of {', '.join(allowed)}")
     m = cfg.model
-    for key in ("steps", "seq_len", "model.dim", "model.n_layers", "model.n_heads", "model.ffn_dim", "model.vocab_size"):
+    for key in (
+        "steps",
+        "seq_len",
+        "model.dim",
+        "model.n_layers",
+        "model.n_heads",
+        "model.ffn_dim",
+        "model.vocab_size",
+    ):
         positive_int(get_key(cfg, key), key)
     if m.dim % m.n_heads:
         raise LauncherError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: change either")

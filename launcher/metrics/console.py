@@ -56,8 +56,12 @@ class ConsoleView:
             self.console.print(header)
         if mode == "rich":
             self.progress = Progress(
-                TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                TextColumn("[bold]training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
             )
             self.task = self.progress.add_task("train", total=total_steps)
             self.live = Live(self._view(), console=self.console, refresh_per_second=4)

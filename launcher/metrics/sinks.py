@@ -31,8 +31,13 @@ class WandbSink:
 
         os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(
-            mode=cfg.mode, project=cfg.project, entity=cfg.entity, name=cfg.name,
-            dir=str(run_dir), config=config, reinit="finish_previous",
+            mode=cfg.mode,
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.name,
+            dir=str(run_dir),
+            config=config,
+            reinit="finish_previous",
         )
 
     def log(self, row: dict[str, Any]) -> None:

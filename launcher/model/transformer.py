@@ -64,9 +64,7 @@ class Attention(nn.Module):
         if self.n_rep > 1:  # GQA: query head i reads KV head i // n_rep
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -65,6 +65,7 @@ def train(cfg: TrainConfig, run_dir: Path, rank: int = 0, layout: Layout | None 
     """Train one rank to the end; return the summary (the same on every rank)."""
     t_start = time.perf_counter()
     layout = layout or resolve_layout(cfg, 1)
+    run_dir.mkdir(parents=True, exist_ok=True)
     rank_logger(run_dir, rank)
     device = pick_device(cfg)
     coords = layout.coordinates(rank)

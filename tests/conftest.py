@@ -1,0 +1,55 @@
+"""Shared fixtures: compose the real Hydra config in-process, and run the CLI as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from launcher.cli import CONF_DIR
+from launcher.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_config(*overrides: str, config_name: str = "train") -> TrainConfig:
+    """The TrainConfig that `train OVERRIDES...` would run with."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+def tiny_config(tmp_path: Path, *overrides: str) -> TrainConfig:
+    """A seconds-long CPU run of the tiny model, quiet, with its own data cache."""
+    return make_config(
+        "+model=tiny",
+        "steps=4",
+        "seq_len=32",
+        "batch.micro=4",
+        "eval.every=0",
+        "metrics.console=none",
+        "metrics.wandb.mode=disabled",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.max_bytes=200000",
+        "threads=1",
+        *overrides,
+    )
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run a console script of this venv (train, plan) and capture its output."""
+    exe = Path(sys.executable).parent / args[0]
+    full_env = {**os.environ, "LAUNCHER_OUTPUTS": str(cwd or ROOT / "outputs"), **(env or {})}
+    return subprocess.run(
+        [str(exe), *args[1:]], capture_output=True, text=True, env=full_env, cwd=cwd or ROOT, timeout=600
+    )
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> str:
+    return str(tmp_path / "cache")

@@ -1,0 +1,81 @@
+"""Composition of the `train` config and the one-line errors for bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.config import LauncherError, validate
+from tests.conftest import make_config, run_cli
+
+
+def test_default_is_small_model_on_stdlib_cpu() -> None:
+    cfg = make_config()
+    assert (cfg.model.name, cfg.data.name, cfg.hardware.name) == ("small", "stdlib", "cpu")
+    assert cfg.batch == {"micro": 8, "global": None}
+
+
+def test_plus_model_8b_with_tp_composes() -> None:
+    cfg = make_config("+model=8b", "tp=8", "hardware=h100_sxm")
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_kv_heads, cfg.model.ffn_dim) == (4096, 32, 8, 14336)
+    assert cfg.tp == 8 and cfg.hardware.peak_tflops == 989.0
+    assert [link.name for link in cfg.hardware.links] == ["nvlink4", "infiniband_ndr"]
+
+
+def test_overrides_reach_the_schema() -> None:
+    cfg = make_config("steps=200", "+model=small", "optim.lr=1e-3", "batch.micro=8", "seq_len=256", "batch.global=32")
+    assert (cfg.steps, cfg.optim.lr, cfg.batch["global"], cfg.seq_len) == (200, 1e-3, 32, 256)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "125m", "1b", "8b", "70b", "405b", "gpt2-8.3b"])
+def test_every_model_composes_and_validates(name: str) -> None:
+    cfg = make_config(f"+model={name}", "seq_len=128")
+    validate(cfg, dp=1)
+    assert cfg.model.name == name
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["seq_len=4096"], "seq_len=4096 exceeds model.max_seq_len=1024"),
+        (["batch.global=12"], "batch.global=12 is not a multiple of batch.micro x dp = 8 x 1"),
+        (["model.norm=batchnorm"], "model.norm=batchnorm: choose one of rmsnorm, layernorm"),
+        (["model.n_heads=7"], "model.dim=256 is not divisible by model.n_heads=7"),
+        (["batch.micro=0"], "batch.micro=0: expected a positive integer"),
+    ],
+)
+def test_validate_names_key_and_fix(overrides: list[str], message: str) -> None:
+    with pytest.raises(LauncherError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        validate(make_config(*overrides), dp=1)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["stpes=10"], "unknown config key 'stpes': did you mean 'steps'?"),
+        (["steps=ten"], "steps=ten: expected a value of type Integer"),
+        (["hardware=h300"], "available hardware: a100"),
+        (["+model=9b"], "Could not find 'model/9b'"),
+        (["data=tokens"], "data.path is missing"),
+        (["data=tokens", "data.path=/nonexistent/train.bin"], "data.path=/nonexistent/train.bin: no such file"),
+        (["seq_len=4096"], "seq_len=4096 exceeds model.max_seq_len"),
+        (["batch.global=12"], "batch.global=12 is not a multiple"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(args: list[str], expected: str, tmp_path: Path) -> None:
+    result = run_cli("train", *args, "steps=1", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.rglob("metrics.jsonl")), "no worker may start on bad input"
+
+
+def test_help_and_cfg_job(tmp_path: Path) -> None:
+    result = run_cli("train", "--cfg", "job", "+model=8b", "tp=8", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "n_kv_heads: 8" in result.stdout and "tp: 8" in result.stdout
+    result = run_cli("train", "--help", cwd=tmp_path)
+    assert result.returncode == 0 and "model" in result.stdout

@@ -1,0 +1,98 @@
+"""End-to-end training in one process: reproducibility, accumulation, outputs, launch path."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from launcher.layout import resolve_layout
+from launcher.spawn import RankEnv, env_rank
+from launcher.train.loop import train
+from tests.conftest import run_cli, tiny_config
+
+JSONL_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_gib"}
+SUMMARY_KEYS = {"final_loss", "val_loss", "median_tokens_per_s", "median_mfu", "world_size", "layout", "wall_time_s"}
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_same_seed_same_losses_other_seed_other_losses(tmp_path: Path) -> None:
+    runs = {}
+    for name, seed in [("a", 7), ("b", 7), ("c", 8)]:
+        train(tiny_config(tmp_path, f"seed={seed}"), tmp_path / name)
+        runs[name] = losses(tmp_path / name)
+    assert runs["a"] == runs["b"]
+    assert runs["a"] != runs["c"]
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path: Path) -> None:
+    accumulated = train(tiny_config(tmp_path, "batch.micro=2", "batch.global=8"), tmp_path / "acc")
+    whole = train(tiny_config(tmp_path, "batch.micro=8"), tmp_path / "whole")
+    assert accumulated["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-4)
+
+
+def test_loss_falls(tmp_path: Path) -> None:
+    summary = train(tiny_config(tmp_path, "steps=40", "optim.warmup_steps=5", "optim.lr=1e-2"), tmp_path / "r")
+    curve = losses(tmp_path / "r")
+    assert summary["final_loss"] < curve[0] - 1.0, curve
+
+
+def test_outputs_jsonl_summary_and_wandb_offline_without_api_key(tmp_path: Path, monkeypatch) -> None:
+    secret = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(tmp_path, "metrics.wandb.mode=offline", "eval.every=2", "eval.batches=1")
+    summary = train(cfg, run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(JSONL_KEYS <= r.keys() for r in rows)
+    assert "val_loss" in rows[1] and 0 < rows[0]["mfu"] < 1.5
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= written.keys() and written["final_loss"] == summary["final_loss"]
+    assert written["val_loss"] == rows[-1]["val_loss"]
+    assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), f"API key written to {path}"
+
+
+def test_rank_comes_from_torchrun_or_slurm_environment(monkeypatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
+        monkeypatch.delenv(key, raising=False)
+    assert env_rank() is None  # start local workers ourselves
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert env_rank() == RankEnv(3, 4, 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert env_rank() == RankEnv(1, 2, 0)  # torchrun wins
+
+
+def test_auto_dp_takes_the_remaining_ranks(tmp_path: Path) -> None:
+    layout = resolve_layout(tiny_config(tmp_path, "tp=2"), world_size=8)
+    assert (layout.tp, layout.dp, layout.dp_shard, layout.world_size) == (2, 4, 4, 8)
+
+
+def test_train_cli_end_to_end(tmp_path: Path) -> None:
+    result = run_cli(
+        "train",
+        "+model=tiny",
+        "steps=3",
+        "seq_len=32",
+        "batch.micro=2",
+        "metrics.console=plain",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.max_bytes=100000",
+        f"run_dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        env={"WANDB_MODE": os.environ.get("WANDB_MODE", "offline")},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "step=3" in result.stdout and "summary" in result.stdout
+    assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "rank0.log").exists()
