@@ -1,0 +1,1 @@
+"""Benchmarks behind `make bench`: each prints figures measured side by side in one run."""

@@ -1,0 +1,20 @@
+"""`python -m bench [NAME ...]`: run the named benchmarks (default: all) and print their tables."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = ["overhead"]
+
+
+def main(argv: list[str]) -> None:
+    names = [a for a in argv if not a.startswith("-")] or BENCHES
+    for name in names:
+        if name not in BENCHES:
+            raise SystemExit(f"unknown benchmark '{name}': choose from {', '.join(BENCHES)}")
+        importlib.import_module(f"bench.{name}").main([])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

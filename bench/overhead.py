@@ -1,0 +1,86 @@
+"""Issue 2 figures: launcher overhead against a bare loop, time to the first step, CPU MFU.
+
+Both sides run as fresh processes with the same model (`small`), data, batch and threads, measured
+alternately so machine noise hits both alike; the ratio of median tokens/s is the figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+TRAIN = str(Path(sys.executable).parent / "train")
+STEPS, MICRO, SEQ = 40, 8, 256
+
+
+def launcher_run(tmp: Path, threads: int, cache: str, i: int) -> tuple[float, float, float]:
+    """(median tokens/s, median MFU, seconds from process start to the first finished step)."""
+    run_dir = tmp / f"run{i}"
+    args = [
+        TRAIN,
+        f"steps={STEPS}",
+        f"batch.micro={MICRO}",
+        f"seq_len={SEQ}",
+        f"threads={threads}",
+        "eval.every=0",
+        "metrics.console=none",
+        "metrics.wandb.mode=disabled",
+        f"data.cache_dir={cache}",
+        f"run_dir={run_dir}",
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(args, cwd=tmp, env={**os.environ, "LAUNCHER_OUTPUTS": str(tmp)})
+    jsonl, first = run_dir / "metrics.jsonl", None
+    while proc.poll() is None:
+        if first is None and jsonl.exists() and jsonl.stat().st_size:
+            first = time.perf_counter() - t0
+        time.sleep(0.01)
+    if proc.returncode:
+        raise SystemExit(f"train failed with exit code {proc.returncode}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return summary["median_tokens_per_s"], summary["median_mfu"], first or float("nan")
+
+
+def bare_run(threads: int, cache: str) -> float:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.bare_loop", str(STEPS), str(MICRO), str(SEQ), str(threads), cache],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
+
+
+def main(argv: list[str]) -> None:
+    rounds = int(argv[0]) if argv else 3
+    threads = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        cache = str(tmp / "cache")
+        launcher_run(tmp, threads, cache, -1)  # warm caches: corpus, GEMM calibration
+        launcher, bare, mfus, firsts = [], [], [], []
+        for i in range(rounds):
+            rate, mfu, first = launcher_run(tmp, threads, cache, i)
+            launcher.append(rate)
+            mfus.append(mfu)
+            firsts.append(first)
+            bare.append(bare_run(threads, cache))
+    ratio = statistics.median(launcher) / statistics.median(bare)
+    table = Table(title=f"launcher overhead: small model, batch {MICRO}x{SEQ}, {threads} threads, {rounds} rounds")
+    for col in ("figure", "value"):
+        table.add_column(col)
+    table.add_row("train tokens/s (median of rounds)", f"{statistics.median(launcher):,.0f}")
+    table.add_row("bare loop tokens/s (median of rounds)", f"{statistics.median(bare):,.0f}")
+    table.add_row("ratio train / bare (goal ≥ 0.97)", f"{ratio:.3f}")
+    table.add_row("time to first step, warm cache (s)", f"{statistics.median(firsts):.2f}")
+    table.add_row("CPU MFU of `small` (vs measured GEMM peak)", f"{statistics.median(mfus):.1%}")
+    Console().print(table)
