@@ -96,18 +96,28 @@ def train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
     from launcher.layout import resolve_layout
     from launcher.spawn import WorkerFailed, env_rank, launch
+    from launcher.train.checkpoint import resolve_resume
+    from launcher.train.preemption import PREEMPTED_EXIT
 
     env = env_rank()
     layout = resolve_layout(cfg, env.world_size if env else None)
     validate(cfg, layout.dp)
     check_source(cfg.data)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
+    resolve_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))  # a bad path fails here
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        launch(cfg, run_dir, layout)
+        summary = launch(cfg, run_dir, layout)
     except WorkerFailed as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    if "preempted_at_step" in summary:
+        print(
+            f"preempted at step {summary['preempted_at_step']}: checkpoint saved under {summary['checkpoint']}; "
+            f"run again with run_dir={run_dir} to resume",
+            file=sys.stderr,
+        )
+        sys.exit(PREEMPTED_EXIT)
 
 
 def train() -> None:
@@ -122,3 +132,20 @@ def plan_task(cfg: TrainConfig) -> None:
 
 def plan() -> None:
     run_app("plan", plan_task)
+
+
+def export() -> None:
+    """`export CHECKPOINT OUT.safetensors`: consolidated model weights from a sharded checkpoint."""
+    import argparse
+
+    from launcher.train.export import export as write
+
+    parser = argparse.ArgumentParser(prog="export", description=export.__doc__)
+    parser.add_argument("checkpoint", help="a step_* checkpoint folder, or a folder of them (newest is used)")
+    parser.add_argument("out", help="output .safetensors file")
+    args = parser.parse_args()
+    try:
+        print(write(args.checkpoint, args.out))
+    except LauncherError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(BAD_INPUT)

@@ -93,6 +93,14 @@ class MetricsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints (and one at the end); 0 disables
+    keep: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    dir: str | None = None  # None: <run_dir>/checkpoints
+    async_save: bool = False  # write in the background while training continues
+
+
+@dataclass
 class LinkConfig:
     """One level of the interconnect: devices that share it, bandwidth per device, latency."""
 
@@ -117,6 +125,9 @@ class HardwareConfig:
 class PlanConfig:
     top: int = 10
     format: str = "table"  # table | json
+    # plan app: also choose sequence_parallel (on when tp > 1) and virtual_stages (interleaved) instead
+    # of taking the top-level values; `train` (best_layout) only fills keys set to auto.
+    explore: bool = False
 
 
 @dataclass
@@ -129,11 +140,14 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     steps: int = 200
     seq_len: int = 256
     seed: int = 1234
     run_dir: str | None = None  # None: Hydra's output directory
+    resume: str = "auto"  # auto (newest complete checkpoint, if any) | never | PATH
+    max_restarts: int = 0  # local workers: restart the group this often after a failure
 
     # layout: degrees are ints or "auto"
     nodes: int = 1

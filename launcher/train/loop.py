@@ -22,7 +22,9 @@ from launcher.metrics.meter import Meter
 from launcher.metrics.sinks import JsonlSink, WandbSink, write_json
 from launcher.model import Transformer
 from launcher.parallel import Runner, parallelize
+from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
 from launcher.train.optim import build_optimizer
+from launcher.train.preemption import PreemptionFlag
 
 log = logging.getLogger("launcher")
 
@@ -98,9 +100,24 @@ def train(cfg: TrainConfig, run_dir: Path, rank: int = 0, layout: Layout | None 
             sinks.append(WandbSink(cfg.metrics.wandb, run_dir, {"layout": asdict(layout), **asdict(cfg)}))
     log.info("rank %d coords %s threads %d device %s", rank, coords, threads, device)
 
+    ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    checkpointer = Checkpointer(cfg.checkpoint, ckpt_root, rank)
+    start = 0
+    resumed = checkpointer.load(resolve_resume(cfg.resume, ckpt_root), runner.parts, optimizer)
+    if resumed is not None:
+        start = resumed.step
+        schedule.load_state_dict(resumed.extras["schedule"])
+        train_loader.load_state_dict(resumed.extras["loader"])
+        view.note(f"resumed from step {start} ({ckpt_root})")
+
+    def save(step: int) -> None:
+        extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict()}
+        checkpointer.save(runner.parts, optimizer, Stateful(step, extras))
+
+    preemption = PreemptionFlag()
     rows: list[dict[str, Any]] = []
     val_loss = None
-    for step in range(1, cfg.steps + 1):
+    for step in range(start + 1, cfg.steps + 1):
         meter.start()
         inputs, targets = train_loader.next_batch()
         loss = runner.forward_backward(inputs.to(device), targets.to(device))
@@ -120,7 +137,20 @@ def train(cfg: TrainConfig, run_dir: Path, rank: int = 0, layout: Layout | None 
                 sink.log(row)
             view.update(row)
             log.info("%s", row)
+        if preemption.agreed():  # SIGTERM/SIGUSR1 on any rank: every rank saves this step, then stops
+            save(step)
+            checkpointer.wait()
+            preemption.restore()
+            view.close({"preempted_at_step": step, "checkpoint": str(ckpt_root)})
+            return {"preempted_at_step": step, "checkpoint": str(ckpt_root)}
+        if checkpointer.due(step, cfg.steps):
+            save(step)
+    checkpointer.wait()
+    preemption.restore()
 
+    if not rows:  # resumed at the end: nothing left to train
+        view.close({"resumed_at_step": start})
+        return {"final_loss": None, "steps": cfg.steps, "resumed_from": start}
     timed = rows[1:] or rows  # the first step pays one-time costs (allocations, caches)
     summary = {
         "final_loss": rows[-1]["loss"],
