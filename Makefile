@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 ARGS    ?=
+LINTED  := launcher tests bench $(wildcard hydra_plugins scripts/*.py)
 
 .PHONY: setup train test bench lint clean
 
@@ -27,8 +28,8 @@ bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check launcher tests bench hydra_plugins
-	$(BIN)/ruff format --check launcher tests bench hydra_plugins
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
 clean:
 	rm -rf $(VENV) outputs multirun
