@@ -16,9 +16,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config import LauncherError, TrainConfig, default_batch, validate
+from launcher.config import CONF_DIR, LauncherError, TrainConfig, default_batch, validate
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 BAD_INPUT = 2
 
 
@@ -93,17 +92,35 @@ def run_app(config_name: str, task: Callable[[Any], None]) -> None:
 
 
 def train_task(cfg: TrainConfig) -> None:
+    from launcher.sweep import sweep_point
+
+    with sweep_point(cfg.run_dir):  # multirun: a failed point is recorded for the summary, the sweep goes on
+        _train_task(cfg)
+
+
+def _train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
-    from launcher.layout import resolve_layout
+    from launcher.layout import check_layout, launch_world_size, resolve_layout
     from launcher.spawn import WorkerFailed, env_rank, launch
     from launcher.train.checkpoint import resolve_resume
     from launcher.train.preemption import PREEMPTED_EXIT
 
     env = env_rank()
-    layout = resolve_layout(cfg, env.world_size if env else None)
+    layout = resolve_layout(cfg, launch_world_size(cfg, env.world_size if env else None))
     validate(cfg, layout.dp)
-    check_source(cfg.data)
+    check_layout(cfg, layout, local=env is None)
+    if cfg.dry_run:
+        from launcher.dryrun import dry_run
+
+        dry_run(cfg, layout)
+        return
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
+    if cfg.slurm.emit:
+        from launcher.slurm import emit_script
+
+        print(emit_script(cfg, run_dir))
+        return
+    check_source(cfg.data)
     resolve_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))  # a bad path fails here
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -112,6 +129,9 @@ def train_task(cfg: TrainConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     if "preempted_at_step" in summary:
+        from launcher.slurm import requeue
+
+        requeue()  # under SLURM: back in the queue; the rerun resumes from this checkpoint
         print(
             f"preempted at step {summary['preempted_at_step']}: checkpoint saved under {summary['checkpoint']}; "
             f"run again with run_dir={run_dir} to resume",

@@ -7,6 +7,7 @@ override. This module must not import torch: `plan` composes the same schema.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -131,6 +132,30 @@ class PlanConfig:
 
 
 @dataclass
+class SweepConfig:
+    """The layout sweeper (`-m hydra/sweeper=layouts`): run the planner's best `top` layouts."""
+
+    top: int = 4
+    world: int | None = None  # devices to plan for; None: nodes x devices per node (cpu: max_local_workers)
+
+
+@dataclass
+class SlurmConfig:
+    """SLURM: the submitit launcher (`-m hydra/launcher=slurm`) reads these; `emit` writes an sbatch script."""
+
+    emit: bool = False  # write an sbatch script that runs this resolved config, print its path, submit nothing
+    dry_run: bool = False  # print what would be submitted, submit nothing
+    partition: str | None = None  # None: the cluster's default partition
+    account: str | None = None
+    time_min: int = 60  # time limit (minutes)
+    tasks_per_node: int | None = None  # None: from the layout (cpu) or hardware.devices_per_node (cuda)
+    cpus_per_task: int | None = None  # None: threads if set, else 1 (cuda: 8)
+    signal_delay_s: int = 90  # SIGUSR1 this long before the time limit: checkpoint, then requeue
+    max_requeues: int = 3  # requeues after a time limit (preemptions always requeue)
+    script: str | None = None  # slurm.emit: where to write it; None: <run_dir>/job.sbatch
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -141,6 +166,8 @@ class TrainConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     steps: int = 200
     seq_len: int = 256
@@ -168,6 +195,19 @@ class TrainConfig:
     max_local_workers: int = 8
     dry_run: bool = False
     force: bool = False
+
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def compose_config(*overrides: str, config_name: str = "train") -> TrainConfig:
+    """The TrainConfig that `train OVERRIDES...` (or `plan`) would run with, composed in-process."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=list(overrides))
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
 def register() -> None:

@@ -8,20 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from launcher.cli import CONF_DIR
-from launcher.config import TrainConfig
+from launcher.config import TrainConfig, compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_config(*overrides: str, config_name: str = "train") -> TrainConfig:
-    """The TrainConfig that `train OVERRIDES...` would run with."""
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=list(overrides))
-    return OmegaConf.to_object(cfg)
+make_config = compose_config
 
 
 def tiny_config(tmp_path: Path, *overrides: str) -> TrainConfig:

@@ -40,6 +40,7 @@ class Meter:
         per_device = tokens_per_s / self.world_size
         return {
             "step": step,
+            "time": time.time(),
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,

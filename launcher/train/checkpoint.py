@@ -19,6 +19,7 @@ import json
 import logging
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,8 @@ from launcher.config import CheckpointConfig, LauncherError
 from launcher.train.preemption import agree
 
 log = logging.getLogger("launcher")
+# a one-process run saves without a process group on purpose; DCP warns about that on every call
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 MARKER = "complete.json"
 EXTRAS = "extras.json"
 FORMAT = 1

@@ -7,7 +7,6 @@ global shape, DCP fills full tensors from the shards, and the result loads with 
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
@@ -26,9 +25,7 @@ def consolidated_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
         for key, meta in metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": tensors}, checkpoint_id=str(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
+    dcp.load({"model": tensors}, checkpoint_id=str(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
     return tensors
 
 
