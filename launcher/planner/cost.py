@@ -1,0 +1,139 @@
+"""Step time: compute, tensor-parallel communication, pipeline bubble and point-to-point, and the
+data-parallel communication left exposed after overlap. One efficiency model for every machine.
+
+Compute runs at peak x matmul_efficiency (one number per machine, in its hardware profile) /
+(1 + H0 g / h): the work that is not matmul (norms, activations, softmax, residuals, optimizer)
+grows like h per token while matmul work grows like h^2, so its share falls like 1/h; H0 is the
+width at which both would take equal time. Without sequence parallelism TP leaves a share
+(REPLICATED) of that work undivided, so per device it weighs g = 1 + REPLICATED (t - 1) times more.
+FLOPs are the hardware FLOPs of `flops.py` (recompute included).
+
+Tensor parallelism: 4 all-reduces of b s h activations per layer and microbatch (2 forward, 2
+backward; with sequence parallelism the same bytes as all-gather + reduce-scatter), 2 more when full
+recompute repeats the forward, and one for the vocabulary-parallel embedding or output; none of it
+overlaps compute. Pipeline: every microbatch crosses each stage boundary forward and backward
+(b s h / t bytes: scatter-gather or sequence parallel); the bubble is (p - 1)/v microbatch slots of
+the busiest rank (GPipe and 1F1B: v = 1). Data parallel: gradients are reduced in fp32, FSDP gathers
+weights in the compute dtype; the traffic overlaps the compute it can hide behind (the backward of
+the last microbatch for gradients, each microbatch's forward/backward for ZeRO-3 gathers) except the
+last bucket (one layer's share), and overlapped traffic still costs CONTENTION of its time (the
+collective kernels take SMs and memory bandwidth from the matmuls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launcher.config import ModelConfig
+from launcher.flops import flops_per_token, hardware_flops_per_token
+from launcher.planner import comm
+from launcher.planner.layout import Layout, Machine
+from launcher.planner.memory import GRAD_BYTES, counts, rank_layers, rank_params
+
+# Model width at which the non-matmul work takes as long as the matmuls. It scales with the device's
+# FLOP/byte ratio: accelerators (~150-300 FLOP per byte of memory traffic) share one value, set by the
+# published runs; a CPU (~5-10) does far less elementwise work per FLOP: `small` (h 256) trains at
+# 0.66 of the measured 1-thread GEMM peak in one process on this machine, 1/(1 + 128/256).
+H0 = {"cuda": 1024.0, "tpu": 1024.0, "cpu": 128.0}
+REPLICATED = 0.15  # share of the non-matmul work that TP leaves replicated without sequence parallelism
+CONTENTION = 0.2  # share of overlapped communication time still taken from compute
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step on the busiest rank, by component."""
+
+    compute: float  # forward + backward (+ recompute) of all microbatches
+    tp_comm: float
+    pp_p2p: float
+    pp_bubble: float
+    dp_exposed: float  # data-parallel communication not hidden behind compute
+    dp_total: float  # all data-parallel communication, hidden or not
+    tp_level: str
+    dp_level: str
+    pp_level: str
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.pp_p2p + self.pp_bubble + self.dp_exposed
+
+    def as_dict(self) -> dict[str, float]:
+        keys = ("compute", "tp_comm", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
+        out = {k: getattr(self, k) for k in keys}
+        out["total"] = self.total
+        return out
+
+
+def compute_efficiency(machine: Machine, m: ModelConfig, layout: Layout) -> float:
+    """Achieved share of peak for this model and layout (see the module docstring)."""
+    t = layout.tp
+    spread = 1.0 if layout.sequence_parallel or t == 1 else 1.0 + REPLICATED * (t - 1)
+    return machine.matmul_efficiency / (1.0 + H0.get(machine.kind, H0["cuda"]) * spread / m.dim)
+
+
+def _exposed(comm_s: float, window: float, buckets: int) -> float:
+    """Seconds of `comm_s` left on the critical path when it overlaps `window` seconds of compute."""
+    tail = comm_s / max(1, buckets)
+    hideable = comm_s - tail
+    return tail + max(hideable - window, 0.0) + CONTENTION * min(hideable, window)
+
+
+def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int) -> StepTime:
+    lv = machine.levels
+    t, p, v, mb = layout.tp, layout.pp, layout.chunks, layout.microbatches
+    tokens = layout.micro * seq
+    f_model = flops_per_token(m, seq)
+    f_hw = hardware_flops_per_token(m, seq, layout.recompute)
+    f_out = 6.0 * counts(m).output_matmul
+    f_layer = (f_hw - f_out) / m.n_layers
+    layers = rank_layers(m.n_layers, p, v)
+    work = [n * f_layer + (f_out if r == p - 1 else 0.0) for r, n in enumerate(layers)]
+    busiest = max(range(p), key=lambda r: work[r])
+    flop_rate = machine.peak_flops * compute_efficiency(machine, m, layout)
+    t_comp = tokens * work[busiest] / (t * flop_rate)
+
+    act_bytes = tokens * m.dim * elem
+    per_layer = 4 + (2 if layout.recompute == "full" else 0)
+    t_tp = (per_layer * layers[busiest] + 1) * comm.all_reduce(lv, act_bytes, 1, t) if t > 1 else 0.0
+    t_p2p = 2 * v * comm.send(lv, act_bytes / t, t * layout.dp) if p > 1 else 0.0
+    slot = t_comp + t_tp + t_p2p
+
+    # data parallel: parameters of the busiest rank, over the dp_shard then dp_replicate groups
+    params = rank_params(m, layout, busiest)
+    bwd = t_comp * (f_hw - f_model / 3.0) / f_hw
+    fwd = t_comp - bwd
+    buckets = max(1, layers[busiest])
+    s, rep = layout.dp_shard, layout.dp_replicate
+    dp_total = dp_exposed = 0.0
+    if s > 1:
+        gather = comm.all_gather(lv, elem * params, t, s)
+        scatter = comm.reduce_scatter(lv, GRAD_BYTES * params, t, s)
+        cross = comm.all_reduce(lv, GRAD_BYTES * params / s, t * s, rep) if rep > 1 else 0.0
+        if p == 1:  # ZeRO-3: gather for forward and again for backward, reduce-scatter every microbatch
+            dp_total = mb * (2 * gather + scatter) + cross
+            dp_exposed = mb * _exposed(gather, fwd, buckets)
+            dp_exposed += (mb - 1) * _exposed(gather + scatter, bwd, buckets)
+            dp_exposed += _exposed(gather + scatter + cross, bwd, buckets)  # HSDP: + replica all-reduce
+        else:  # pipelining keeps the stage gathered: one gather, one reduce-scatter per step
+            dp_total = gather + scatter + cross
+            dp_exposed = _exposed(gather, fwd, buckets) + _exposed(scatter + cross, bwd, buckets)
+    elif rep > 1:
+        dp_total = comm.all_reduce(lv, GRAD_BYTES * params, t, rep)
+        dp_exposed = _exposed(dp_total, bwd, buckets)
+
+    return StepTime(
+        compute=mb * t_comp,
+        tp_comm=mb * t_tp,
+        pp_p2p=mb * t_p2p,
+        pp_bubble=(p - 1) / v * slot if p > 1 else 0.0,
+        dp_exposed=dp_exposed,
+        dp_total=dp_total,
+        tp_level=_outer(machine, 1, t),
+        dp_level=_outer(machine, t, layout.dp),
+        pp_level=comm.level_of(lv, 2 * t * layout.dp).name if p > 1 else "",
+    )
+
+
+def _outer(machine: Machine, stride: int, size: int) -> str:
+    parts = comm.split(machine.levels, stride, size)
+    return parts[-1][0].name if parts else ""

@@ -1,0 +1,69 @@
+"""A hardware profile as numbers the planner computes with (FLOP/s, bytes, bytes/s, seconds).
+
+Datasheet link bandwidths are scaled by LINK_EFFICIENCY (what collectives reach in practice);
+measured ones (the cpu profile's gloo calibration) are used as they are. Null numbers (cpu) are
+calibrated by `launcher.hardware.resolve_hardware`, the only path on which torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+from launcher.config import HardwareConfig, LauncherError
+from launcher.planner.layout import GIB, Level, Machine
+
+LINK_EFFICIENCY = 0.8  # nccl-tests bus bandwidth is typically 75-90% of the datasheet link rate
+KINDS = ("cpu", "cuda", "tpu")
+
+
+def needs_calibration(hw: HardwareConfig) -> bool:
+    return hw.peak_tflops is None or any(link.bandwidth_gbs is None for link in hw.links)
+
+
+def validate(hw: HardwareConfig) -> None:
+    if hw.kind not in KINDS:
+        raise LauncherError(f"hardware.kind={hw.kind!r} is unknown: use one of {', '.join(KINDS)}")
+    if not hw.links:
+        raise LauncherError(f"hardware '{hw.name}' has no links: give at least one level in hardware.links")
+    if hw.memory_gib <= 0 or hw.devices_per_node < 1 or not 0 < hw.matmul_efficiency <= 1:
+        raise LauncherError(
+            f"hardware '{hw.name}': memory_gib, devices_per_node must be positive and matmul_efficiency "
+            "in (0, 1]: fix conf/hardware/" + hw.name + ".yaml"
+        )
+    if needs_calibration(hw) and hw.kind != "cpu":
+        raise LauncherError(
+            f"hardware '{hw.name}' has null peak_tflops or link bandwidth_gbs: only the cpu profile is "
+            "calibrated; give the datasheet numbers"
+        )
+
+
+def worker_threads(threads: int | None, local_workers: int) -> int:
+    return threads or max(1, (os.cpu_count() or 1) // max(1, local_workers))
+
+
+def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
+    """Resolve `hw` (calibrating null numbers on this CPU) into a Machine."""
+    validate(hw)
+    measured = {link.name for link in hw.links if link.bandwidth_gbs is None}
+    if needs_calibration(hw):
+        from launcher.hardware import resolve_hardware  # imports torch: calibration only
+
+        hw = resolve_hardware(hw, threads, cache_dir)
+    levels = tuple(
+        Level(
+            name=link.name,
+            size=link.size,
+            bandwidth=float(link.bandwidth_gbs) * 1e9 * (1.0 if link.name in measured else LINK_EFFICIENCY),
+            latency=link.latency_us * 1e-6,
+        )
+        for link in sorted(hw.links, key=lambda link: link.size)
+    )
+    return Machine(
+        name=hw.name,
+        kind=hw.kind,
+        peak_flops=float(hw.peak_tflops) * 1e12,
+        memory_bytes=hw.memory_gib * GIB,
+        matmul_efficiency=hw.matmul_efficiency,
+        devices_per_node=hw.devices_per_node,
+        levels=levels,
+    )

@@ -1,0 +1,184 @@
+"""Memory per device: parameters, gradients, optimizer state, working buffers, activations, logits.
+
+Precision (what the runtime does under bf16 autocast, and AdamW): fp32 parameters (4 B), fp32
+gradients (4 B), two fp32 Adam moments (8 B), plus a working copy in the compute dtype (the autocast
+weight cache, or FSDP's gathered bf16 layers). Sharding: FSDP/ZeRO-3 divides the fp32 state by
+dp_shard; with pp = 1 it gathers two layers at a time (current + prefetched) and holds one layer's
+unsharded gradient; with pp > 1, torch.distributed.pipelining keeps the stage's parameters gathered
+and its gradients unsharded from the first microbatch to the last (one gather and one reduce-scatter
+per step), which costs compute-dtype + fp32 bytes for every parameter of the stage.
+
+Activations per layer follow Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes for GPT with fp16
+activations and dropout), rebuilt term by term so that other shapes fit:
+  replicated across TP ranks (divided by t only with sequence parallelism): the inputs of the two
+  norms, of the QKV projection and of the MLP (4 tensors of h), and the two dropout masks (1 B each);
+  sharded by t: Q (h_q), K and V (h_kv each: GQA stores fewer), the output projection's input (h_q),
+  the MLP's intermediates (GELU: its input and output, 2f; SwiGLU: gate, up, silu(gate) and their
+  product, 4f); and the attention core: the softmax output (a s elements), with dropout also its mask
+  and output. With fused attention (SDPA flash / memory-efficient kernels, which the runtime uses)
+  the a s-sized tensors are never stored, only a log-sum-exp per head (fp32).
+For GPT (f = 4h, h_q = h_kv = h, dropout, 2-byte activations) this gives exactly 10 + 24/t and
+5as/(ht). Selective recompute drops the attention core; full recompute keeps each layer's input
+(2sbh, /t with sequence parallelism) and needs one layer's full activations while it recomputes.
+The busiest pipeline rank holds activations for the microbatches in flight: GPipe all m, 1F1B up to
+p on the first rank (p - r on rank r), interleaved 1F1B 2(p - r - 1) + (v - 1)p + 1 chunks of 1/v of
+its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+from functools import cache
+
+from launcher.config import ModelConfig
+from launcher.flops import ParamCounts, head_dim, kv_heads, param_counts
+from launcher.planner.layout import GIB, Layout
+
+MASTER_BYTES = 4  # fp32 parameters
+GRAD_BYTES = 4  # fp32 gradients
+ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
+LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
+OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.25}  # context, collective buffers, workspaces
+FUSED_ATTENTION = True  # the runtime calls scaled_dot_product_attention
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the busiest device."""
+
+    params: float
+    grads: float
+    optimizer: float
+    buffers: float  # compute-dtype working copies, gathered FSDP parameters
+    activations: float
+    logits: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        state = self.params + self.grads + self.optimizer + self.buffers
+        return state + self.activations + self.logits + self.overhead
+
+    def as_gib(self) -> dict[str, float]:
+        parts = ("params", "grads", "optimizer", "buffers", "activations", "logits", "overhead")
+        out = {k: round(getattr(self, k) / GIB, 3) for k in parts}
+        out["total"] = round(self.total / GIB, 3)
+        return out
+
+
+_COUNTS: dict[tuple, ParamCounts] = {}
+
+
+def counts(m: ModelConfig) -> ParamCounts:
+    """flops.param_counts, memoised on the model's fields (the search asks thousands of times)."""
+    key = astuple(m)
+    if key not in _COUNTS:
+        _COUNTS[key] = param_counts(m)
+    return _COUNTS[key]
+
+
+def chunk_layers(n_layers: int, pp: int, chunks: int) -> list[int]:
+    """Layers of each model chunk in pipeline order (pp x chunks of them); the first get the extras."""
+    n = pp * chunks
+    return [n_layers // n + (1 if k < n_layers % n else 0) for k in range(n)]
+
+
+@cache
+def rank_layers(n_layers: int, pp: int, chunks: int) -> tuple[int, ...]:
+    """Layers held by each pipeline rank (rank r holds chunks r, r + pp, r + 2pp, ...)."""
+    sizes = chunk_layers(n_layers, pp, chunks)
+    return tuple(sum(sizes[r::pp]) for r in range(pp))
+
+
+def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
+    """Parameters held by one device of pipeline rank `rank` (before FSDP sharding).
+
+    TP shards every projection and the vocabulary dimension of the embedding and output by t; norms
+    and biases are counted as replicated. Learned positions live on the first rank; with tied
+    embeddings and pp > 1 the last rank holds its own copy of the output matrix.
+    """
+    pc, t = counts(m), layout.tp
+    n = rank_layers(m.n_layers, layout.pp, layout.chunks)[rank]
+    total = n * (pc.per_layer_matmul // t + pc.per_layer - pc.per_layer_matmul)
+    if rank == 0:
+        positions = m.max_seq_len * m.dim if m.positions == "learned" else 0
+        total += (pc.embedding - positions) // t + positions
+    if rank == layout.pp - 1:
+        total += pc.final_norm
+        if not m.tied_embeddings:
+            total += pc.output // t
+        elif layout.pp > 1:
+            total += pc.output_matmul // t
+    return total
+
+
+def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) -> tuple[float, float]:
+    """(saved bytes per token of one layer, bytes per token of one layer's full working set)."""
+    h, t, f = m.dim, layout.tp, m.ffn_dim
+    hq, hkv, a = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m), m.n_heads
+    mask = 1 if m.dropout > 0 else 0
+    replicated = 4 * elem * h + 2 * mask * h
+    sharded = elem * (2 * hq + 2 * hkv) + (4 if m.mlp == "swiglu" else 2) * elem * f
+    if FUSED_ATTENTION:
+        core = 4.0 * a
+    else:
+        core = elem * a * seq + mask * (1 + elem) * a * seq
+    rep = replicated / t if layout.sequence_parallel else replicated
+    full = rep + (sharded + core) / t
+    if layout.recompute == "full":
+        return (elem * h / t if layout.sequence_parallel else elem * h), full
+    if layout.recompute == "selective":
+        return full - core / t, full
+    return full, full
+
+
+def in_flight(layout: Layout, rank: int) -> float:
+    """Microbatches whose activations rank `rank` holds at its peak (in units of all its layers)."""
+    m, p = layout.microbatches, layout.pp
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.chunks > 1:
+        v = layout.chunks
+        return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v  # Megatron's warm-up depth
+    return float(min(m, p - rank))
+
+
+def memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str) -> Memory:
+    """Memory of the busiest device (the first or the last pipeline rank)."""
+    ranks = {0, layout.pp - 1}
+    return max((rank_memory(m, seq, layout, elem, kind, r) for r in ranks), key=lambda x: x.total)
+
+
+def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int) -> Memory:
+    params = rank_params(m, layout, rank)
+    s = layout.dp_shard
+    layers = rank_layers(m.n_layers, layout.pp, layout.chunks)[rank]
+    pc = counts(m)
+    layer_params = pc.per_layer_matmul // layout.tp + pc.per_layer - pc.per_layer_matmul
+    if s > 1 and layout.pp > 1:  # gathered for the whole step, gradients unsharded until the end
+        grads, buffers = GRAD_BYTES * params, elem * params
+    elif s > 1:  # ZeRO-3 per layer: two gathered layers (or the big embedding/output) + one gradient
+        big = max(layer_params, pc.output_matmul // layout.tp)
+        grads, buffers = GRAD_BYTES * params / s, elem * 2 * big + GRAD_BYTES * layer_params
+    else:
+        grads, buffers = GRAD_BYTES * params, (elem * params if elem < MASTER_BYTES else 0)
+    saved, working = layer_activation_bytes(m, seq, layout, elem)
+    tokens = layout.micro * seq
+    acts = saved * tokens * layers * in_flight(layout, rank)
+    if layout.recompute == "full":
+        acts += working * tokens
+    logits = 0.0
+    if rank == layout.pp - 1:
+        held = layout.microbatches if (layout.schedule == "gpipe" and layout.pp > 1) else 1
+        logits = tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * held
+    return Memory(
+        params=MASTER_BYTES * params / s,
+        grads=grads,
+        optimizer=ADAM_BYTES * params / s,
+        buffers=buffers,
+        activations=acts,
+        logits=logits,
+        overhead=OVERHEAD_GIB.get(kind, 1.0) * GIB,
+    )

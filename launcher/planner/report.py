@@ -1,0 +1,88 @@
+"""Output of `plan`: a ranked rich table, or JSON (an array, one object per layout per line)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TextIO
+
+from launcher.planner.search import Prediction
+
+
+def to_json(preds: list[Prediction], out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    rows = [json.dumps(p.as_dict()) for p in preds]
+    out.write("[\n" + ",\n".join(rows) + "\n]\n")
+
+
+def _dp(p: Prediction) -> str:
+    lay = p.layout
+    if lay.sharding == "hsdp":
+        return f"{lay.dp_replicate}x{lay.dp_shard} hsdp"
+    return f"{lay.dp} {lay.sharding}" if lay.dp > 1 else "1"
+
+
+def _schedule(p: Prediction) -> str:
+    lay = p.layout
+    if lay.pp == 1:
+        return "-"
+    return f"interleaved x{lay.chunks}" if lay.chunks > 1 else lay.schedule
+
+
+def _fmt_rate(x: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = out or sys.stdout
+    console = Console(file=out, width=None if out.isatty() else 220)
+    table = Table(title=title, title_justify="left")
+    heads = (
+        "#",
+        "tp",
+        "pp",
+        "dp",
+        "micro x m",
+        "schedule",
+        "recompute",
+        "sp",
+        "mem GiB",
+        "step s",
+        "compute",
+        "tp comm",
+        "bubble",
+        "dp exp",
+        "tokens/s",
+        "MFU",
+        "bottleneck",
+    )
+    for h in heads:
+        table.add_column(h, justify="left" if h in ("dp", "schedule", "recompute", "bottleneck") else "right")
+    for i, p in enumerate(preds, 1):
+        lay, t = p.layout, p.time
+        table.add_row(
+            str(i),
+            str(lay.tp),
+            str(lay.pp),
+            _dp(p),
+            f"{lay.micro} x {lay.microbatches}",
+            _schedule(p),
+            lay.recompute,
+            "y" if lay.sequence_parallel else "-",
+            f"{p.memory.total / 2**30:.1f}",
+            f"{t.total:.3g}",
+            f"{t.compute:.3g}",
+            f"{t.tp_comm:.2g}",
+            f"{t.pp_bubble:.2g}",
+            f"{t.dp_exposed:.2g}",
+            _fmt_rate(p.tokens_per_s),
+            f"{p.mfu:.1%}",
+            p.bottleneck,
+        )
+    console.print(table)
