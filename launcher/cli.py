@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import io
 import re
@@ -101,14 +102,22 @@ def train_task(cfg: TrainConfig) -> None:
 def _train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
     from launcher.layout import check_layout, launch_world_size, resolve_layout
+    from launcher.metrics.sinks import write_json
+    from launcher.planner import check
     from launcher.spawn import WorkerFailed, env_rank, launch
     from launcher.train.checkpoint import resolve_resume
     from launcher.train.preemption import PREEMPTED_EXIT
 
     env = env_rank()
-    layout = resolve_layout(cfg, launch_world_size(cfg, env.world_size if env else None))
+    world = launch_world_size(cfg, env.world_size if env else None)
+    cfg = fill_auto(cfg, world)
+    layout = resolve_layout(cfg, world)
+    cfg = dataclasses.replace(
+        cfg, tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate
+    )
     validate(cfg, layout.dp)
     check_layout(cfg, layout, local=env is None)
+    prediction = check(cfg, layout.world_size)  # refuses a layout predicted not to fit (force=true overrides)
     if cfg.dry_run:
         from launcher.dryrun import dry_run
 
@@ -123,6 +132,7 @@ def _train_task(cfg: TrainConfig) -> None:
     check_source(cfg.data)
     resolve_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))  # a bad path fails here
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "prediction.json", prediction)  # the loop puts it into summary.json
     try:
         summary = launch(cfg, run_dir, layout)
     except WorkerFailed as err:
@@ -138,6 +148,21 @@ def _train_task(cfg: TrainConfig) -> None:
             file=sys.stderr,
         )
         sys.exit(PREEMPTED_EXIT)
+
+
+def fill_auto(cfg: TrainConfig, world: int | None) -> TrainConfig:
+    """Degrees and knobs left `auto` are the planner's choice for the world size."""
+    auto = [k for k in ("tp", "pp", "pp_schedule", "recompute") if getattr(cfg, k) == "auto"]
+    auto += ["batch.micro"] if cfg.batch.get("micro") == "auto" else []
+    if not auto:
+        return cfg
+    if world is None:
+        raise LauncherError(
+            f"{auto[0]}=auto needs a world size, which the cpu profile takes from the degrees: give {auto[0]} a value"
+        )
+    from launcher.planner import best_layout
+
+    return best_layout(cfg, world)
 
 
 def train() -> None:

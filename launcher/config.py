@@ -49,7 +49,7 @@ class DataConfig:
     val_path: str | None = None  # separate validation token file; None: hold out val_fraction
     val_fraction: float = 0.02
     max_bytes: int = 16_000_000  # stdlib corpus size cap (bytes of source)
-    cache_dir: str = "${oc.env:XDG_CACHE_HOME,${oc.env:HOME}/.cache}/launcher"
+    cache_dir: str = "${cache_dir}"  # the tokenized corpus
 
 
 @dataclass
@@ -173,6 +173,7 @@ class TrainConfig:
     seq_len: int = 256
     seed: int = 1234
     run_dir: str | None = None  # None: Hydra's output directory
+    cache_dir: str = "${oc.env:XDG_CACHE_HOME,${oc.env:HOME}/.cache}/launcher"  # corpus, CPU calibration
     resume: str = "auto"  # auto (newest complete checkpoint, if any) | never | PATH
     max_restarts: int = 0  # local workers: restart the group this often after a failure
 

@@ -33,7 +33,7 @@ def _int_or_auto(key: str, value: object) -> int | None:
 
 def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
     local = min(world, local_devices(cfg))
-    return machine(cfg.hardware, worker_threads(cfg.threads, local), cfg.data.cache_dir)
+    return machine(cfg.hardware, worker_threads(cfg.threads, local), cfg.cache_dir)
 
 
 def elem_bytes(cfg: TrainConfig) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import statistics
@@ -85,7 +86,7 @@ def train(cfg: TrainConfig, run_dir: Path, rank: int = 0, layout: Layout | None 
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
 
     flops_per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
-    peak = peak_flops(cfg.hardware, threads, cfg.data.cache_dir)
+    peak = peak_flops(cfg.hardware, threads, cfg.cache_dir)
     meter = Meter(global_batch * cfg.seq_len, flops_per_token, peak, layout.world_size, device)
     n_params = flops.num_params(cfg.model)
     header = (
@@ -169,6 +170,9 @@ def train(cfg: TrainConfig, run_dir: Path, rank: int = 0, layout: Layout | None 
         "threads_per_worker": threads,
         "wall_time_s": time.perf_counter() - t_start,
     }
+    prediction = run_dir / "prediction.json"  # the planner's, written by the launcher before the run
+    if prediction.exists():
+        summary["prediction"] = json.loads(prediction.read_text())
     if owner:
         write_json(run_dir / "summary.json", summary)
         for sink in sinks:
