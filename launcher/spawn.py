@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.config import LauncherError, TrainConfig
-from launcher.layout import Layout
+from launcher.config import TrainConfig
+from launcher.layout import Layout, owner_rank
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ def env_rank() -> RankEnv | None:
     if "RANK" in env and "WORLD_SIZE" in env:
         return RankEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
     if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        from launcher.slurm import export_rendezvous
+
+        export_rendezvous()  # MASTER_ADDR: first host of the node list; MASTER_PORT: from the job id
         return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
     return None
 
@@ -59,22 +62,31 @@ def start_local_workers(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if layout.world_size > cfg.max_local_workers:
-        raise LauncherError(
-            f"layout needs {layout.world_size} local workers, more than max_local_workers={cfg.max_local_workers}: "
-            f"lower tp/pp/dp or use more nodes"
-        )
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=layout.world_size, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=layout.world_size,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
         start_method="spawn",
     )
     try:
         results = elastic_launch(config, run_rank)(cfg, run_dir, layout)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {failure.message}") from None
-    return results[0]
+        raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {failure_text(failure)}") from None
+    return results[owner_rank(layout)]
+
+
+def failure_text(failure: Any) -> str:
+    """One line from elastic's failure record: the exception (`Type: message`) or the signal."""
+    message = failure.message
+    if isinstance(message, dict):  # a Python exception, recorded with its traceback
+        message = message.get("message", "")
+    return str(message).strip().splitlines()[-1] if str(message).strip() else "no error message (see its log)"
 
 
 class WorkerFailed(RuntimeError):

@@ -1,0 +1,286 @@
+"""The end of a multirun: one summary of every sweep point, measured beside predicted.
+
+`SweepSummary` is a Hydra callback (conf/train.yaml: hydra.callbacks). On `on_multirun_end` it reads
+each job's summary.json in the sweep directory and writes there:
+- `sweep_summary.csv` / `sweep_summary.json`: one row per job (overrides, layout, measured and
+  predicted tokens/s and MFU, loss, memory, status, error);
+- `sweep_summary.png`: measured tokens/s and MFU per layout beside the planner's prediction;
+and prints a rich table, then the failed points with their errors.
+
+`sweep_point` wraps one job of a multirun: bad input or a failed worker is written to the job's
+summary.json as {"status": "failed", "error": ...} instead of ending the whole sweep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.config import LauncherError
+
+FIELDS = (
+    "job",
+    "point",
+    "overrides",
+    "layout",
+    "status",
+    "tokens_per_s",
+    "predicted_tokens_per_s",
+    "mfu",
+    "predicted_mfu",
+    "final_loss",
+    "peak_mem_gib",
+    "predicted_memory_gib",
+    "world_size",
+    "wall_time_s",
+    "error",
+    "dir",
+)
+LAYOUT_KEYS = ("tp", "pp", "dp_replicate", "dp_shard")
+PREEMPTED_CODES = (75, -1, 255)  # PREEMPTED_EXIT, submitit's requeue exit
+
+
+def _multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+class _Tee(io.TextIOBase):
+    """Writes through to the real stream and keeps the text, to recover an error line."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.kept = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def record_failure(run_dir: Path, error: str) -> None:
+    """A failed sweep point: summary.json says so (rank 0 / the first writer only)."""
+    if not error:
+        error = "failed (no message)"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "summary.json"
+    if not path.exists():
+        path.write_text(json.dumps({"status": "failed", "error": error}, indent=2) + "\n")
+    print(f"sweep point failed: {error}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def sweep_point(run_dir: Path | None) -> Iterator[None]:
+    """In a multirun, turn this job's failure into a recorded one; outside a multirun, do nothing."""
+    if not _multirun():
+        yield
+        return
+    run_dir = Path(run_dir or HydraConfig.get().runtime.output_dir)
+    tee, real = _Tee(sys.stderr), sys.stderr
+    sys.stderr = tee
+    try:
+        yield
+    except LauncherError as err:
+        record_failure(run_dir, str(err))
+    except SystemExit as exit_:
+        if exit_.code in (0, None, *PREEMPTED_CODES):
+            raise
+        lines = [ln for ln in tee.kept.getvalue().splitlines() if ln.startswith("error:")]
+        record_failure(run_dir, lines[-1][len("error:") :].strip() if lines else f"exit code {exit_.code}")
+    except Exception as err:  # a crash in this point must not end the other points
+        record_failure(run_dir, f"{type(err).__name__}: {err}")
+    finally:
+        sys.stderr = real
+
+
+# --- collecting ------------------------------------------------------------------------------------
+def _layout_label(layout: dict[str, Any] | None, overrides: list[str]) -> str:
+    if layout:
+        rep, shard = layout.get("dp_replicate", 1), layout.get("dp_shard", 1)
+        label = f"tp{layout.get('tp', 1)} pp{layout.get('pp', 1)} dp{rep * shard}"
+        if rep > 1 and shard > 1:
+            label += f" hsdp {rep}x{shard}"
+        elif rep * shard > 1:
+            label += " fsdp" if shard > 1 else " ddp"
+        return label
+    return " ".join(o for o in overrides if o.split("=")[0] in ("tp", "pp", "dp")) or "-"
+
+
+def _job_dirs(sweep_dir: Path) -> list[Path]:
+    dirs = [p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")]
+    dirs += [p.parent for p in sweep_dir.glob("*/summary.json") if p.parent not in dirs]
+    return sorted(set(dirs), key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job directory of the sweep."""
+    rows = []
+    for job_dir in _job_dirs(sweep_dir):
+        overrides_file = job_dir / ".hydra" / "overrides.yaml"
+        overrides = list(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
+        summary_file = job_dir / "summary.json"
+        summary: dict[str, Any] = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+        if not summary:
+            status, error = "failed", f"no summary.json: the job did not finish (logs in {job_dir})"
+        elif summary.get("status") == "failed":
+            status, error = "failed", summary.get("error", "")
+        elif "preempted_at_step" in summary:
+            status, error = "preempted", f"preempted at step {summary['preempted_at_step']}"
+        else:
+            status, error = "ok", ""
+        pred = summary.get("prediction") or {}
+        rows.append(
+            {
+                "job": job_dir.name,
+                "overrides": " ".join(str(o) for o in overrides),
+                "layout": _layout_label(summary.get("layout"), [str(o) for o in overrides]),
+                "status": status,
+                "tokens_per_s": summary.get("median_tokens_per_s"),
+                "predicted_tokens_per_s": pred.get("tokens_per_s"),
+                "mfu": summary.get("median_mfu"),
+                "predicted_mfu": pred.get("mfu"),
+                "final_loss": summary.get("final_loss"),
+                "peak_mem_gib": summary.get("peak_mem_gib"),
+                "predicted_memory_gib": pred.get("memory_gib"),
+                "world_size": summary.get("world_size"),
+                "wall_time_s": summary.get("wall_time_s"),
+                "error": error,
+                "dir": str(job_dir),
+            }
+        )
+    common = set.intersection(*(set(r["overrides"].split()) for r in rows)) if len(rows) > 1 else set()
+    for r in rows:  # what sets this point apart from the others
+        r["point"] = " ".join(o for o in r["overrides"].split() if o not in common) or r["overrides"]
+    return rows
+
+
+# --- writing -----------------------------------------------------------------------------------------
+def _fmt(value: Any, kind: str = "") -> str:
+    if value is None:
+        return "-"
+    if kind == "pct":
+        return f"{value:.2%}"
+    if kind == "int":
+        return f"{value:,.0f}"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def print_table(rows: list[dict[str, Any]], title: str, file: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for name, justify in (
+        ("#", "right"),
+        ("point", "left"),
+        ("layout", "left"),
+        ("tokens/s", "right"),
+        ("predicted", "right"),
+        ("MFU", "right"),
+        ("predicted", "right"),
+        ("loss", "right"),
+        ("mem GiB", "right"),
+        ("status", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(
+            r["job"],
+            r["point"],
+            r["layout"],
+            _fmt(r["tokens_per_s"], "int"),
+            _fmt(r["predicted_tokens_per_s"], "int"),
+            _fmt(r["mfu"], "pct"),
+            _fmt(r["predicted_mfu"], "pct"),
+            _fmt(r["final_loss"]),
+            _fmt(r["peak_mem_gib"]),
+            "[green]ok[/]" if r["status"] == "ok" else f"[red]{r['status']}[/]",
+        )
+    console = Console(file=file or sys.stdout, width=None if (file or sys.stdout).isatty() else 160)
+    console.print(table)
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        console.print(f"[red]{len(failed)} of {len(rows)} sweep points failed:[/]")
+        for r in failed:
+            console.print(f"  #{r['job']} {r['point']}: {r['error']}", markup=False, highlight=False)
+
+
+def write_files(rows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
+    csv_path, json_path = sweep_dir / "sweep_summary.csv", sweep_dir / "sweep_summary.json"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path.write_text(json.dumps(rows, indent=2) + "\n")
+    return [csv_path, json_path]
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Bars of measured tokens/s and MFU per layout, each beside the planner's prediction."""
+    done = [r for r in rows if r["tokens_per_s"] is not None]
+    if not done:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"#{r['job']} {r['layout']}" for r in done]
+    x = range(len(done))
+    width = 0.38
+    fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 1.4 * len(done) + 4), 4.2))
+    for ax, key, title, scale in (
+        (axes[0], "tokens_per_s", "tokens/s", 1.0),
+        (axes[1], "mfu", "MFU (%)", 100.0),
+    ):
+        measured = [r[key] * scale for r in done]
+        predicted = [(r[f"predicted_{key}"] or 0.0) * scale for r in done]
+        ax.bar([i - width / 2 for i in x], measured, width, label="measured", color="#3b7dd8")
+        if any(r[f"predicted_{key}"] is not None for r in done):
+            ax.bar([i + width / 2 for i in x], predicted, width, label="predicted (planner)", color="#f0a030")
+        ax.set_title(title)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    failed = len(rows) - len(done)
+    fig.suptitle("sweep: measured vs predicted" + (f" ({failed} failed points not shown)" if failed else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summarize(sweep_dir: Path, file: Any = None) -> list[dict[str, Any]]:
+    """Collect, print, and write the summary of a sweep directory; returns the rows."""
+    rows = collect(sweep_dir)
+    if not rows:
+        return rows
+    print_table(rows, f"sweep {sweep_dir}", file)
+    written = write_files(rows, sweep_dir)
+    chart = plot(rows, sweep_dir / "sweep_summary.png")
+    out = file or sys.stdout
+    print(f"sweep summary: {', '.join(str(p) for p in [*written, *([chart] if chart else [])])}", file=out)
+    return rows
+
+
+class SweepSummary(Callback):
+    """hydra.callbacks.sweep_summary: the summary once every job of the multirun has ended."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if sweep_dir.is_dir():
+            summarize(sweep_dir)

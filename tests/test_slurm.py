@@ -1,0 +1,194 @@
+"""SLURM: submitted through the launcher to a real single-node cluster (tests/slurm_fixture.py), the
+emitted sbatch script, preemption and requeue; and the bad input that must submit nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.config import LauncherError
+from launcher.slurm import emit_script, expand_nodelist, job_resources, preflight, rendezvous
+from tests.conftest import make_config, run_cli, tiny_config
+from tests.slurm_fixture import job_state, slurm, slurm_cluster, wait_for  # noqa: F401  (fixture)
+
+TRAIN = str(Path(sys.executable).parent / "train")
+
+
+def on_cluster(test):  # noqa: ANN001, ANN201
+    """Marked `slurm`, and run with the cluster of tests/slurm_fixture.py up."""
+    return pytest.mark.slurm(pytest.mark.usefixtures("slurm_cluster")(test))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def tiny(cache: str, steps: int = 4) -> list[str]:
+    return [
+        "+model=tiny",
+        f"steps={steps}",
+        "seq_len=32",
+        "batch.micro=4",
+        "eval.every=0",
+        "metrics.console=none",
+        "metrics.wandb.mode=disabled",
+        f"data.cache_dir={cache}",
+        "data.max_bytes=200000",
+        "threads=1",
+    ]
+
+
+def sweep_dir(out: Path) -> Path:
+    (found,) = [p for p in out.glob("*/*") if p.is_dir()]
+    return found
+
+
+def steps_of(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- pure: no cluster ---------------------------------------------------------------------------------
+def test_nodelist_and_rendezvous() -> None:
+    assert expand_nodelist("node[01-03,7],gpu5") == ["node01", "node02", "node03", "node7", "gpu5"]
+    assert expand_nodelist("a1") == ["a1"]
+    env = {"SLURM_JOB_NODELIST": "gpu[08-09]", "SLURM_JOB_ID": "1234"}
+    assert rendezvous(env) == ("gpu08", 21234)
+    assert rendezvous({"SLURM_JOB_NODELIST": "vm", "SLURM_JOB_ID": "7"})[0] == "127.0.0.1"
+
+
+def test_resources_from_layout_and_hardware() -> None:
+    res = job_resources(make_config("tp=2", "threads=1", "slurm.partition=debug"))
+    assert (res.nodes, res.tasks_per_node, res.cpus_per_task, res.gpus_per_node) == (1, 2, 1, None)
+    gpu = job_resources(make_config("+model=8b", "hardware=h100_sxm", "nodes=2", "tp=8"))
+    assert (gpu.nodes, gpu.tasks_per_node, gpu.gpus_per_node) == (2, 8, 8)
+
+
+def test_too_many_tasks_per_node_is_one_line(tmp_path: Path, cache: str) -> None:
+    cfg = make_config("+model=8b", "hardware=h100_sxm", "tp=16")
+    with pytest.raises(LauncherError, match="needs 16 tasks per node .* devices_per_node=8"):
+        preflight(cfg, 8, None)
+    out = run_cli(
+        "train", "-m", "hydra/launcher=slurm", *tiny(cache), "tp=2", "hardware.devices_per_node=1", cwd=tmp_path
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: the layout needs 2 tasks per node")
+    assert not list(tmp_path.glob("*/*/.submitit"))
+
+
+def test_no_sbatch_on_path_is_one_line(tmp_path: Path, cache: str) -> None:
+    env = {"PATH": str(Path(sys.executable).parent)}
+    out = run_cli("train", "-m", "hydra/launcher=slurm", *tiny(cache), env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs `sbatch` on PATH" in lines[0], out.stderr
+    assert not list(tmp_path.glob("*/*/.submitit"))
+
+
+def test_emitted_script(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, "tp=2", "slurm.partition=debug", "slurm.time_min=5")
+    script = emit_script(cfg, tmp_path / "run")
+    text = script.read_text()
+    for line in ("--ntasks-per-node=2", "--cpus-per-task=1", "--partition=debug", "--time=5", "--signal=USR1@"):
+        assert line in text
+    assert "srun --kill-on-bad-exit=1" in text and "--config-name slurm_config" in text
+    assert "tp: 2" in (tmp_path / "run" / "slurm_config.yaml").read_text()
+
+
+# --- on the cluster -------------------------------------------------------------------------------------
+@on_cluster
+def test_partition_that_does_not_exist(tmp_path: Path, cache: str) -> None:
+    before = slurm("squeue", "-h", "-o", "%i")
+    out = run_cli("train", "-m", "hydra/launcher=slurm", *tiny(cache), "slurm.partition=nope", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: partition 'nope' does not exist on this cluster: set slurm.partition to one of debug"
+    )
+    assert slurm("squeue", "-h", "-o", "%i") == before
+
+
+@on_cluster
+def test_dry_run_submits_nothing(tmp_path: Path, cache: str) -> None:
+    out = run_cli(
+        "train", "-m", "hydra/launcher=slurm", *tiny(cache), "tp=2", "seed=1,2", "slurm.dry_run=true", cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert "would submit 2 job(s)" in out.stdout and "#SBATCH --ntasks-per-node=2" in out.stdout
+    assert "#SBATCH --array=0-1%2" in out.stdout
+    assert not list(tmp_path.glob("*/*/.submitit"))
+
+
+@on_cluster
+def test_two_task_job_trains(tmp_path: Path, cache: str) -> None:
+    out = run_cli("train", "-m", "hydra/launcher=slurm", *tiny(cache), "tp=2", "slurm.partition=debug", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    run = sweep_dir(tmp_path) / "0"
+    assert steps_of(run) == [1, 2, 3, 4]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["layout"]["tp"] == 2
+    assert (run / "rank0.log").exists() and (run / "rank1.log").exists()  # two SLURM tasks, one rank each
+    (job,) = [p.name for p in (sweep_dir(tmp_path) / ".submitit").iterdir() if p.is_dir()]
+    wait_for(lambda: job_state(job) == "COMPLETED", 30, f"job {job} to be COMPLETED in accounting")
+
+
+@on_cluster
+def test_layout_sweep_as_job_array(tmp_path: Path, cache: str) -> None:
+    out = run_cli(
+        "train", "-m", "hydra/launcher=slurm", *tiny(cache), "hydra.launcher.tasks_per_node=2", "tp=1,2", cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    sweep = sweep_dir(tmp_path)
+    rows = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [(r["layout"], r["status"]) for r in rows] == [("tp1 pp1 dp2 fsdp", "ok"), ("tp2 pp1 dp1", "ok")]
+    assert (sweep / "sweep_summary.png").stat().st_size > 0
+    (array,) = {p.name.split("_")[0] for p in (sweep / ".submitit").iterdir() if p.is_dir() and "_" in p.name}
+    states = lambda: sorted(slurm("sacct", "-n", "-X", "-P", "-j", array, "-o", "JobID,State").split())  # noqa: E731
+    wait_for(lambda: states() == [f"{array}_0|COMPLETED", f"{array}_1|COMPLETED"], 30, f"array {array}: {states()}")
+
+
+@on_cluster
+def test_signalled_job_is_requeued_and_resumes(tmp_path: Path, cache: str) -> None:
+    """USR1 mid-run (what SLURM sends before the time limit): checkpoint, submitit requeues, the rerun resumes."""
+    env = {**os.environ, "LAUNCHER_OUTPUTS": str(tmp_path)}
+    args = [TRAIN, "-m", "hydra/launcher=slurm", *tiny(cache, steps=150), "tp=2", "checkpoint.every=1000"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run = wait_for(lambda: next(iter(tmp_path.glob("*/*/0/metrics.jsonl")), None), 120, "training to start").parent
+        wait_for(lambda: len(steps_of(run)) >= 5, 60, "5 steps")
+        (job,) = [p.name for p in (run.parent / ".submitit").iterdir() if p.is_dir()]
+        slurm("scancel", "--signal=USR1", job)
+        pending = lambda: slurm("squeue", "-h", "-j", job, "-o", "%T").strip() == "PENDING"  # noqa: E731
+        wait_for(pending, 60, "the job to be requeued")
+        slurm("scontrol", "update", f"jobid={job}", "StartTime=now")  # SLURM holds a requeued job ~2 min
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    steps = steps_of(run)
+    assert steps[-1] == 150 and sorted(set(steps)) == list(range(1, 151))  # resumed after the checkpoint
+    assert len(steps) == 150  # nothing trained twice: the rerun started after the saved step
+    wait_for(lambda: job_state(job) == "COMPLETED", 30, f"job {job} to be COMPLETED in accounting")
+    assert "Restarts=1" in slurm("scontrol", "show", "job", job)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 150
+
+
+@on_cluster
+def test_emitted_script_runs_under_sbatch(tmp_path: Path, cache: str) -> None:
+    run = tmp_path / "run"
+    out = run_cli("train", *tiny(cache), "tp=2", "slurm.emit=true", f"run_dir={run}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    script = Path(out.stdout.strip().splitlines()[-1])
+    assert script == run / "job.sbatch" and not (run / "metrics.jsonl").exists()  # written, not run
+    job = slurm("sbatch", "--parsable", str(script)).strip()
+    state = wait_for(
+        lambda: (s := job_state(job)) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s, 120, "the sbatch job"
+    )
+    assert state == "COMPLETED", (run / f"slurm-{job}.out").read_text()
+    assert steps_of(run) == [1, 2, 3, 4]
+    assert json.loads((run / "summary.json").read_text())["layout"]["tp"] == 2

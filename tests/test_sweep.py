@@ -1,0 +1,107 @@
+"""Sweeps: the end-of-multirun summary (table, csv/json, chart, failed points) and the layout sweeper."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from launcher.sweep import summarize
+from tests.conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def tiny(cache: str, steps: int = 3) -> list[str]:
+    return [
+        "+model=tiny",
+        f"steps={steps}",
+        "seq_len=32",
+        "batch.micro=4",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "metrics.console=none",
+        "metrics.wandb.mode=disabled",
+        f"data.cache_dir={cache}",
+        "data.max_bytes=200000",
+        "threads=1",
+    ]
+
+
+def sweep_dir(out: Path) -> Path:
+    (found,) = [p for p in out.glob("*/*") if p.is_dir()]
+    return found
+
+
+def test_failed_point_is_listed_and_the_sweep_goes_on(tmp_path: Path, cache: str) -> None:
+    out = run_cli("train", "-m", *tiny(cache), "batch.micro=4,0", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    sweep = sweep_dir(tmp_path)
+    rows = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [(r["point"], r["status"]) for r in rows] == [("batch.micro=4", "ok"), ("batch.micro=0", "failed")]
+    assert rows[0]["tokens_per_s"] > 0 and rows[0]["mfu"] > 0
+    assert rows[0]["predicted_tokens_per_s"] is None or rows[0]["predicted_tokens_per_s"] > 0  # the planner's
+    assert rows[1]["error"] == "batch.micro=0: expected a positive integer"
+    assert "1 of 2 sweep points failed" in out.stdout and "#1 batch.micro=0: batch.micro=0" in out.stdout
+    with (sweep / "sweep_summary.csv").open() as f:
+        assert [r["status"] for r in csv.DictReader(f)] == ["ok", "failed"]
+    assert (sweep / "sweep_summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_layout_sweep_tp_pp(tmp_path: Path, cache: str) -> None:
+    """`train -m tp=1,2 pp=1,2`: every layout runs (local workers), one summary at the end."""
+    out = run_cli("train", "-m", *tiny(cache, steps=2), "tp=1,2", "pp=1,2", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads((sweep_dir(tmp_path) / "sweep_summary.json").read_text())
+    assert [r["layout"] for r in rows] == ["tp1 pp1 dp1", "tp1 pp2 dp1", "tp2 pp1 dp1", "tp2 pp2 dp1"]
+    assert all(r["status"] == "ok" for r in rows), [(r["point"], r["error"]) for r in rows]
+    assert [r["world_size"] for r in rows] == [1, 2, 2, 4]
+
+
+def test_layouts_sweeper_runs_the_planners_best(tmp_path: Path, cache: str) -> None:
+    out = run_cli("train", "-m", "hydra/sweeper=layouts", "sweep.top=2", "sweep.world=2", *tiny(cache), cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("layout #") == 2  # the ranked layouts, logged before they run
+    rows = json.loads((sweep_dir(tmp_path) / "sweep_summary.json").read_text())
+    assert len(rows) == 2 and all(r["status"] == "ok" for r in rows), rows
+    assert all(r["world_size"] == 2 for r in rows)
+    assert len({r["layout"] for r in rows}) == 2, [r["layout"] for r in rows]
+    assert all("tp=" in r["overrides"] and "dp_shard=" in r["overrides"] for r in rows)
+
+
+def test_layouts_sweeper_bad_top_is_one_line(tmp_path: Path, cache: str) -> None:
+    out = run_cli("train", "-m", "hydra/sweeper=layouts", "sweep.top=0", *tiny(cache), cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["error: sweep.top=0 must be a positive integer"]
+
+
+def test_summary_with_prediction_and_a_job_that_never_finished(tmp_path: Path) -> None:
+    for num, summary in enumerate(
+        [
+            {
+                "median_tokens_per_s": 1000.0,
+                "median_mfu": 0.2,
+                "final_loss": 5.0,
+                "world_size": 2,
+                "layout": {"tp": 2, "pp": 1, "dp_replicate": 1, "dp_shard": 1},
+                "prediction": {"tokens_per_s": 1200.0, "mfu": 0.25, "memory_gib": 0.1},
+            },
+            None,
+        ]
+    ):
+        job = tmp_path / str(num) / ".hydra"
+        job.mkdir(parents=True)
+        (job / "overrides.yaml").write_text(f"- tp={2 - num}\n")
+        if summary:
+            (tmp_path / str(num) / "summary.json").write_text(json.dumps(summary))
+    with (tmp_path / "out.txt").open("w") as f:
+        rows = summarize(tmp_path, file=f)
+    assert rows[0]["predicted_tokens_per_s"] == 1200.0 and rows[0]["layout"] == "tp2 pp1 dp1"
+    assert rows[1]["status"] == "failed" and "did not finish" in rows[1]["error"]
+    assert (tmp_path / "sweep_summary.png").exists()
+    assert "1 of 2 sweep points failed" in (tmp_path / "out.txt").read_text()
