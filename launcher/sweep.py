@@ -264,6 +264,37 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def plot_losses(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """The loss curves of every point side by side (training loss per step, validation as dots)."""
+    curves = []
+    for r in rows:
+        metrics = Path(r["dir"]) / "metrics.jsonl"
+        if metrics.exists():
+            points = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            curves.append((r["point"] or r["job"], points))
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for label, points in curves:
+        (line,) = ax.plot([p["step"] for p in points], [p["loss"] for p in points], label=label, lw=1.2)
+        val = [p for p in points if "val_loss" in p]
+        ax.plot([p["step"] for p in val], [p["val_loss"] for p in val], "o", color=line.get_color(), ms=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (dots: validation)")
+    ax.set_title("sweep: loss curves")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def summarize(sweep_dir: Path, file: Any = None) -> list[dict[str, Any]]:
     """Collect, print, and write the summary of a sweep directory; returns the rows."""
     rows = collect(sweep_dir)
@@ -271,9 +302,9 @@ def summarize(sweep_dir: Path, file: Any = None) -> list[dict[str, Any]]:
         return rows
     print_table(rows, f"sweep {sweep_dir}", file)
     written = write_files(rows, sweep_dir)
-    chart = plot(rows, sweep_dir / "sweep_summary.png")
+    charts = [plot(rows, sweep_dir / "sweep_summary.png"), plot_losses(rows, sweep_dir / "sweep_losses.png")]
     out = file or sys.stdout
-    print(f"sweep summary: {', '.join(str(p) for p in [*written, *([chart] if chart else [])])}", file=out)
+    print(f"sweep summary: {', '.join(str(p) for p in [*written, *(c for c in charts if c)])}", file=out)
     return rows
 
 

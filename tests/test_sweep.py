@@ -51,6 +51,7 @@ def test_failed_point_is_listed_and_the_sweep_goes_on(tmp_path: Path, cache: str
     with (sweep / "sweep_summary.csv").open() as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["ok", "failed"]
     assert (sweep / "sweep_summary.png").read_bytes()[:4] == b"\x89PNG"
+    assert (sweep / "sweep_losses.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_layout_sweep_tp_pp(tmp_path: Path, cache: str) -> None:
