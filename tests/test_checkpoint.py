@@ -15,10 +15,9 @@ from safetensors.torch import load_file
 from launcher.config import LauncherError
 from launcher.model import Transformer
 from launcher.train.checkpoint import complete_checkpoints, resolve_resume
-from launcher.train.export import export
 from launcher.train.loop import build_model, train
 from launcher.train.preemption import PREEMPTED_EXIT
-from tests.conftest import ROOT, run_cli, tiny_config
+from tests.conftest import run_cli, tiny_config
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -134,7 +133,9 @@ def test_sigterm_saves_current_step_exits_preempted_and_resumes(tmp_path: Path) 
 def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "steps=3", "checkpoint.every=3")
     train(cfg, tmp_path / "r")
-    out = export(str(tmp_path / "r" / "checkpoints"), str(tmp_path / "model.safetensors"))
+    result = run_cli("export", str(tmp_path / "r" / "checkpoints"), str(tmp_path / "model.safetensors"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = Path(result.stdout.strip())
     exported = Transformer(cfg.model)
     exported.load_state_dict(load_file(str(out)), strict=True)
     from launcher.train.checkpoint import Checkpointer
@@ -148,4 +149,3 @@ def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
     tokens = torch.randint(0, 256, (2, 16))
     assert not torch.equal(reference(tokens), build_model(cfg, torch.device("cpu"))(tokens))  # trained
     torch.testing.assert_close(exported(tokens), reference(tokens), rtol=0, atol=0)
-    assert ROOT.exists()
