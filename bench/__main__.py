@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ["overhead", "checkpoint"]
+BENCHES = ["overhead", "parallel", "checkpoint"]
 
 
 def main(argv: list[str]) -> None:

@@ -117,12 +117,16 @@ def _train_task(cfg: TrainConfig) -> None:
     )
     validate(cfg, layout.dp)
     check_layout(cfg, layout, local=env is None)
-    prediction = check(cfg, layout.world_size)  # refuses a layout predicted not to fit (force=true overrides)
-    if cfg.dry_run:
+    if cfg.dry_run:  # shapes only: a layout that would not fit is reported, not refused
         from launcher.dryrun import dry_run
 
         dry_run(cfg, layout)
+        try:
+            check(cfg, layout.world_size)
+        except LauncherError as err:
+            print(f"note: {err}")
         return
+    prediction = check(cfg, layout.world_size)  # refuses a layout predicted not to fit (force=true overrides)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
     if cfg.slurm.emit:
         from launcher.slurm import emit_script

@@ -3,17 +3,37 @@ pipeline split → tensor parallel → activation checkpointing → compile → 
 
 `parallelize` returns a `Runner`: the rank's model parts plus the three operations the training
 loop needs (forward+backward over a step's batch, evaluation, gradient clipping). The loop never
-sees how the model is cut.
+sees how the model is cut. Every runner returns the global mean loss (the same float on every
+rank), and the global gradient norm.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+from typing import Any
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from launcher.config import TrainConfig
-from launcher.layout import Layout
+from launcher.layout import Layout, build_mesh, pipeline_microbatches
+from launcher.parallel.data import apply_data_parallel, set_gradient_sync
+from launcher.parallel.pipeline import build_schedule, rank_stages, stage_module
+from launcher.parallel.recompute import apply_recompute
+from launcher.parallel.tensor import apply_tensor_parallel, loss_context
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token loss; with vocabulary-sharded DTensor logits this must run under `loss_context`."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _scalar(value: torch.Tensor) -> float:
+    return (value.to_local() if isinstance(value, DTensor) else value).item()
 
 
 class Runner:
@@ -25,10 +45,13 @@ class Runner:
         self.micro = micro
         self.autocast = autocast
 
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return self.autocast or contextlib.nullcontext()
+
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self.autocast or torch.autocast("cpu", enabled=False):
+        with self._autocast():
             logits = self.model(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return cross_entropy(logits, targets)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Accumulate gradients of the mean loss over this rank's batch; return that mean loss."""
@@ -50,7 +73,162 @@ class Runner:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
 
 
-def parallelize(model: nn.Module, layout: Layout, cfg: TrainConfig, autocast: torch.autocast | None) -> Runner:
-    if layout.world_size != 1:
-        raise NotImplementedError("parallel layouts are not implemented yet")
-    return Runner(model, cfg.batch["micro"], autocast)
+class DistributedRunner(Runner):
+    """Shared by the parallel runners: global loss and gradient norm over the mesh."""
+
+    def __init__(self, parts: list[nn.Module], micro: int, autocast: Any, mesh: Any, layout: Layout) -> None:
+        super().__init__(parts[0], micro, autocast)
+        self.parts = parts
+        self.mesh = mesh
+        self.layout = layout
+        self.device = next(p for part in parts for p in part.parameters()).device
+
+    def _all_reduce(self, value: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:
+        for dim in dims:
+            if self.mesh[dim].size() > 1:
+                dist.all_reduce(value, group=self.mesh.get_group(dim))
+        return value
+
+    def _global_mean(self, local: float, has_loss: bool = True) -> float:
+        """This rank's mean loss → the mean over data-parallel ranks, known to every rank."""
+        value = torch.tensor([local if has_loss else 0.0], dtype=torch.float64, device=self.device)
+        return self._all_reduce(value, ("pp", "dp_replicate", "dp_shard")).item() / self.layout.dp
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm over every shard of every stage; scale gradients down to max_norm.
+
+        Each rank adds the squared norms of its local shards, weighted by 1 / (number of ranks of its
+        stage holding that same shard), and one sum over the mesh gives every rank the total: no
+        gathering of gradients, and a replicated gradient is counted once."""
+        params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
+        for p in params:  # e.g. norm weights under sequence parallelism: sum the partial gradients once
+            if isinstance(p.grad, DTensor) and any(q.is_partial() for q in p.grad.placements):
+                placements = [Replicate() if q.is_partial() else q for q in p.grad.placements]
+                p.grad = p.grad.redistribute(p.grad.device_mesh, placements)
+        grads = [p.grad for p in params]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        holders = self.layout.dp * self.layout.tp  # ranks of one stage
+        weights = [_distinct_shards(g) / holders for g in grads]
+        norms = torch._foreach_norm(local) if local else []
+        squared = sum((n.double() ** 2 * w for n, w in zip(norms, weights)), torch.zeros((), dtype=torch.float64))
+        total = math.sqrt(self._all_reduce(squared.reshape(1).to(self.device), self.mesh.mesh_dim_names).item())
+        if max_norm > 0 and total > max_norm:
+            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+        return total
+
+
+def _distinct_shards(t: torch.Tensor) -> int:
+    """How many different pieces the ranks of its mesh hold of a DTensor (1 for a plain tensor)."""
+    if not isinstance(t, DTensor):
+        return 1
+    # Shard, or FSDP's _StridedShard over a tensor-parallel Shard: anything but Replicate/Partial
+    return math.prod(
+        t.device_mesh.size(i) for i, p in enumerate(t.placements) if not (p.is_replicate() or p.is_partial())
+    )
+
+
+class ParallelRunner(DistributedRunner):
+    """Tensor and/or data parallel, no pipeline: micro-batch accumulation, one gradient sync."""
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        chunks = list(zip(inputs.split(self.micro), targets.split(self.micro)))
+        total = 0.0
+        with loss_context(self.layout.tp):
+            for i, (x, y) in enumerate(chunks):
+                set_gradient_sync(self.model, i == len(chunks) - 1)
+                loss = self._loss(x, y) / len(chunks)
+                loss.backward()
+                total += _scalar(loss)
+        return self._global_mean(total)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        with loss_context(self.layout.tp):
+            losses = [_scalar(self._loss(x, y)) for x, y in zip(inputs.split(self.micro), targets.split(self.micro))]
+        return self._global_mean(sum(losses) / len(losses))
+
+
+class PipelineRunner(DistributedRunner):
+    """A pipeline schedule over this rank's stages (tensor and data parallel inside each stage)."""
+
+    def __init__(self, parts: list[nn.Module], stages: list[int], n_stages: int, cfg: TrainConfig, **kw: Any) -> None:
+        super().__init__(parts, cfg.batch["micro"], **kw)
+        self.first, self.last = 0 in stages, n_stages - 1 in stages
+        tp_mesh = self.mesh["tp"]
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            if self.layout.tp > 1:  # the stage sends and returns local tensors: re-wrap the vocab shards
+                logits = DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False)
+            loss = cross_entropy(logits, targets)
+            return loss.to_local() if isinstance(loss, DTensor) else loss
+
+        self.schedule = build_schedule(
+            parts,
+            stages,
+            n_stages,
+            self.mesh.get_group("pp"),
+            self.device,
+            cfg.pp_schedule,
+            pipeline_microbatches(cfg, self.layout),
+            loss_fn,
+        )
+
+    def _run(self, run: Any, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.first else ()
+        kwargs = {"target": targets, "losses": losses} if self.last else {}
+        with loss_context(self.layout.tp), self._autocast():
+            run(*args, **kwargs)
+        local = sum(loss.item() for loss in losses) / len(losses) if self.last else 0.0
+        return self._global_mean(local, self.last)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        return self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), inputs, targets)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        return self._run(self.schedule.eval, inputs, targets)
+
+
+def parallelize(
+    model: nn.Module, layout: Layout, cfg: TrainConfig, autocast: torch.autocast | None, mesh: Any = None
+) -> Runner:
+    """Cut `model` (the full model, the same on every rank) for this rank of `layout`.
+
+    `mesh`: the layout's DeviceMesh (`layout.build_mesh`); built here from the default process
+    group when not given.
+    """
+    if layout.world_size == 1 and mesh is None:
+        apply_recompute(model, cfg.recompute)
+        _compile(model, cfg)
+        return Runner(model, cfg.batch["micro"], autocast)
+    if mesh is None:
+        device_type = next(model.parameters()).device.type
+        mesh = build_mesh(layout, "cuda" if device_type == "cuda" else "cpu")
+    parts, stages = shard_model(model, layout, cfg, mesh)
+    n_stages = layout.pp * cfg.virtual_stages
+    kw = {"autocast": autocast, "mesh": mesh, "layout": layout}
+    if layout.pp > 1:
+        return PipelineRunner(parts, stages, n_stages, cfg, **kw)
+    return ParallelRunner(parts, cfg.batch["micro"], **kw)
+
+
+def shard_model(model: nn.Module, layout: Layout, cfg: TrainConfig, mesh: Any) -> tuple[list[nn.Module], list[int]]:
+    """This rank's model parts, cut and wrapped in the fixed order, and the pipeline stage of each."""
+    n_stages = layout.pp * cfg.virtual_stages
+    stages = rank_stages(mesh["pp"].get_local_rank(), layout.pp, cfg.virtual_stages) if layout.pp > 1 else [0]
+    parts = [stage_module(model, s, n_stages) for s in stages] if layout.pp > 1 else [model]
+    for part in parts:
+        if layout.tp > 1:
+            apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel, local_logits=layout.pp > 1)
+        apply_recompute(part, cfg.recompute)
+        _compile(part, cfg)
+        apply_data_parallel(part, mesh, layout, pipelined=layout.pp > 1)
+    return parts, stages
+
+
+def _compile(model: nn.Module, cfg: TrainConfig) -> None:
+    """torch.compile per block (in place: names unchanged), as torchtitan does."""
+    if cfg.compile:
+        for block in model.layers.values():
+            block.compile()

@@ -1,0 +1,50 @@
+"""Data parallelism on the `dp` part of the mesh, composed with tensor parallelism.
+
+- dp_shard > 1: FSDP2 (`fully_shard`, ZeRO-3: parameters, gradients and optimizer state sharded
+  over dp_shard; parameters all-gathered per block for forward and backward, gradients
+  reduce-scattered). With dp_replicate > 1 as well: HSDP, sharded inside a group of dp_shard
+  ranks and replicated (all-reduced) across the dp_replicate groups, on a 2-D (replicate, shard) mesh.
+- dp_shard = 1, dp_replicate > 1: DDP (the composable `replicate`: whole parameters on every rank,
+  gradients all-reduced).
+
+Each block is its own FSDP unit (one all-gather / reduce-scatter per block, overlapped by FSDP's
+prefetching), and the rest (embeddings, final norm, output) is the root unit. Under tensor
+parallelism the parameters are already DTensors on the tp mesh; FSDP adds the dp dimension (2-D
+DTensors). gloo has neither AVG nor PREMUL_SUM reductions: there, reductions are plain sums
+followed by a division (`set_force_sum_reduction_for_comms`).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from launcher.layout import Layout
+
+
+def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, layout: Layout, pipelined: bool) -> None:
+    """Wrap `model` (a whole model or a pipeline stage) in FSDP / HSDP / DDP over the dp mesh dims."""
+    if layout.dp == 1:
+        return
+    if layout.dp_shard > 1:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        # under pipelining every micro-batch would re-gather a resharded block: keep blocks gathered
+        # from forward to backward (torchtitan does the same)
+        for block in model.layers.values():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=not pipelined)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=not pipelined)
+    else:
+        replicate(model, mesh=mesh["dp_replicate"])
+    if dist.get_backend(mesh.get_group("dp_shard" if layout.dp_shard > 1 else "dp_replicate")) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)

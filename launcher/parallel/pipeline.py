@@ -1,0 +1,78 @@
+"""Pipeline parallelism: cut the layers into stages, run a `torch.distributed.pipelining` schedule.
+
+Stages. With pp ranks and v virtual stages per rank there are S = pp * v stages; rank r holds the
+stages r, r + pp, ..., r + (v - 1) * pp (the looped placement of interleaved 1F1B, Narayanan et al.
+2021). The embeddings live on stage 0, the final norm, the output projection and the loss on stage
+S - 1. Layers are split as evenly as possible: when S does not divide n_layers, the first
+n_layers % S stages take one layer more (the last stage already carries the output projection and
+the loss, the heaviest non-block work, so it is never the one given the extra layer).
+
+A stage is the same `Transformer` with the parts it does not hold set to None, its blocks keeping
+their global names (`layers.5`), so parameter names, and therefore checkpoints, do not depend on
+the layout.
+
+Schedules: gpipe (all forwards, then all backwards: every micro-batch's activations are alive at
+once), 1f1b (after a warm-up of pp - stage forwards, one forward then one backward: at most pp
+micro-batches in flight per stage) and interleaved_1f1b (1F1B over v smaller stages per rank: the
+bubble shrinks by v). Gradients are the mean over micro-batches (`scale_grads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from launcher.model import Transformer
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """Layer ids of each stage: contiguous, sizes differing by at most one, larger ones first."""
+    base, extra = divmod(n_layers, n_stages)
+    bounds = [0]
+    for stage in range(n_stages):
+        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
+
+
+def rank_stages(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """The stage indices one pipeline rank holds (looped placement)."""
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
+    """A view of `model` holding only stage `stage`'s parts (shared modules, no copies of weights)."""
+    part = Transformer.__new__(Transformer)
+    nn.Module.__init__(part)
+    part.cfg = model.cfg
+    ids = split_layers(model.cfg.n_layers, n_stages)[stage]
+    first, last = stage == 0, stage == n_stages - 1
+    part.tok_embeddings = model.tok_embeddings if first else None
+    part.pos_embeddings = model.pos_embeddings if first else None
+    part.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in ids})
+    part.norm = model.norm if last else None
+    part.output = model.output if last else None
+    part.register_buffer("rope", model.rope, persistent=False)
+    return part
+
+
+def build_schedule(
+    modules: list[nn.Module],
+    stages: list[int],
+    n_stages: int,
+    group: torch.distributed.ProcessGroup,
+    device: torch.device,
+    schedule: str,
+    microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
+    """The schedule object driving this rank's stages (step(x, target=, losses=) / eval(...))."""
+    pipe_stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(modules, stages)]
+    cls = SCHEDULES[schedule]
+    if cls is ScheduleInterleaved1F1B:
+        return cls(pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    return cls(pipe_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)

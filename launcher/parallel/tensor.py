@@ -1,0 +1,121 @@
+"""Tensor parallelism: the Megatron-LM cut of our transformer, written as a DTensor plan.
+
+Per block (Shoeybi et al. 2019, fig. 3):
+- attention split by heads: wq, wk, wv column-parallel (each rank computes n_heads / tp query heads
+  and n_kv_heads / tp KV heads; the model infers head counts from the projected width), wo
+  row-parallel: one all-reduce after attention;
+- MLP: w1 (and the SwiGLU gate w3) column-parallel, w2 row-parallel: one all-reduce after the MLP;
+- norms, dropout and residuals duplicated on every rank (no communication), or with
+  `sequence_parallel` (Korthikanti et al. 2022) sharded over the sequence: the residual stream
+  between blocks holds seq / tp positions per rank, and each all-reduce becomes an all-gather
+  before the column-parallel layers plus a reduce-scatter after the row-parallel one.
+
+Around the blocks: the token (and learned position) embedding is vocabulary-parallel (row-wise over
+the table: each rank looks up its rows, a reduce forms the embedding), the output projection is
+column-parallel over the vocabulary, and the loss is computed from vocabulary-sharded logits under
+`loss_parallel()` (a distributed log-softmax: max and sum-exp all-reduced), so the full
+(batch, seq, vocab) logits never exist on one rank.
+
+Every parameter becomes a DTensor on the tensor-parallel mesh (duplicated ones as Replicate), so
+optimizer and gradient-norm code never mixes plain tensors with DTensors. Weights are cut from the
+full tensor every rank already holds (same seed), with no communication (`src_data_rank=None`).
+Between modules tensors stay plain (local) tensors, which is also what pipeline stages send.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+
+class Duplicate(ParallelStyle):
+    """Parameters replicated as DTensors; inputs and outputs stay local tensors (no communication).
+    For norms without sequence parallelism: every rank computes the same thing."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                dist_param = nn.Parameter(distribute_tensor(param, mesh, [Replicate()], src_data_rank=None))
+                mod.register_parameter(key, dist_param)
+
+        def to_dtensor(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+        def to_local(mod: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(module, device_mesh, partition, to_dtensor, to_local)
+
+
+def plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict[str, ParallelStyle]:
+    """The plan for this rank's part of the model (pipeline stages hold some parts as None).
+    `local_logits`: return the logits' vocabulary shard as a plain tensor (a pipeline stage's output)
+    instead of a DTensor."""
+    seq = Shard(1)  # (batch, seq, dim): the sequence dimension
+    stream = seq if sequence_parallel else Replicate()  # layout of the residual stream
+    norm = SequenceParallel(use_local_output=True) if sequence_parallel else Duplicate()
+    styles: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        styles["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        if model.pos_embeddings is not None:  # a (seq, dim) table lookup: the sequence is dim 0
+            styles["pos_embeddings"] = RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()
+            )
+    for name in model.layers:
+        block = f"layers.{name}."
+        styles[block + "attention_norm"] = norm
+        styles[block + "ffn_norm"] = norm
+        if sequence_parallel:  # gather the sequence before the column-parallel projections
+            styles[block + "attention"] = PrepareModuleInput(
+                input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
+            )
+            styles[block + "feed_forward"] = PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+            )
+        for proj in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            styles[block + proj] = ColwiseParallel()
+        for proj in ("attention.wo", "feed_forward.w2"):
+            styles[block + proj] = RowwiseParallel(output_layouts=stream)
+        if model.layers[name].feed_forward.w3 is None:
+            del styles[block + "feed_forward.w3"]
+    if model.norm is not None:
+        styles["norm"] = norm
+    if model.output is not None:  # logits stay sharded over the vocabulary, as a DTensor
+        styles["output"] = ColwiseParallel(
+            input_layouts=stream, output_layouts=Shard(-1), use_local_output=local_logits
+        )
+    for style in styles.values():
+        style.src_data_rank = None  # every rank holds the same full weights: cut, do not scatter
+    return styles
+
+
+def apply_tensor_parallel(
+    model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, local_logits: bool = False
+) -> None:
+    """Shard `model` (a whole model or a pipeline stage) over the 1-D tensor-parallel mesh in place."""
+    tied = (
+        model.output is not None
+        and model.tok_embeddings is not None
+        and (model.output.weight is model.tok_embeddings.weight)
+    )
+    parallelize_module(model, mesh, plan(model, sequence_parallel, local_logits))
+    if tied:  # both are Shard(0) over the vocabulary: share the one DTensor again
+        model.output.weight = model.tok_embeddings.weight
+
+
+def loss_context(tp: int) -> contextlib.AbstractContextManager:
+    """Around the loss and its backward: cross-entropy over vocabulary-sharded logits."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()

@@ -1,0 +1,74 @@
+"""Every command shown in README.md and docs/*.md runs: the docs cannot rot.
+
+Commands come from ```bash blocks. CPU training runs are shortened (`steps=2`, tiny data); a run that
+needs hardware this machine lacks becomes a dry run; SLURM submissions are covered by test_slurm.py
+against a real cluster; lines with placeholders (DATE, TIME, ...) are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PLACEHOLDER = re.compile(r"\b(DATE|TIME|NAME|FILE)\b|\.\.\.")
+GPU = re.compile(r"hardware=(?!cpu\b)|\+recipe=(llama|megatron)|\+model=(8b|70b|405b|1b|gpt2)")
+
+
+def doc_commands() -> list[tuple[str, str]]:
+    found = []
+    for doc in DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S):
+            for line in block.splitlines():
+                command = line.split(" #")[0].strip()
+                if command.split(" ")[0] in ("train", "plan", "export"):
+                    found.append((doc.name, command))
+    return found
+
+
+def runnable(command: str, tmp: Path) -> list[str] | None:
+    """The command as the test runs it, or None when another test covers it."""
+    if command in COVERED or PLACEHOLDER.search(command) or "hydra/launcher=slurm" in command:
+        return None
+    args = shlex.split(command)
+    if args[0] != "train" or any(a in ("--help", "--cfg", "--shell-completion") or a.startswith("--") for a in args):
+        return args
+    quick = [
+        "steps=2",
+        "eval.every=0",
+        "metrics.wandb.mode=disabled",
+        f"data.cache_dir={tmp / 'cache'}",
+        "data.max_bytes=200000",
+        "checkpoint.every=0",
+    ]
+    if GPU.search(command):
+        return [*args, "dry_run=true"]
+    return [*args, *quick] if "-m" in args else [*args, *quick, f"run_dir={tmp / 'run'}"]
+
+
+COVERED = {  # commands another test already runs in full
+    "train -m tp=1,2 pp=1,2 steps=50": "tests/test_sweep.py::test_layout_sweep_tp_pp",
+}
+COMMANDS = doc_commands()
+
+
+def test_docs_show_commands() -> None:
+    assert len(COMMANDS) >= 15
+
+
+@pytest.mark.parametrize(("doc", "command"), COMMANDS, ids=[f"{d}:{c[:60]}" for d, c in COMMANDS])
+def test_documented_command_runs(doc: str, command: str, tmp_path: Path) -> None:
+    args = runnable(command, tmp_path)
+    if args is None:
+        pytest.skip(COVERED.get(command, "placeholder path, or a SLURM submission (tests/test_slurm.py)"))
+    np.arange(4096, dtype=np.uint16).tofile(tmp_path / "train.bin")  # for `data=tokens data.path=train.bin`
+    if "--shell-completion" in args:
+        args = ["train", "--shell-completion", "install=bash"]
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"

@@ -1,0 +1,177 @@
+"""Rank order, DeviceMesh, pipeline split, layout errors (one line, before any worker), dry run."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import replace
+
+import pytest
+
+from launcher.config import LauncherError
+from launcher.layout import Layout, check_layout, launch_world_size, owner_rank, rank_of, resolve_layout
+from launcher.parallel.pipeline import rank_stages, split_layers
+from tests.conftest import make_config, run_cli
+
+
+def test_rank_order_tp_innermost_then_dp_then_pp() -> None:
+    layout = Layout(tp=2, pp=2, dp_replicate=2, dp_shard=2)
+    order = [layout.coordinates(r) for r in range(layout.world_size)]
+    assert [c["tp"] for c in order[:4]] == [0, 1, 0, 1]  # neighbours share a tensor-parallel group
+    assert [c["dp_shard"] for c in order[:4]] == [0, 0, 1, 1]
+    assert [c["dp_replicate"] for c in order[:8]] == [0] * 4 + [1] * 4
+    assert [c["pp"] for c in order] == [0] * 8 + [1] * 8  # pipeline stages are the outermost blocks
+    for r, c in enumerate(order):
+        assert rank_of(layout, c["pp"], c["dp_replicate"], c["dp_shard"], c["tp"]) == r
+        assert c["dp"] == c["dp_replicate"] * layout.dp_shard + c["dp_shard"]
+    assert owner_rank(layout) == 8  # rank 0 of the last pipeline stage
+    assert owner_rank(Layout(tp=4, pp=1, dp_shard=2)) == 0
+
+
+def test_device_mesh_follows_the_rank_order() -> None:
+    """The mesh built on a fake 16-rank world: every named group is the ranks the order predicts."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from launcher.layout import build_mesh
+
+    layout = Layout(tp=2, pp=2, dp_replicate=2, dp_shard=2)
+    for rank in (0, 5, 13):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+        try:
+            mesh = build_mesh(layout, "cpu")
+            c = layout.coordinates(rank)
+            for dim in ("pp", "dp_replicate", "dp_shard", "tp"):
+                expected = [
+                    rank_of(layout, **{**{k: c[k] for k in ("pp", "dp_replicate", "dp_shard", "tp")}, dim: i})
+                    for i in range(getattr(layout, dim))
+                ]
+                assert mesh[dim].mesh.tolist() == expected, (rank, dim)
+                assert mesh[dim].get_local_rank() == c[dim]
+        finally:
+            dist.destroy_process_group()
+
+
+def test_layers_split_evenly_extra_layers_to_the_first_stages() -> None:
+    assert split_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_layers(10, 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert split_layers(4, 3) == [[0, 1], [2], [3]]
+    for n, s in itertools.product(range(1, 12), range(1, 6)):
+        if s <= n:
+            parts = split_layers(n, s)
+            assert sum(parts, []) == list(range(n)) and max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert rank_stages(1, 2, 2) == [1, 3]  # looped placement of interleaved 1F1B
+
+
+def error(*overrides: str, world_size: int | None = None) -> str:
+    cfg = make_config("+model=small", *overrides)
+    with pytest.raises(LauncherError) as info:
+        layout = resolve_layout(cfg, launch_world_size(cfg, world_size))
+        check_layout(cfg, layout, local=world_size is None)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (("tp=3",), r"tp=3 does not divide model.n_heads=8 .*use tp in \{1, 2, 4\}"),
+        (("tp=8",), r"tp=8 does not divide model.n_kv_heads=4 .*\{1, 2, 4\}"),
+        (("tp=4", "model.ffn_dim=690"), r"tp=4 does not divide model.ffn_dim=690 .*\{1, 2\}"),
+        (("tp=2", "model.vocab_size=257"), r"tp=2 does not divide model.vocab_size=257 .*\{1\}"),
+        (("pp=8",), r"8 stages exceed model.n_layers=4"),
+        (("pp=2", "virtual_stages=3", "pp_schedule=interleaved_1f1b"), r"6 stages exceed model.n_layers=4"),
+        (("virtual_stages=2",), r"virtual_stages=2 needs pp_schedule=interleaved_1f1b"),
+        (("pp=2", "microbatches=3"), r"do not split into microbatches=3"),
+        (("pp=4", "batch.micro=2"), r"2 sequences per data-parallel rank cannot fill pp=4 stages"),
+        (("pp=2", "model.tied_embeddings=true"), r"tied_embeddings"),
+        (("sequence_parallel=true",), r"sequence_parallel=true needs tensor parallelism"),
+        (("tp=2", "sequence_parallel=true", "seq_len=33"), r"seq_len=33 must be a multiple of tp=2"),
+        (("tp=2", "dp=8"), r"16 local workers, more than max_local_workers=8"),
+        (("hardware=h200", "tp=4", "pp=2"), r"no CUDA device"),
+        (("hardware=h200", "tp=2", "dp=2"), r"tp\*pp\*dp=2\*1\*2=4 does not match the world size 8"),
+    ],
+)
+def test_bad_layouts_fail_with_one_line_naming_key_and_fix(overrides: tuple[str, ...], expected: str) -> None:
+    assert re.search(expected, error(*overrides)), error(*overrides)
+
+
+def test_world_size_from_torchrun_must_match_the_degrees() -> None:
+    assert "does not match the world size 6" in error("tp=2", "dp=2", world_size=6)
+
+
+def test_valid_layouts_pass() -> None:
+    for overrides in (
+        ("tp=4",),
+        ("pp=3",),
+        ("tp=2", "pp=2", "dp=2"),
+        ("hardware=h200", "tp=4", "pp=2", "dry_run=true"),
+    ):
+        cfg = make_config("+model=small", *overrides)
+        check_layout(cfg, resolve_layout(cfg, launch_world_size(cfg, None)))
+
+
+def test_cli_rejects_a_bad_layout_before_any_worker_starts(tmp_path) -> None:
+    result = run_cli("train", "tp=3", "dp=2", f"run_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "tp=3 does not divide model.n_heads=8" in result.stderr
+    assert not list(tmp_path.glob("rank*.log"))
+
+
+def test_dry_run_8b_tp8_from_the_cli(tmp_path) -> None:
+    result = run_cli("train", "+model=8b", "tp=8", "dry_run=true", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "ranks 0-7 hold (3.740 GiB of parameters each):" in out
+    assert re.search(r"feed_forward.w1.weight\s+\(1792, 4096\) of \(14336, 4096\)", out)
+    assert re.search(r"attention.wk.weight\s+\(128, 4096\) of \(1024, 4096\)", out)  # 8 KV heads / 8
+    assert re.search(r"rank\s+7 \(pp 0 dp 0 tp 7, stages \[0\]\):\s+3.740 GiB ·\s+14.961 GiB", out)
+    assert "total over ranks: 29.92 GiB" in out  # 8.03 B parameters x 4 bytes, all held exactly once
+
+
+def test_dry_run_70b_tp8_pp4_dp2_ranks() -> None:
+    """The first and the last pipeline stage as built, and shard shapes of other ranks."""
+    from launcher.dryrun import build_rank, local_shapes
+
+    cfg = make_config("+model=70b", "tp=8", "pp=4", "dp=2", "dry_run=true")
+    layout = resolve_layout(cfg, None)
+    check_layout(cfg, layout)
+    params, first, stages = build_rank(cfg, layout, 0)
+    assert stages == [0]
+    assert first["tok_embeddings.weight"] == (8016, 8192)  # 128256 / tp 8 / dp_shard 2
+    assert (
+        "output.weight" not in first
+        and "layers.19.ffn_norm.weight" in first
+        and "layers.20.ffn_norm.weight" not in first
+    )
+    params, last, stages = build_rank(cfg, layout, 63)
+    assert stages == [3] and "output.weight" in last and "layers.79.attention.wq.weight" in last
+    assert last["layers.79.feed_forward.w2.weight"] == (4096, 3584)  # (8192 / dp_shard 2, 28672 / tp 8)
+    assert local_shapes(params, layout, 50) == last  # same stage, other tp / dp coordinates, even shards
+    nbytes = sum(math.prod(s) * 4 for s in last.values())
+    assert 4.2 < nbytes / 2**30 < 4.3  # a middle stage holds 3.99 GiB: no embedding or output
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("tp=2", "dp=3", "pp=2"),  # FSDP over 3: uneven shards (dim 32 -> 11, 11, 10)
+        ("tp=2", "dp=4", "dp_replicate=2", "dp_shard=2", "sequence_parallel=true"),  # HSDP
+        ("dp=3", "dp_shard=1", "pp=3", "pp_schedule=interleaved_1f1b", "virtual_stages=2", "microbatches=3"),
+    ],
+)
+def test_dry_run_derived_shapes_equal_building_every_rank(overrides: tuple[str, ...]) -> None:
+    from launcher.dryrun import build_rank, local_shapes
+
+    cfg = make_config(
+        "+model=tiny", "model.n_layers=6", "model.dim=32", "model.ffn_dim=90", "batch.micro=3", *overrides
+    )
+    layout = resolve_layout(cfg, None)
+    check_layout(cfg, replace(layout), local=False)
+    representative = {}
+    for rank in range(layout.world_size):
+        params, built, _ = build_rank(cfg, layout, rank)
+        representative.setdefault(layout.coordinates(rank)["pp"], params)
+        assert local_shapes(representative[layout.coordinates(rank)["pp"]], layout, rank) == built, rank

@@ -1,0 +1,187 @@
+"""Parallel runs match the single-process run: the loss of each of 5 steps and the gradients after
+step 1 (fp32, rtol 1e-4), for every layout of the issue, with pre-norm + RMSNorm and post-norm +
+LayerNorm models. And under tensor parallelism the full logits never exist on one rank.
+
+Process starts dominate on 2 cores, so all cases of both model variants run in two launches: first
+two 2-rank worlds side by side, then one 4-rank world, each running its cases one after another.
+Each case builds its own DeviceMesh on the world's process group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from launcher.config import ModelConfig, OptimConfig, TrainConfig
+from launcher.layout import build_mesh, resolve_layout
+from launcher.parallel import parallelize
+from launcher.train.loop import build_model
+from launcher.train.optim import build_optimizer
+from tests.dist import run_many
+
+STEPS, SEQ, GLOBAL_BATCH, VOCAB = 5, 16, 8, 256
+
+VARIANTS = {  # every architecture switch the plan has to handle appears in one of the two
+    "pre-rmsnorm": dict(norm="rmsnorm", norm_position="pre", mlp="swiglu", positions="rope", n_kv_heads=2),
+    "post-layernorm": dict(norm="layernorm", norm_position="post", mlp="gelu", positions="learned", bias=True),
+}
+
+CASES = {  # name: layout and parallelism keys
+    "tp2": dict(tp=2),
+    "tp2-sp": dict(tp=2, sequence_parallel=True),
+    "pp2-gpipe": dict(pp=2, pp_schedule="gpipe"),
+    "pp2-interleaved": dict(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2),
+    "dp2-ddp": dict(dp=2, dp_shard=1, batch={"micro": 2, "global": 8}),  # 2 micro-batches: sync on the last
+    "dp2-fsdp": dict(dp=2, batch={"micro": 2, "global": 8}),
+    "pp2-1f1b": dict(pp=2, pp_schedule="1f1b"),
+    "tp2-recompute": dict(tp=2, recompute="selective"),
+    "tp2-tied": dict(tp=2, model=dict(tied_embeddings=True)),
+    "pp2-uneven": dict(pp=2, model=dict(n_layers=3)),  # stages hold layers 0-1 and 2
+    "tp2-dp2-ddp": dict(tp=2, dp=2, dp_shard=1),
+    "tp2-dp2-fsdp": dict(tp=2, dp=2),
+    "tp2-pp2": dict(tp=2, pp=2, pp_schedule="1f1b"),
+    "tp2-sp-dp2-fsdp": dict(tp=2, dp=2, sequence_parallel=True, recompute="full"),
+    "dp2-pp2-fsdp": dict(dp=2, pp=2),
+    "dp2-pp2-ddp": dict(dp=2, dp_shard=1, pp=2, pp_schedule="gpipe"),
+    "hsdp2x2": dict(dp=4, dp_replicate=2, dp_shard=2),
+}
+# what runs where: two 2-rank worlds side by side, then one 4-rank world
+LAUNCHES = [
+    [
+        (2, ["tp2", "tp2-sp", "pp2-gpipe", "pp2-interleaved", "tp2-tied"]),
+        (2, ["dp2-ddp", "dp2-fsdp", "pp2-1f1b", "tp2-recompute", "pp2-uneven"]),
+    ],
+    [(4, ["tp2-dp2-ddp", "tp2-dp2-fsdp", "tp2-pp2", "tp2-sp-dp2-fsdp", "dp2-pp2-fsdp", "dp2-pp2-ddp", "hsdp2x2"])],
+]
+PROBED = "tp2"  # the case whose materialized tensors are recorded (the logits test)
+
+
+def make_cfg(variant: str, case: dict[str, Any] | None = None) -> TrainConfig:
+    """The case's config; without layout keys, the single-process reference of the same model."""
+    keys = dict(case or {})
+    model = ModelConfig(
+        name="test", dim=32, n_layers=4, n_heads=4, ffn_dim=64, vocab_size=VOCAB, max_seq_len=64, **VARIANTS[variant]
+    )
+    model = replace(model, **keys.pop("model", {}))
+    optim = OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=0.5)
+    cfg = TrainConfig(model=model, optim=optim, steps=STEPS, seq_len=SEQ, seed=7, batch={"micro": 4, "global": 8})
+    return replace(cfg, **keys)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class ShapeRecorder(TorchDispatchMode):
+    """Shapes of every tensor an op materializes on this rank (a DTensor's local shard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.shapes.add(tuple((t._local_tensor if isinstance(t, DTensor) else t).shape))
+        return out
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def train_case(cfg: TrainConfig, world_size: int, probe: bool = False) -> dict[str, Any]:
+    """The case on this rank (world_size 1: the reference): losses, gradients after step 1."""
+    layout = resolve_layout(cfg, world_size)
+    model = build_model(cfg, torch.device("cpu"))
+    mesh = build_mesh(layout, "cpu") if world_size > 1 else None
+    runner = parallelize(model, layout, cfg, None, mesh)
+    optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
+    dp_rank = layout.coordinates(torch.distributed.get_rank())["dp"] if mesh is not None else 0
+    local = GLOBAL_BATCH // layout.dp
+    losses, norms, grads, recorder = [], [], {}, ShapeRecorder()
+    for step in range(1, cfg.steps + 1):
+        x, y = (t[dp_rank * local : (dp_rank + 1) * local] for t in batch(step))
+        if probe and step == 1:
+            with recorder:
+                losses.append(runner.forward_backward(x, y))
+        else:
+            losses.append(runner.forward_backward(x, y))
+        if step == 1:
+            grads = {n: full(p.grad) for part in runner.parts for n, p in part.named_parameters()}
+        norms.append(runner.clip_grad_norm(cfg.optim.grad_clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+    return {"losses": losses, "norms": norms, "grads": grads, "shapes": recorder.shapes}
+
+
+def run_cases(rank: int, world_size: int, names: list[str]) -> dict[tuple[str, str], Any]:
+    return {
+        (variant, name): train_case(make_cfg(variant, CASES[name]), world_size, probe=name == PROBED)
+        for variant in VARIANTS
+        for name in names
+    }
+
+
+@pytest.fixture(scope="module")
+def parallel_results() -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Per (variant, case): what each rank returned."""
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for launch in LAUNCHES:
+        jobs = [(run_cases, n, (names,)) for n, names in launch]
+        for per_rank in run_many(jobs, timeout=300):
+            for key in per_rank[0]:
+                results[key] = [r[key] for r in per_rank]
+    return results
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (variant, model keys of the case): the single-process run."""
+    refs = {}
+    for variant, case in itertools.product(VARIANTS, CASES.values()):
+        key = (variant, repr(case.get("model")))
+        if key not in refs:
+            refs[key] = train_case(make_cfg(variant, {"model": case.get("model", {})}), 1, probe=True)
+    return refs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_single_process(parallel_results: dict, references: dict, variant: str, case: str) -> None:
+    ref, ranks = references[variant, repr(CASES[case].get("model"))], parallel_results[variant, case]
+    for rank, result in enumerate(ranks):
+        torch.testing.assert_close(
+            result["losses"], ref["losses"], rtol=1e-4, atol=0, msg=lambda m, r=rank: f"rank {r} losses: {m}"
+        )
+        torch.testing.assert_close(
+            result["norms"], ref["norms"], rtol=1e-4, atol=0, msg=lambda m, r=rank: f"rank {r} grad norms: {m}"
+        )
+    grads: dict[str, torch.Tensor] = {}
+    for result in ranks:  # each rank reports its stage's parameters, gathered whole
+        grads.update(result["grads"])
+    assert sorted(grads) == sorted(ref["grads"])
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_full_logits_never_materialized_under_tp(parallel_results: dict, references: dict, variant: str) -> None:
+    micro = make_cfg(variant).batch["micro"]
+    full_logits = {(micro, SEQ, VOCAB), (micro * SEQ, VOCAB)}
+    reference = references[variant, repr(CASES[PROBED].get("model"))]
+    assert full_logits & reference["shapes"], "the recorder must see the logits of the reference run"
+    for rank, result in enumerate(parallel_results[variant, PROBED]):
+        seen = {s for s in result["shapes"] if s and s[-1] == VOCAB}
+        assert not seen, f"rank {rank} materialized tensors with the full vocabulary: {sorted(seen)}"
+        assert (micro * SEQ, VOCAB // 2) in result["shapes"], "each rank holds its vocabulary shard of the logits"
