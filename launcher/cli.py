@@ -133,7 +133,7 @@ def _train_task(cfg: TrainConfig) -> None:
 
         print(emit_script(cfg, run_dir))
         return
-    check_source(cfg.data)
+    check_source(cfg.data, cfg.model.vocab_size)
     resolve_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))  # a bad path fails here
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "prediction.json", prediction)  # the loop puts it into summary.json

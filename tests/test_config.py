@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from launcher.config import LauncherError, validate
@@ -61,9 +62,11 @@ def test_validate_names_key_and_fix(overrides: list[str], message: str) -> None:
         (["data=tokens", "data.path=/nonexistent/train.bin"], "data.path=/nonexistent/train.bin: no such file"),
         (["seq_len=4096"], "seq_len=4096 exceeds model.max_seq_len"),
         (["batch.global=12"], "batch.global=12 is not a multiple"),
+        (["data=tokens", "data.path=big_ids.bin"], "holds token id 999, beyond model.vocab_size=256"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args: list[str], expected: str, tmp_path: Path) -> None:
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "big_ids.bin")
     result = run_cli("train", *args, "steps=1", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

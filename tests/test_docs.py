@@ -67,7 +67,7 @@ def test_documented_command_runs(doc: str, command: str, tmp_path: Path) -> None
     args = runnable(command, tmp_path)
     if args is None:
         pytest.skip(COVERED.get(command, "placeholder path, or a SLURM submission (tests/test_slurm.py)"))
-    np.arange(4096, dtype=np.uint16).tofile(tmp_path / "train.bin")  # for `data=tokens data.path=train.bin`
+    (np.arange(4096, dtype=np.uint16) % 256).tofile(tmp_path / "train.bin")  # for `data=tokens data.path=train.bin`
     if "--shell-completion" in args:
         args = ["train", "--shell-completion", "install=bash"]
     result = run_cli(*args, cwd=tmp_path)

@@ -87,11 +87,27 @@ def load_splits(cfg: DataConfig) -> Splits:
     return Splits(tokens[: tokens.size - n_val], tokens[tokens.size - n_val :], vocab)
 
 
-def check_source(cfg: DataConfig) -> None:
-    """Fail before any worker starts when the configured data cannot be read."""
+SCANNED = 100_000_000  # tokens checked against the vocabulary before the run (about 0.1 s)
+
+
+def check_vocab(tokens: np.ndarray, vocab_size: int, key: str, path: str) -> None:
+    top = int(tokens[:SCANNED].max())
+    if top >= vocab_size:
+        raise LauncherError(
+            f"{key}={path} holds token id {top}, beyond model.vocab_size={vocab_size}: "
+            f"use a model with a larger vocabulary or the file's tokenizer"
+        )
+
+
+def check_source(cfg: DataConfig, vocab_size: int | None = None) -> None:
+    """Fail before any worker starts when the configured data cannot be read or does not fit the model."""
     if cfg.name == "tokens":
         if not cfg.path:
             raise LauncherError("data.path is missing: data=tokens needs data.path=FILE (a flat token file)")
-        open_tokens(cfg.path, cfg.dtype, "data.path")
+        tokens = open_tokens(cfg.path, cfg.dtype, "data.path")
+        if vocab_size is not None:
+            check_vocab(tokens, vocab_size, "data.path", cfg.path)
     if cfg.val_path:
-        open_tokens(cfg.val_path, cfg.dtype, "data.val_path")
+        val = open_tokens(cfg.val_path, cfg.dtype, "data.val_path")
+        if vocab_size is not None:
+            check_vocab(val, vocab_size, "data.val_path", cfg.val_path)
