@@ -69,7 +69,7 @@ def start_local_workers(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict
         run_id=uuid.uuid4().hex,
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
+        max_restarts=cfg.max_restarts,  # a restarted group resumes from the newest complete checkpoint
         monitor_interval=0.1,
         start_method="spawn",
     )

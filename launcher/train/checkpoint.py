@@ -32,7 +32,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -100,11 +99,20 @@ class Stateful:
     extras: dict[str, Any]  # JSON-able: data position, LR schedule
 
 
-def _model_state(parts: list[nn.Module]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
+def model_view(parts: list[nn.Module]) -> nn.Module:
+    """One module over a rank's pipeline stages with the full model's parameter names, so state
+    dicts (and optimizer state) look the same whatever the pipeline split."""
+    if len(parts) == 1:
+        return parts[0]
+    view, layers = nn.Module(), nn.ModuleDict()
     for part in parts:
-        merged.update(get_model_state_dict(part))
-    return merged
+        for name, child in part.named_children():
+            if name == "layers":
+                layers.update(child)
+            else:
+                setattr(view, name, child)
+    view.layers = layers
+    return view
 
 
 class Checkpointer:
@@ -121,8 +129,8 @@ class Checkpointer:
         return self.cfg.every > 0 and (step % self.cfg.every == 0 or step == last_step)
 
     def state(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
-        return {"model": _model_state(parts), "optim": get_optimizer_state_dict(model, optimizer)}
+        model = model_view(parts)
+        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
 
     def save(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer, st: Stateful) -> None:
         self.wait()  # one save in flight at a time
@@ -213,9 +221,8 @@ class Checkpointer:
                         flush=True,
                     )
                 continue
-            model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
-            for part in parts:
-                set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+            model = model_view(parts)
+            set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, optimizer, state["optim"])
             rng = path / f"rng_rank{self.rank}.pt"
             if rng.is_file():  # same world size: exact continuation of dropout randomness
