@@ -105,15 +105,16 @@ def flops_per_token(m: ModelShape, seq_len: int) -> float:
 def hardware_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> float:
     """FLOPs actually executed per token: model FLOPs plus the recomputed forward.
 
-    full recompute re-runs each block's forward (1/3 of the block FLOPs again); selective recompute
-    re-runs only the attention core (QK^T, softmax, AV).
+    full recompute re-runs each block's forward (1/3 of the block FLOPs again). selective recompute
+    (launcher/parallel/recompute.py) keeps the outputs of matmuls and attention and re-runs only
+    norms and elementwise ops, which are not matmul FLOPs: it adds nothing here. (Megatron's
+    selective recompute of the attention core has no analogue with fused SDPA, which never stores
+    the score matrix and recomputes it inside its own backward.)
     """
     base = flops_per_token(m, seq_len)
     if recompute == "full":
         block = 6.0 * m.n_layers * param_counts(m).per_layer_matmul
         return base + (block + attention_flops_per_token(m, seq_len)) / 3.0
-    if recompute == "selective":
-        return base + attention_flops_per_token(m, seq_len) / 3.0
     return base
 
 
