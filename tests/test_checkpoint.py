@@ -149,3 +149,14 @@ def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
     tokens = torch.randint(0, 256, (2, 16))
     assert not torch.equal(reference(tokens), build_model(cfg, torch.device("cpu"))(tokens))  # trained
     torch.testing.assert_close(exported(tokens), reference(tokens), rtol=0, atol=0)
+
+
+def test_async_save_completes_and_resumes_exactly(tmp_path: Path) -> None:
+    full = tmp_path / "full"
+    train(tiny_config(tmp_path, "steps=8", "checkpoint.every=4", "checkpoint.async_save=true"), full)
+    assert [p.name for p in complete_checkpoints(full / "checkpoints")] == ["step_00000008", "step_00000004"]
+    assert not list((full / "checkpoints").glob("*.partial"))
+    resumed = tmp_path / "resumed"
+    train(tiny_config(tmp_path, "steps=8", f"resume={full / 'checkpoints' / 'step_00000004'}"), resumed)
+    expected = losses(full)
+    assert losses(resumed) == {s: expected[s] for s in range(5, 9)}

@@ -47,7 +47,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
 @pytest.mark.parametrize(
     ("saved_under", "resumed_under"),
     [
-        (("tp=2",), ("dp=2", "dp_shard=2")),  # tensor parallel -> FSDP
+        (("tp=2", "checkpoint.async_save=true"), ("dp=2", "dp_shard=2")),  # tensor parallel (async save) -> FSDP
         (("pp=2", "pp_schedule=1f1b"), ()),  # pipeline -> one process
         (("dp=2", "dp_shard=2"), ("dp=2", "dp_shard=1", "dp_replicate=2")),  # FSDP -> DDP
     ],
