@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ["overhead", "parallel", "checkpoint"]
+BENCHES = ["overhead", "parallel", "checkpoint", "planner_accuracy"]
 
 
 def main(argv: list[str]) -> None:
@@ -13,7 +13,7 @@ def main(argv: list[str]) -> None:
     for name in names:
         if name not in BENCHES:
             raise SystemExit(f"unknown benchmark '{name}': choose from {', '.join(BENCHES)}")
-        importlib.import_module(f"bench.{name}").main([])
+        importlib.import_module(f"bench.{name}").main([a for a in argv if a.startswith("-")])
 
 
 if __name__ == "__main__":

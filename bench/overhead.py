@@ -6,6 +6,7 @@ alternately so machine noise hits both alike; the ratio of median tokens/s is th
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -61,7 +62,9 @@ def bare_run(threads: int, cache: str) -> float:
 
 
 def main(argv: list[str]) -> None:
-    rounds = int(argv[0]) if argv else 3
+    parser = argparse.ArgumentParser(prog="python -m bench overhead")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating launcher/bare rounds")
+    rounds = parser.parse_args(argv).rounds
     threads = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -61,10 +61,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if self.n_rep > 1:  # GQA: query head i reads KV head i // n_rep
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # GQA: query head i reads KV head i // n_rep, without materializing repeated K and V
+        dropout = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=self.n_rep > 1)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

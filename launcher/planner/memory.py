@@ -112,12 +112,20 @@ def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
     return total
 
 
+# torch's eager norms save statistics besides their input (Korthikanti et al. count the input only);
+# measured against saved-tensor hooks in tests/test_planner_vs_runtime.py
+EAGER_NORM_STATS = True
+
+
 def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) -> tuple[float, float]:
     """(saved bytes per token of one layer, bytes per token of one layer's full working set)."""
     h, t, f = m.dim, layout.tp, m.ffn_dim
     hq, hkv, a = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m), m.n_heads
     mask = 1 if m.dropout > 0 else 0
-    replicated = 4 * elem * h + 2 * mask * h
+    norm_stats = 0
+    if EAGER_NORM_STATS:  # two norms per layer; RMSNorm saves x*rstd (h) and rstd, LayerNorm mean and rstd
+        norm_stats = 2 * elem * (h + 1) if m.norm == "rmsnorm" else 2 * elem * 2
+    replicated = 4 * elem * h + 2 * mask * h + norm_stats
     sharded = elem * (2 * hq + 2 * hkv) + (4 if m.mlp == "swiglu" else 2) * elem * f
     if FUSED_ATTENTION:
         core = 4.0 * a

@@ -5,6 +5,9 @@ Every error is a LauncherError whose one line names the key and the fix.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 from launcher.config import LauncherError, TrainConfig
 from launcher.planner.layout import Machine
 from launcher.planner.machine import machine, worker_threads
@@ -33,7 +36,12 @@ def _int_or_auto(key: str, value: object) -> int | None:
 
 def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
     local = min(world, local_devices(cfg))
-    return machine(cfg.hardware, worker_threads(cfg.threads, local), cfg.cache_dir)
+    threads = worker_threads(cfg.threads, local)
+    mach = machine(cfg.hardware, threads, cfg.cache_dir)
+    if mach.kind == "cpu":  # local workers share the cores: more threads than cores time-slice
+        share = min(1.0, (os.cpu_count() or 1) / (local * threads))
+        mach = dataclasses.replace(mach, peak_flops=mach.peak_flops * share)
+    return mach
 
 
 def elem_bytes(cfg: TrainConfig) -> int:
