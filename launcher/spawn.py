@@ -15,6 +15,7 @@ from typing import Any
 
 from launcher.config import TrainConfig
 from launcher.layout import Layout, owner_rank
+from launcher.train.preemption import LOCAL_WORKER_ENV
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,14 @@ def start_local_workers(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict
         monitor_interval=0.1,
         start_method="spawn",
     )
+    os.environ[LOCAL_WORKER_ENV] = "1"  # inherited by the workers (see launcher/train/preemption.py)
     try:
         results = elastic_launch(config, run_rank)(cfg, run_dir, layout)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {failure_text(failure)}") from None
+    finally:
+        os.environ.pop(LOCAL_WORKER_ENV, None)
     return results[owner_rank(layout)]
 
 

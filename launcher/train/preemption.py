@@ -3,6 +3,7 @@ rank to finish its step, save a checkpoint and exit with `PREEMPTED_EXIT` so the
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType
@@ -12,6 +13,9 @@ import torch.distributed as dist
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later", what a requeue is
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Set in local workers started by the elastic agent, which tears a failed group down with SIGTERM:
+# there only SIGUSR1 means "save and stop", and SIGTERM keeps its default (die at once).
+LOCAL_WORKER_ENV = "LAUNCHER_LOCAL_WORKER"
 
 
 def agree(value: bool, op: dist.ReduceOp.RedOpType) -> bool:
@@ -31,7 +35,7 @@ class PreemptionFlag:
         self.raised = False
         self.previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
+            for sig in (signal.SIGUSR1,) if os.environ.get(LOCAL_WORKER_ENV) else SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
