@@ -51,7 +51,13 @@ def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict[str, Any]:
     if cfg.hardware.kind == "cuda":
         torch.cuda.set_device(env.local_rank)
     backend = "nccl" if cfg.hardware.kind == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+    store = None
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # The agent's store outlives a restart: without a per-attempt prefix, a restarted group can
+        # read the dead workers' addresses and wait on them forever.
+        base, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size))
+        store = dist.PrefixStore(f"launcher/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size)
     try:
         return train(cfg, run_dir, env.rank, layout)
     finally:

@@ -80,7 +80,7 @@ def worker_pids(parent: int) -> list[int]:
 
 
 def test_sigkilled_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
-    steps, every = 40, 2
+    steps, every = 10, 2
     args = [
         "+model=tiny",
         "seq_len=32",
