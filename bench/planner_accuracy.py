@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import time
@@ -27,7 +26,7 @@ import torch
 
 from bench.parallel import LAYOUTS, SavedTensorMeter, train_step
 from launcher.config import TrainConfig, compose_config
-from launcher.layout import build_mesh, resolve_layout
+from launcher.layout import build_mesh, resolve_layout, with_degrees
 from launcher.model.transformer import Block, rope_tables
 from launcher.parallel import parallelize
 from launcher.parallel.pipeline import stage_module
@@ -52,9 +51,7 @@ def resolved_config(tp: int, pp: int, dp: int, seq_len: int, batch: int, *overri
         *overrides,
     )  # fmt: skip
     layout = resolve_layout(cfg, None)
-    return dataclasses.replace(
-        cfg, tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate
-    )
+    return with_degrees(cfg, layout)
 
 
 def local_numel(module: torch.nn.Module) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import difflib
 import io
 import re
@@ -78,7 +77,6 @@ def run_app(config_name: str, task: Callable[[Any], None]) -> None:
     app = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(wrapped)
     try:
         with contextlib.redirect_stderr(captured):
-            sys.stderr = captured
             app()
     except SystemExit as exit_:
         if started or exit_.code in (0, None):
@@ -86,8 +84,6 @@ def run_app(config_name: str, task: Callable[[Any], None]) -> None:
             raise
         print(f"error: {one_line(captured.getvalue())}", file=real_stderr)
         sys.exit(BAD_INPUT)
-    finally:
-        sys.stderr = real_stderr
     if not started:
         real_stderr.write(captured.getvalue())
 
@@ -101,7 +97,7 @@ def train_task(cfg: TrainConfig) -> None:
 
 def _train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
-    from launcher.layout import check_layout, launch_world_size, resolve_layout
+    from launcher.layout import check_layout, launch_world_size, resolve_layout, with_degrees
     from launcher.metrics.sinks import write_json
     from launcher.planner import check
     from launcher.spawn import WorkerFailed, env_rank, launch
@@ -112,9 +108,7 @@ def _train_task(cfg: TrainConfig) -> None:
     world = launch_world_size(cfg, env.world_size if env else None)
     cfg = fill_auto(cfg, world)
     layout = resolve_layout(cfg, world)
-    cfg = dataclasses.replace(
-        cfg, tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate
-    )
+    cfg = with_degrees(cfg, layout)
     validate(cfg, layout.dp)
     check_layout(cfg, layout, local=env is None)
     if cfg.dry_run:  # shapes only: a layout that would not fit is reported, not refused

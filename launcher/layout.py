@@ -7,11 +7,13 @@ data parallel (replicate outer, shard inner), then pipeline outermost:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 
 from launcher.config import LauncherError, TrainConfig, positive_int
+from launcher.planner.search import divisors
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,13 @@ def _degree(cfg: TrainConfig, key: str) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise LauncherError(f"{key}={value}: a parallel degree is a positive integer or auto")
     return value
+
+
+def with_degrees(cfg: TrainConfig, layout: Layout) -> TrainConfig:
+    """`cfg` with its `auto` degrees replaced by the resolved layout's (what workers and the planner read)."""
+    return dataclasses.replace(
+        cfg, tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate
+    )
 
 
 def resolve_layout(cfg: TrainConfig, world_size: int | None = None) -> Layout:
@@ -133,12 +142,8 @@ def pipeline_microbatches(cfg: TrainConfig, layout: Layout) -> int:
     local = local_batch_size(cfg, layout)
     if local % (2 * layout.pp) == 0:
         return 2 * layout.pp
-    divisors = _divisors(local)
-    return next((d for d in divisors if d >= layout.pp), divisors[-1])
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    options = divisors(local)
+    return next((d for d in options if d >= layout.pp), options[-1])
 
 
 def check_layout(cfg: TrainConfig, layout: Layout, local: bool = True) -> None:
@@ -148,7 +153,7 @@ def check_layout(cfg: TrainConfig, layout: Layout, local: bool = True) -> None:
     kv = m.n_kv_heads or m.n_heads
     if layout.tp > 1:
         shared = math.gcd(math.gcd(m.n_heads, kv), math.gcd(m.ffn_dim, m.vocab_size))
-        fits = ", ".join(str(d) for d in _divisors(shared))
+        fits = ", ".join(str(d) for d in divisors(shared))
         for key, value, what in (
             ("model.n_heads", m.n_heads, "attention heads are split over the tensor-parallel ranks"),
             ("model.n_kv_heads", kv, "KV heads are split over the tensor-parallel ranks"),

@@ -17,21 +17,25 @@ ROOT = Path(__file__).resolve().parent.parent
 make_config = compose_config
 
 
-def tiny_config(tmp_path: Path, *overrides: str) -> TrainConfig:
-    """A seconds-long CPU run of the tiny model, quiet, with its own data cache."""
-    return make_config(
+def tiny_args(cache: str | Path, steps: int = 4) -> list[str]:
+    """Overrides for a seconds-long, quiet CPU run of the tiny model with its own data cache."""
+    return [
         "+model=tiny",
-        "steps=4",
+        f"steps={steps}",
         "seq_len=32",
         "batch.micro=4",
         "eval.every=0",
         "metrics.console=none",
         "metrics.wandb.mode=disabled",
-        f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.cache_dir={cache}",
         "data.max_bytes=200000",
         "threads=1",
-        *overrides,
-    )
+    ]
+
+
+def tiny_config(tmp_path: Path, *overrides: str) -> TrainConfig:
+    """The TrainConfig of `tiny_args` (later overrides win)."""
+    return make_config(*tiny_args(tmp_path / "cache"), *overrides)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

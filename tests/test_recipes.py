@@ -3,14 +3,13 @@ and its dry run builds the sharded model."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
 from launcher.config import CONF_DIR, compose_config, validate
-from launcher.layout import launch_world_size, resolve_layout
+from launcher.layout import launch_world_size, resolve_layout, with_degrees
 from launcher.planner import check
 from tests.conftest import run_cli
 
@@ -35,9 +34,7 @@ def test_the_promised_recipes_exist() -> None:
 def test_recipe_is_accepted_and_header_states_the_prediction(name: str) -> None:
     cfg = compose_config(f"+recipe={name}")
     layout = resolve_layout(cfg, launch_world_size(cfg, None))
-    cfg = dataclasses.replace(
-        cfg, tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate
-    )
+    cfg = with_degrees(cfg, layout)
     validate(cfg, layout.dp)
     prediction = check(cfg, layout.world_size)  # raises if predicted not to fit
     header = (Path(CONF_DIR) / "recipe" / f"{name}.yaml").read_text()

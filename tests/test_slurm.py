@@ -13,7 +13,7 @@ import pytest
 
 from launcher.config import LauncherError
 from launcher.slurm import emit_script, expand_nodelist, job_resources, preflight, rendezvous
-from tests.conftest import make_config, run_cli, tiny_config
+from tests.conftest import make_config, run_cli, tiny_args, tiny_config
 from tests.slurm_fixture import job_state, slurm, slurm_cluster, wait_for  # noqa: F401  (fixture)
 
 TRAIN = str(Path(sys.executable).parent / "train")
@@ -27,21 +27,6 @@ def on_cluster(test):  # noqa: ANN001, ANN201
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("cache"))
-
-
-def tiny(cache: str, steps: int = 4) -> list[str]:
-    return [
-        "+model=tiny",
-        f"steps={steps}",
-        "seq_len=32",
-        "batch.micro=4",
-        "eval.every=0",
-        "metrics.console=none",
-        "metrics.wandb.mode=disabled",
-        f"data.cache_dir={cache}",
-        "data.max_bytes=200000",
-        "threads=1",
-    ]
 
 
 def sweep_dir(out: Path) -> Path:
@@ -74,7 +59,7 @@ def test_too_many_tasks_per_node_is_one_line(tmp_path: Path, cache: str) -> None
     with pytest.raises(LauncherError, match="needs 16 tasks per node .* devices_per_node=8"):
         preflight(cfg, 8, None)
     out = run_cli(
-        "train", "-m", "hydra/launcher=slurm", *tiny(cache), "tp=2", "hardware.devices_per_node=1", cwd=tmp_path
+        "train", "-m", "hydra/launcher=slurm", *tiny_args(cache), "tp=2", "hardware.devices_per_node=1", cwd=tmp_path
     )
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: the layout needs 2 tasks per node")
@@ -83,7 +68,7 @@ def test_too_many_tasks_per_node_is_one_line(tmp_path: Path, cache: str) -> None
 
 def test_no_sbatch_on_path_is_one_line(tmp_path: Path, cache: str) -> None:
     env = {"PATH": str(Path(sys.executable).parent)}
-    out = run_cli("train", "-m", "hydra/launcher=slurm", *tiny(cache), env=env, cwd=tmp_path)
+    out = run_cli("train", "-m", "hydra/launcher=slurm", *tiny_args(cache), env=env, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs `sbatch` on PATH" in lines[0], out.stderr
@@ -104,7 +89,7 @@ def test_emitted_script(tmp_path: Path) -> None:
 @on_cluster
 def test_partition_that_does_not_exist(tmp_path: Path, cache: str) -> None:
     before = slurm("squeue", "-h", "-o", "%i")
-    out = run_cli("train", "-m", "hydra/launcher=slurm", *tiny(cache), "slurm.partition=nope", cwd=tmp_path)
+    out = run_cli("train", "-m", "hydra/launcher=slurm", *tiny_args(cache), "slurm.partition=nope", cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
         "error: partition 'nope' does not exist on this cluster: set slurm.partition to one of debug"
@@ -115,7 +100,7 @@ def test_partition_that_does_not_exist(tmp_path: Path, cache: str) -> None:
 @on_cluster
 def test_dry_run_submits_nothing(tmp_path: Path, cache: str) -> None:
     out = run_cli(
-        "train", "-m", "hydra/launcher=slurm", *tiny(cache), "tp=2", "seed=1,2", "slurm.dry_run=true", cwd=tmp_path
+        "train", "-m", "hydra/launcher=slurm", *tiny_args(cache), "tp=2", "seed=1,2", "slurm.dry_run=true", cwd=tmp_path
     )
     assert out.returncode == 0, out.stderr
     assert "would submit 2 job(s)" in out.stdout and "#SBATCH --ntasks-per-node=2" in out.stdout
@@ -125,7 +110,9 @@ def test_dry_run_submits_nothing(tmp_path: Path, cache: str) -> None:
 
 @on_cluster
 def test_two_task_job_trains(tmp_path: Path, cache: str) -> None:
-    out = run_cli("train", "-m", "hydra/launcher=slurm", *tiny(cache), "tp=2", "slurm.partition=debug", cwd=tmp_path)
+    out = run_cli(
+        "train", "-m", "hydra/launcher=slurm", *tiny_args(cache), "tp=2", "slurm.partition=debug", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     run = sweep_dir(tmp_path) / "0"
     assert steps_of(run) == [1, 2, 3, 4]
@@ -139,7 +126,13 @@ def test_two_task_job_trains(tmp_path: Path, cache: str) -> None:
 @on_cluster
 def test_layout_sweep_as_job_array(tmp_path: Path, cache: str) -> None:
     out = run_cli(
-        "train", "-m", "hydra/launcher=slurm", *tiny(cache), "hydra.launcher.tasks_per_node=2", "tp=1,2", cwd=tmp_path
+        "train",
+        "-m",
+        "hydra/launcher=slurm",
+        *tiny_args(cache),
+        "hydra.launcher.tasks_per_node=2",
+        "tp=1,2",
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     sweep = sweep_dir(tmp_path)
@@ -155,7 +148,7 @@ def test_layout_sweep_as_job_array(tmp_path: Path, cache: str) -> None:
 def test_signalled_job_is_requeued_and_resumes(tmp_path: Path, cache: str) -> None:
     """USR1 mid-run (what SLURM sends before the time limit): checkpoint, submitit requeues, the rerun resumes."""
     env = {**os.environ, "LAUNCHER_OUTPUTS": str(tmp_path)}
-    args = [TRAIN, "-m", "hydra/launcher=slurm", *tiny(cache, steps=150), "tp=2", "checkpoint.every=1000"]
+    args = [TRAIN, "-m", "hydra/launcher=slurm", *tiny_args(cache, steps=150), "tp=2", "checkpoint.every=1000"]
     proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         run = wait_for(lambda: next(iter(tmp_path.glob("*/*/0/metrics.jsonl")), None), 120, "training to start").parent
@@ -181,7 +174,7 @@ def test_signalled_job_is_requeued_and_resumes(tmp_path: Path, cache: str) -> No
 @on_cluster
 def test_emitted_script_runs_under_sbatch(tmp_path: Path, cache: str) -> None:
     run = tmp_path / "run"
-    out = run_cli("train", *tiny(cache), "tp=2", "slurm.emit=true", f"run_dir={run}", cwd=tmp_path)
+    out = run_cli("train", *tiny_args(cache), "tp=2", "slurm.emit=true", f"run_dir={run}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     script = Path(out.stdout.strip().splitlines()[-1])
     assert script == run / "job.sbatch" and not (run / "metrics.jsonl").exists()  # written, not run

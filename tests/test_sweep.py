@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from launcher.sweep import summarize
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tiny_args
 
 
 @pytest.fixture(scope="module")
@@ -18,19 +18,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def tiny(cache: str, steps: int = 3) -> list[str]:
-    return [
-        "+model=tiny",
-        f"steps={steps}",
-        "seq_len=32",
-        "batch.micro=4",
-        "eval.every=0",
-        "checkpoint.every=0",
-        "metrics.console=none",
-        "metrics.wandb.mode=disabled",
-        f"data.cache_dir={cache}",
-        "data.max_bytes=200000",
-        "threads=1",
-    ]
+    return [*tiny_args(cache, steps), "checkpoint.every=0"]
 
 
 def sweep_dir(out: Path) -> Path:

@@ -17,12 +17,13 @@ from launcher import flops
 from launcher.config import TrainConfig
 from launcher.data import BatchLoader, load_splits
 from launcher.hardware import peak_flops
-from launcher.layout import Layout, resolve_layout
+from launcher.layout import Layout, owner_rank, resolve_layout
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter
 from launcher.metrics.sinks import JsonlSink, WandbSink, write_json
 from launcher.model import Transformer
 from launcher.parallel import Runner, parallelize
+from launcher.planner.machine import worker_threads
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
 from launcher.train.optim import build_optimizer
 from launcher.train.preemption import PreemptionFlag
@@ -72,8 +73,8 @@ def train(cfg: TrainConfig, run_dir: Path, rank: int = 0, layout: Layout | None 
     rank_logger(run_dir, rank)
     device = pick_device(cfg)
     coords = layout.coordinates(rank)
-    owner = coords["pp"] == layout.pp - 1 and coords["dp"] == 0 and coords["tp"] == 0
-    threads = cfg.threads or max((os.cpu_count() or 1) // layout.world_size, 1)
+    owner = rank == owner_rank(layout)
+    threads = worker_threads(cfg.threads, layout.world_size)  # the planner's rule, so both assume the same
     torch.set_num_threads(threads)
 
     splits = load_splits(cfg.data)
