@@ -60,7 +60,8 @@ LAUNCHES = [
     ],
     [(4, ["tp2-dp2-ddp", "tp2-dp2-fsdp", "tp2-pp2", "tp2-sp-dp2-fsdp", "dp2-pp2-fsdp", "dp2-pp2-ddp", "hsdp2x2"])],
 ]
-PROBED = "tp2"  # the case whose materialized tensors are recorded (the logits test)
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+PROBED = ("tp2", "tp2-sp")  # the cases whose materialized tensors and collectives are recorded
 
 
 def make_cfg(variant: str, case: dict[str, Any] | None = None) -> TrainConfig:
@@ -81,13 +82,17 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ShapeRecorder(TorchDispatchMode):
-    """Shapes of every tensor an op materializes on this rank (a DTensor's local shard)."""
+    """Shapes of every tensor an op materializes on this rank (a DTensor's local shard), and the
+    collectives it issues: (name, elements of the input), forward and backward."""
 
     def __init__(self) -> None:
         super().__init__()
         self.shapes: set[tuple[int, ...]] = set()
+        self.collectives: list[tuple[str, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in COLLECTIVES:
+            self.collectives.append((func.__name__.split(".")[0], args[0].numel()))
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -122,12 +127,18 @@ def train_case(cfg: TrainConfig, world_size: int, probe: bool = False) -> dict[s
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
-    return {"losses": losses, "norms": norms, "grads": grads, "shapes": recorder.shapes}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "shapes": recorder.shapes,
+        "collectives": recorder.collectives,
+    }
 
 
 def run_cases(rank: int, world_size: int, names: list[str]) -> dict[tuple[str, str], Any]:
     return {
-        (variant, name): train_case(make_cfg(variant, CASES[name]), world_size, probe=name == PROBED)
+        (variant, name): train_case(make_cfg(variant, CASES[name]), world_size, probe=name in PROBED)
         for variant in VARIANTS
         for name in names
     }
@@ -179,9 +190,30 @@ def test_matches_single_process(parallel_results: dict, references: dict, varian
 def test_full_logits_never_materialized_under_tp(parallel_results: dict, references: dict, variant: str) -> None:
     micro = make_cfg(variant).batch["micro"]
     full_logits = {(micro, SEQ, VOCAB), (micro * SEQ, VOCAB)}
-    reference = references[variant, repr(CASES[PROBED].get("model"))]
+    reference = references[variant, repr(CASES["tp2"].get("model"))]
     assert full_logits & reference["shapes"], "the recorder must see the logits of the reference run"
-    for rank, result in enumerate(parallel_results[variant, PROBED]):
+    for rank, result in enumerate(parallel_results[variant, "tp2"]):
         seen = {s for s in result["shapes"] if s and s[-1] == VOCAB}
         assert not seen, f"rank {rank} materialized tensors with the full vocabulary: {sorted(seen)}"
         assert (micro * SEQ, VOCAB // 2) in result["shapes"], "each rank holds its vocabulary shard of the logits"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", PROBED)
+def test_tp_ranks_meet_once_per_half_block(parallel_results: dict, variant: str, case: str) -> None:
+    """Megatron's cut: one collective of the activations after attention and one after the MLP, and
+    one each for their input gradients in backward (4 per layer), plus the vocabulary-parallel
+    embedding (forward) and output projection (backward). With sequence parallelism each all-reduce
+    becomes an all-gather and a reduce-scatter; the count is the same for both. Per microbatch."""
+    cfg = make_cfg(variant, CASES[case])
+    full = cfg.batch["micro"] * SEQ * cfg.model.dim  # elements of the (micro, seq, dim) activations
+    expected = (4 * cfg.model.n_layers + 2) * cfg.batch["global"] // cfg.batch["micro"]
+    for rank, result in enumerate(parallel_results[variant, case]):
+        ops = [name for name, numel in result["collectives"] if numel in (full, full // 2)]
+        counted = {name: ops.count(name) for name in sorted(set(ops))}
+        if case == "tp2":
+            assert counted == {"all_reduce": expected}, f"rank {rank}: {counted}"
+        else:
+            assert counted == {"all_gather_into_tensor": expected, "reduce_scatter_tensor": expected}, (
+                f"rank {rank}: {counted}"
+            )

@@ -78,13 +78,15 @@ def plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) 
         block = f"layers.{name}."
         styles[block + "attention_norm"] = norm
         styles[block + "ffn_norm"] = norm
-        if sequence_parallel:  # gather the sequence before the column-parallel projections
-            styles[block + "attention"] = PrepareModuleInput(
-                input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
-            )
-            styles[block + "feed_forward"] = PrepareModuleInput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),)
-            )
+        # Megatron's "f": the half-block's input becomes one replicated DTensor (all-gathered first with
+        # sequence parallelism), so the backward sums the input gradients of wq, wk, wv (w1, w3) and
+        # reduces them once, instead of once per column-parallel projection
+        styles[block + "attention"] = PrepareModuleInput(
+            input_layouts=(stream, None), desired_input_layouts=(Replicate(), None)
+        )
+        styles[block + "feed_forward"] = PrepareModuleInput(
+            input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+        )
         for proj in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             styles[block + proj] = ColwiseParallel()
         for proj in ("attention.wo", "feed_forward.w2"):
