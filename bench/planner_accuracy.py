@@ -243,7 +243,7 @@ def main(argv: list[str]) -> None:
         )
         for col in ("tp", "pp", "dp", "ranks", "thr", "micro x mb", "predicted s", "measured s", "pred/meas", "±25%"):
             table.add_column(col, justify="right")
-        for col in ("compute", "tp comm", "pp p2p", "bubble", "dp exposed"):
+        for col in ("compute", "tp comm", "tp host", "pp p2p", "bubble", "dp exposed"):
             table.add_column(col, justify="right", style="dim")
         for r in sorted(rows, key=lambda r: (r["world"], r["pp"], r["dp"], r["tp"])):
             ok = abs(r["ratio"] - 1) <= TOLERANCE
@@ -252,7 +252,7 @@ def main(argv: list[str]) -> None:
                 str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["world"]), str(r["threads"]),
                 f"{r['micro']} x {r['mb']}", f"{r['predicted']:.3f}", f"{r['measured']:.3f}", f"{r['ratio']:.2f}",
                 "[green]yes[/]" if ok else "[red]no[/]",
-                *(f"{ts[k]:.3f}" for k in ("compute", "tp_comm", "pp_p2p", "pp_bubble", "dp_exposed")),
+                *(f"{ts[k]:.3f}" for k in ("compute", "tp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed")),
             )  # fmt: skip
         console.print(table)
         inside = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in rows)

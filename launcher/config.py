@@ -108,7 +108,7 @@ class LinkConfig:
     name: str = "link"
     size: int = 1  # devices inside one domain of this level
     bandwidth_gbs: float | None = None  # GB/s per device, one direction; None: calibrate (cpu)
-    latency_us: float = 1.0
+    latency_us: float | None = 1.0  # per hop; None: calibrate (cpu)
 
 
 @dataclass
@@ -119,6 +119,9 @@ class HardwareConfig:
     memory_gib: float = 16.0
     devices_per_node: int = 1
     matmul_efficiency: float = 1.0  # achievable share of peak for large matmuls (planner)
+    # host time per tensor-parallel block and microbatch that no device work hides: DTensor dispatch
+    # on a CPU, where the host is the device; 0 on accelerators (launches run ahead). None: calibrate
+    host_overhead_us: float | None = 0.0
     links: list[LinkConfig] = field(default_factory=list)
 
 

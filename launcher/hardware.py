@@ -10,12 +10,17 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from launcher.config import HardwareConfig, LauncherError
+from launcher.planner.comm import hops
+
+GLOO_BYTES = 16 * 2**20  # large enough that bandwidth, not latency, sets its time
 
 
 def cpu_model() -> str:
@@ -32,7 +37,7 @@ def _cache_file(cache_dir: str) -> Path:
     return Path(cache_dir).expanduser() / "calibration.json"
 
 
-def cached_measure(cache_dir: str, key: str, measure: Callable[[], float]) -> float:
+def cached_measure(cache_dir: str, key: str, measure: Callable[[], Any]) -> Any:
     """Return the cached value for `key` on this machine, measuring (and caching) it once."""
     import torch
 
@@ -45,12 +50,13 @@ def cached_measure(cache_dir: str, key: str, measure: Callable[[], float]) -> fl
         except (OSError, ValueError):
             cache = {}  # a corrupt cache is re-measured, never fatal
     if full_key not in cache:
+        print(f"calibrating this machine, once: {key} (cached in {path})", file=sys.stderr, flush=True)
         cache[full_key] = measure()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache, indent=1))
         tmp.replace(path)
-    return float(cache[full_key])
+    return cache[full_key]
 
 
 def measure_gemm_flops(threads: int, n: int = 1024, seconds: float = 0.6) -> float:
@@ -79,55 +85,121 @@ def peak_flops(hw: HardwareConfig, threads: int, cache_dir: str) -> float:
         return hw.peak_tflops * 1e12
     if hw.kind != "cpu":
         raise LauncherError(f"hardware.peak_tflops is not set for '{hw.name}': give its bf16 dense peak")
-    return cached_measure(cache_dir, f"gemm_fp32|threads={threads}", lambda: measure_gemm_flops(threads))
+    return float(cached_measure(cache_dir, f"gemm_fp32|threads={threads}", lambda: measure_gemm_flops(threads)))
 
 
-def _gloo_allreduce_worker(rank: int, world: int, port: int, nbytes: int, seconds: float) -> float:
-    """One rank of the bandwidth measurement: the best all-reduce time of `nbytes`, in seconds."""
+def _same_iteration_exit(end: float) -> bool:
+    """True on every rank once any rank is past `end`, so all leave a timing loop together."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    done = torch.tensor([1.0 if time.perf_counter() > end else 0.0])
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    return done.item() > 0
+
+
+def _gloo_allreduce_worker(rank: int, world: int, port: int, seconds: float, threads: int) -> str:
+    """One rank of the link measurement: median all-reduce seconds of 4 bytes and of GLOO_BYTES within
+    pairs of ranks (as tensor-parallel groups of 2 do), each rank computing a few ms between collectives
+    as a training step does, so the small skew between peers is part of the cost."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        x = torch.ones(nbytes // 4)
-        dist.all_reduce(x)  # warm up (connections, buffers)
-        best, end = float("inf"), time.perf_counter() + seconds
-        while True:
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            best = min(best, time.perf_counter() - t0)
-            done = torch.tensor([1.0 if time.perf_counter() > end else 0.0])
-            dist.all_reduce(done)  # every rank leaves the loop on the same iteration
-            if done.item() > 0:
-                return best
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+        group = pairs[min(rank // 2, len(pairs) - 1)] if rank < 2 * len(pairs) else None
+        a = torch.randn(256, 256)
+        medians = []
+        for nbytes in (4, GLOO_BYTES):
+            x = torch.ones(nbytes // 4)
+            if group is not None:
+                dist.all_reduce(x, group=group)  # warm up (connections, buffers)
+            times, end = [], time.perf_counter() + seconds
+            while True:
+                for _ in range(20):  # ~0.7 GFLOP, a few ms between collectives
+                    a @ a
+                t0 = time.perf_counter()
+                if group is not None:
+                    dist.all_reduce(x, group=group)
+                times.append(time.perf_counter() - t0)
+                if _same_iteration_exit(end):
+                    break
+            medians.append(statistics.median(times))
+        return " ".join(map(str, medians))
     finally:
         dist.destroy_process_group()
 
 
-def measure_gloo_bandwidth(nbytes: int = 16 * 2**20, seconds: float = 0.5, world: int = 2) -> float:
-    """gloo all-reduce bus bandwidth between `world` local processes, GB/s per process, one direction.
+def _tp_overhead_worker(rank: int, world: int, port: int, seconds: float) -> str:
+    """Host seconds per tensor-parallel block and microbatch: a train step of a 2-layer model too small
+    for its FLOPs to matter, under the tensor-parallel plan on a 1-rank mesh (all of DTensor's dispatch,
+    no peer to wait for) minus the same step on plain tensors, over 3 blocks (2 layers + embedding,
+    output and loss as one)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
 
-    Bus bandwidth = 2 (n - 1)/n x bytes / time, the per-device link rate a ring all-reduce sees: the
-    number the planner's collective model divides by. The ranks are fresh interpreters (not
-    multiprocessing), so this works from any entry point.
-    """
+    from launcher.config import ModelConfig
+    from launcher.model.transformer import Transformer
+    from launcher.parallel.tensor import apply_tensor_parallel, loss_context
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        cfg = ModelConfig(name="probe", dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=256, max_seq_len=16)
+        torch.manual_seed(0)
+        plain, sharded = Transformer(cfg), Transformer(cfg)
+        apply_tensor_parallel(sharded, init_device_mesh("cpu", (1,)), sequence_parallel=False)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 9))
+        steps = []
+        for model, tp in ((plain, 1), (sharded, 2)):
+            opt = torch.optim.AdamW(model.parameters(), foreach=True)
+
+            def step(model: torch.nn.Module = model, tp: int = tp, opt: torch.optim.Optimizer = opt) -> None:
+                with loss_context(tp):
+                    logits = model(tokens[:, :-1])
+                    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            steps.append(step)
+        times: list[list[float]] = [[], []]
+        for fn in steps:
+            fn()  # warm up: DTensor's sharding-propagation cache
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:  # alternate, so drift hits both alike
+            for i, fn in enumerate(steps):
+                t0 = time.perf_counter()
+                fn()
+                times[i].append(time.perf_counter() - t0)
+        plain_s, sharded_s = (statistics.median(t) for t in times)
+        return str(max(sharded_s - plain_s, 0.0) / (cfg.n_layers + 1))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(worker: str, world: int, seconds: float, *extra: int) -> str:
+    """Run `launcher.hardware.<worker>(rank, world, port, seconds, *extra)` in `world` fresh interpreters
+    (not multiprocessing: this works from any entry point, inside a process group or not); rank 0's
+    result."""
     import socket
     import subprocess
-    import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = (
-        "import sys; from launcher.hardware import _gloo_allreduce_worker as w; "
-        "print(w(*map(int, sys.argv[1:5]), float(sys.argv[5])))"
+        f"import sys; from launcher.hardware import {worker} as w; "
+        f"print(w(*map(int, sys.argv[1:4]), {seconds!r}, *{extra!r}))"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path]))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code, str(r), str(world), str(port), str(nbytes), str(seconds)],
+            [sys.executable, "-c", code, str(r), str(world), str(port)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -140,30 +212,58 @@ def measure_gloo_bandwidth(nbytes: int = 16 * 2**20, seconds: float = 0.5, world
         for p in procs:
             out, err = p.communicate(timeout=120)
             if p.returncode:
-                raise LauncherError(f"gloo bandwidth calibration failed: {err.strip().splitlines()[-1:]}")
+                raise LauncherError(f"cpu calibration ({worker}) failed: {err.strip().splitlines()[-1:]}")
             outs.append(out)
     except subprocess.TimeoutExpired as e:
-        raise LauncherError("gloo bandwidth calibration timed out: set the cpu link's bandwidth_gbs") from e
+        raise LauncherError(f"cpu calibration ({worker}) timed out: give the cpu profile's numbers") from e
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    best = float(outs[0].split()[-1])
-    return 2 * (world - 1) / world * nbytes / best / 1e9
+    return outs[0].strip().splitlines()[-1]
 
 
-def link_bandwidth_gbs(cache_dir: str) -> float:
-    """The cpu profile's link bandwidth: measured once with gloo between 2 processes, cached."""
-    return cached_measure(cache_dir, "gloo_allreduce_busbw|world=2", measure_gloo_bandwidth)
+def measure_gloo_link(world: int = 2, threads: int = 1, seconds: float = 0.5) -> list[float]:
+    """[latency_us, bandwidth_gbs] of gloo all-reduces between 2 of `world` local processes with
+    `threads` threads each, as the planner's collective model reads them (launcher/planner/comm.py):
+    an all-reduce of n bytes over 2 ranks takes n / bandwidth + 2 x latency, so the 4-byte median gives
+    the latency and the 16 MiB median minus it the bandwidth. Medians, not best times: what a training
+    step meets."""
+    small, big = map(float, _run_ranks("_gloo_allreduce_worker", world, seconds, threads).split())
+    return [small / (2 * hops(2)) * 1e6, GLOO_BYTES / max(big - small, 1e-9) / 1e9]
+
+
+def measure_tp_overhead(seconds: float = 1.0) -> float:
+    """Microseconds of DTensor dispatch per tensor-parallel block and microbatch (fwd + bwd + optimizer)."""
+    return float(_run_ranks("_tp_overhead_worker", 1, seconds)) * 1e6
+
+
+def gloo_link(cache_dir: str) -> list[float]:
+    """The cpu profile's link: [latency_us, bandwidth_gbs] between 2 workers of 1 thread, measured once,
+    cached. More workers than cores share them: the planner scales both by the share (request.py)."""
+    key = "gloo_allreduce_busy|world=2|threads=1"
+    return [float(x) for x in cached_measure(cache_dir, key, measure_gloo_link)]
+
+
+def tp_overhead_us(cache_dir: str) -> float:
+    return float(cached_measure(cache_dir, "tp_dispatch_us|threads=1", measure_tp_overhead))
 
 
 def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> HardwareConfig:
-    """A copy of `hw` with its null numbers calibrated on this machine (peak FLOP/s, link bandwidth)."""
+    """A copy of `hw` with its null numbers calibrated on this machine (peak FLOP/s at `threads`
+    threads, link latency and bandwidth, tensor-parallel host overhead)."""
     from dataclasses import replace
 
     peak = hw.peak_tflops if hw.peak_tflops is not None else peak_flops(hw, threads, cache_dir) / 1e12
-    links = [
-        link if link.bandwidth_gbs is not None else replace(link, bandwidth_gbs=link_bandwidth_gbs(cache_dir))
-        for link in hw.links
-    ]
-    return replace(hw, peak_tflops=peak, links=links)
+    links = []
+    for link in hw.links:
+        if link.bandwidth_gbs is None or link.latency_us is None:
+            latency, bandwidth = gloo_link(cache_dir)
+            link = replace(
+                link,
+                latency_us=latency if link.latency_us is None else link.latency_us,
+                bandwidth_gbs=bandwidth if link.bandwidth_gbs is None else link.bandwidth_gbs,
+            )
+        links.append(link)
+    host = hw.host_overhead_us if hw.host_overhead_us is not None else tp_overhead_us(cache_dir)
+    return replace(hw, peak_tflops=peak, links=links, host_overhead_us=host)

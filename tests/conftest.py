@@ -50,3 +50,15 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 @pytest.fixture
 def cache_dir(tmp_path: Path) -> str:
     return str(tmp_path / "cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def calibrated_cpu() -> None:
+    """Calibrate this machine's cpu profile up front (once per machine, cached) for every thread count
+    a worker may get, so no test's output carries the one-time "calibrating" note."""
+    from launcher.planner.machine import machine
+
+    cfg = compose_config()
+    cores = os.cpu_count() or 1
+    for threads in sorted({max(1, cores // workers) for workers in (1, 2, 4, 8)}):
+        machine(cfg.hardware, threads, cfg.cache_dir)

@@ -298,10 +298,9 @@ def test_cpu_profile_is_calibrated_through_resolve_hardware(monkeypatch):
     import launcher.hardware as hardware
 
     def fake(hw, threads, cache_dir):
-        links = [dict(name=x.name, size=x.size, bandwidth_gbs=2.0, latency_us=x.latency_us) for x in hw.links]
-        return OmegaConf.to_object(
-            OmegaConf.merge(OmegaConf.structured(type(hw)), {"peak_tflops": 0.1, "links": links})
-        )
+        links = [dict(name=x.name, size=x.size, bandwidth_gbs=2.0, latency_us=50.0) for x in hw.links]
+        measured = {"peak_tflops": 0.1, "host_overhead_us": 1000.0, "links": links}
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(type(hw)), measured))
 
     monkeypatch.setattr(hardware, "resolve_hardware", fake)
     cfg = make_cfg("small", "cpu", seq_len=256, tp="auto", pp="auto", batch={"micro": 8, "global": 16})

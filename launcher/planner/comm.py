@@ -21,7 +21,7 @@ from functools import cache
 from launcher.planner.layout import Level
 
 
-def _hops(n: int) -> int:
+def hops(n: int) -> int:
     return 0 if n <= 1 else min(n - 1, 2 * math.ceil(math.log2(n)))
 
 
@@ -49,7 +49,7 @@ def _reduce_scatter_coeffs(levels: tuple[Level, ...], stride: int, size: int) ->
     per_byte, latency, share = 0.0, 0.0, 1.0
     for level, n in split(levels, stride, size):
         per_byte += (n - 1) / n * share / level.bandwidth
-        latency += _hops(n) * level.latency
+        latency += hops(n) * level.latency
         share /= n
     return per_byte, latency
 

@@ -10,14 +10,20 @@ FLOPs are the hardware FLOPs of `flops.py` (recompute included).
 
 Tensor parallelism: 4 all-reduces of b s h activations per layer and microbatch (2 forward, 2
 backward; with sequence parallelism the same bytes as all-gather + reduce-scatter), 2 more when full
-recompute repeats the forward, and one for the vocabulary-parallel embedding or output; none of it
-overlaps compute. Pipeline: every microbatch crosses each stage boundary forward and backward
+recompute repeats the forward, one for the vocabulary-parallel embedding (forward) and one for the
+output projection (backward) on the stages that hold them, and 3 small ones of b s floats for the
+vocabulary-parallel loss (max, sum of exponentials, target logit); none of it overlaps compute. On a
+CPU the host is the device, so DTensor's dispatch (the machine's calibrated host_overhead per block
+and microbatch) adds to the step too; accelerators run ahead of the host and hide it.
+
+Pipeline: every microbatch crosses each stage boundary forward and backward
 (b s h / t bytes: scatter-gather or sequence parallel); the bubble is (p - 1)/v microbatch slots of
 the busiest rank (GPipe and 1F1B: v = 1). Data parallel: gradients are reduced in fp32, FSDP gathers
 weights in the compute dtype; the traffic overlaps the compute it can hide behind (the backward of
 the last microbatch for gradients, each microbatch's forward/backward for ZeRO-3 gathers) except the
 last bucket (one layer's share), and overlapped traffic still costs CONTENTION of its time (the
-collective kernels take SMs and memory bandwidth from the matmuls).
+collective kernels take SMs and memory bandwidth from the matmuls; on a CPU gloo's copies and
+reductions run on the cores the matmuls use, so nothing is hidden).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from launcher.planner.memory import GRAD_BYTES, counts, rank_layers, rank_params
 # 0.66 of the measured 1-thread GEMM peak in one process on this machine, 1/(1 + 128/256).
 H0 = {"cuda": 1024.0, "tpu": 1024.0, "cpu": 128.0}
 REPLICATED = 0.15  # share of the non-matmul work that TP leaves replicated without sequence parallelism
-CONTENTION = 0.2  # share of overlapped communication time still taken from compute
+CONTENTION = {"cuda": 0.2, "tpu": 0.2, "cpu": 1.0}  # share of overlapped communication still taken from compute
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class StepTime:
 
     compute: float  # forward + backward (+ recompute) of all microbatches
     tp_comm: float
+    tp_host: float  # DTensor dispatch the device does not hide (cpu)
     pp_p2p: float
     pp_bubble: float
     dp_exposed: float  # data-parallel communication not hidden behind compute
@@ -55,10 +62,10 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_p2p + self.pp_bubble + self.dp_exposed
+        return self.compute + self.tp_comm + self.tp_host + self.pp_p2p + self.pp_bubble + self.dp_exposed
 
     def as_dict(self) -> dict[str, float]:
-        keys = ("compute", "tp_comm", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
+        keys = ("compute", "tp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
         out = {k: getattr(self, k) for k in keys}
         out["total"] = self.total
         return out
@@ -71,11 +78,11 @@ def compute_efficiency(machine: Machine, m: ModelConfig, layout: Layout) -> floa
     return machine.matmul_efficiency / (1.0 + H0.get(machine.kind, H0["cuda"]) * spread / m.dim)
 
 
-def _exposed(comm_s: float, window: float, buckets: int) -> float:
+def _exposed(comm_s: float, window: float, buckets: int, contention: float) -> float:
     """Seconds of `comm_s` left on the critical path when it overlaps `window` seconds of compute."""
     tail = comm_s / max(1, buckets)
     hideable = comm_s - tail
-    return tail + max(hideable - window, 0.0) + CONTENTION * min(hideable, window)
+    return tail + max(hideable - window, 0.0) + contention * min(hideable, window)
 
 
 def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int) -> StepTime:
@@ -94,15 +101,21 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
 
     act_bytes = tokens * m.dim * elem
     per_layer = 4 + (2 if layout.recompute == "full" else 0)
-    t_tp = (per_layer * layers[busiest] + 1) * comm.all_reduce(lv, act_bytes, 1, t) if t > 1 else 0.0
+    ends = (busiest == 0) + (busiest == p - 1)  # embedding forward, output backward
+    t_tp = t_host = 0.0
+    if t > 1:
+        t_tp = (per_layer * layers[busiest] + ends) * comm.all_reduce(lv, act_bytes, 1, t)
+        t_tp += 3 * comm.all_reduce(lv, tokens * 4.0, 1, t) if busiest == p - 1 else 0.0
+        t_host = machine.host_overhead * (layers[busiest] + ends / 2)  # both ends weigh one block
     t_p2p = 2 * v * comm.send(lv, act_bytes / t, t * layout.dp) if p > 1 else 0.0
-    slot = t_comp + t_tp + t_p2p
+    slot = t_comp + t_tp + t_host + t_p2p
 
     # data parallel: parameters of the busiest rank, over the dp_shard then dp_replicate groups
     params = rank_params(m, layout, busiest)
     bwd = t_comp * (f_hw - f_model / 3.0) / f_hw
     fwd = t_comp - bwd
     buckets = max(1, layers[busiest])
+    c = CONTENTION.get(machine.kind, CONTENTION["cuda"])
     s, rep = layout.dp_shard, layout.dp_replicate
     dp_total = dp_exposed = 0.0
     if s > 1:
@@ -111,19 +124,20 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
         cross = comm.all_reduce(lv, GRAD_BYTES * params / s, t * s, rep) if rep > 1 else 0.0
         if p == 1:  # ZeRO-3: gather for forward and again for backward, reduce-scatter every microbatch
             dp_total = mb * (2 * gather + scatter) + cross
-            dp_exposed = mb * _exposed(gather, fwd, buckets)
-            dp_exposed += (mb - 1) * _exposed(gather + scatter, bwd, buckets)
-            dp_exposed += _exposed(gather + scatter + cross, bwd, buckets)  # HSDP: + replica all-reduce
+            dp_exposed = mb * _exposed(gather, fwd, buckets, c)
+            dp_exposed += (mb - 1) * _exposed(gather + scatter, bwd, buckets, c)
+            dp_exposed += _exposed(gather + scatter + cross, bwd, buckets, c)  # HSDP: + replica all-reduce
         else:  # pipelining keeps the stage gathered: one gather, one reduce-scatter per step
             dp_total = gather + scatter + cross
-            dp_exposed = _exposed(gather, fwd, buckets) + _exposed(scatter + cross, bwd, buckets)
+            dp_exposed = _exposed(gather, fwd, buckets, c) + _exposed(scatter + cross, bwd, buckets, c)
     elif rep > 1:
         dp_total = comm.all_reduce(lv, GRAD_BYTES * params, t, rep)
-        dp_exposed = _exposed(dp_total, bwd, buckets)
+        dp_exposed = _exposed(dp_total, bwd, buckets, c)
 
     return StepTime(
         compute=mb * t_comp,
         tp_comm=mb * t_tp,
+        tp_host=mb * t_host,
         pp_p2p=mb * t_p2p,
         pp_bubble=(p - 1) / v * slot if p > 1 else 0.0,
         dp_exposed=dp_exposed,

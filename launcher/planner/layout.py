@@ -68,3 +68,4 @@ class Machine:
     matmul_efficiency: float
     devices_per_node: int
     levels: tuple[Level, ...]
+    host_overhead: float = 0.0  # seconds per tensor-parallel block and microbatch (cpu: DTensor dispatch)

@@ -17,7 +17,8 @@ KINDS = ("cpu", "cuda", "tpu")
 
 
 def needs_calibration(hw: HardwareConfig) -> bool:
-    return hw.peak_tflops is None or any(link.bandwidth_gbs is None for link in hw.links)
+    links = any(link.bandwidth_gbs is None or link.latency_us is None for link in hw.links)
+    return hw.peak_tflops is None or hw.host_overhead_us is None or links
 
 
 def validate(hw: HardwareConfig) -> None:
@@ -32,8 +33,8 @@ def validate(hw: HardwareConfig) -> None:
         )
     if needs_calibration(hw) and hw.kind != "cpu":
         raise LauncherError(
-            f"hardware '{hw.name}' has null peak_tflops or link bandwidth_gbs: only the cpu profile is "
-            "calibrated; give the datasheet numbers"
+            f"hardware '{hw.name}' has a null peak_tflops, host_overhead_us or link bandwidth_gbs/latency_us: "
+            "only the cpu profile is calibrated; give the datasheet numbers"
         )
 
 
@@ -66,4 +67,5 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
         matmul_efficiency=hw.matmul_efficiency,
         devices_per_node=hw.devices_per_node,
         levels=levels,
+        host_overhead=float(hw.host_overhead_us) * 1e-6,
     )

@@ -78,7 +78,7 @@ def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> 
             f"{p.memory.total / 2**30:.1f}",
             f"{t.total:.3g}",
             f"{t.compute:.3g}",
-            f"{t.tp_comm:.2g}",
+            f"{t.tp_comm + t.tp_host:.2g}",
             f"{t.pp_bubble:.2g}",
             f"{t.dp_exposed:.2g}",
             _fmt_rate(p.tokens_per_s),

@@ -38,9 +38,16 @@ def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
     local = min(world, local_devices(cfg))
     threads = worker_threads(cfg.threads, local)
     mach = machine(cfg.hardware, threads, cfg.cache_dir)
-    if mach.kind == "cpu":  # local workers share the cores: more threads than cores time-slice
+    if mach.kind == "cpu":
+        # local workers share the cores: with more threads than cores everything time-slices, the
+        # matmuls, gloo's copies and reductions, and the framework's dispatch alike
         share = min(1.0, (os.cpu_count() or 1) / (local * threads))
-        mach = dataclasses.replace(mach, peak_flops=mach.peak_flops * share)
+        levels = tuple(
+            dataclasses.replace(lv, bandwidth=lv.bandwidth * share, latency=lv.latency / share) for lv in mach.levels
+        )
+        mach = dataclasses.replace(
+            mach, peak_flops=mach.peak_flops * share, levels=levels, host_overhead=mach.host_overhead / share
+        )
     return mach
 
 

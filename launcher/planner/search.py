@@ -110,6 +110,7 @@ def bottleneck(t: StepTime, efficiency: float) -> str:
     total = t.total
     parts = {
         f"TP communication over {t.tp_level}": t.tp_comm,
+        "tensor-parallel dispatch on the host": t.tp_host,
         "pipeline bubble": t.pp_bubble,
         f"DP communication over {t.dp_level}": t.dp_exposed,
         f"pipeline sends over {t.pp_level}": t.pp_p2p,
