@@ -99,9 +99,10 @@ def _same_iteration_exit(end: float) -> bool:
 
 
 def _gloo_allreduce_worker(rank: int, world: int, port: int, seconds: float, threads: int) -> str:
-    """One rank of the link measurement: median all-reduce seconds of 4 bytes and of GLOO_BYTES within
-    pairs of ranks (as tensor-parallel groups of 2 do), each rank computing a few ms between collectives
-    as a training step does, so the small skew between peers is part of the cost."""
+    """One rank of the link measurement: mean all-reduce seconds of 4 bytes and of GLOO_BYTES within
+    pairs of ranks (as tensor-parallel groups of 2 do), averaged over the ranks. Each rank computes a
+    few ms between collectives, as a training step does, so the wait for a peer that arrives late is
+    part of the cost. Means, not medians: that wait has a heavy tail, and a step pays the sum."""
     import torch
     import torch.distributed as dist
 
@@ -111,7 +112,7 @@ def _gloo_allreduce_worker(rank: int, world: int, port: int, seconds: float, thr
         pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
         group = pairs[min(rank // 2, len(pairs) - 1)] if rank < 2 * len(pairs) else None
         a = torch.randn(256, 256)
-        medians = []
+        means = []
         for nbytes in (4, GLOO_BYTES):
             x = torch.ones(nbytes // 4)
             if group is not None:
@@ -126,8 +127,10 @@ def _gloo_allreduce_worker(rank: int, world: int, port: int, seconds: float, thr
                 times.append(time.perf_counter() - t0)
                 if _same_iteration_exit(end):
                     break
-            medians.append(statistics.median(times))
-        return " ".join(map(str, medians))
+            means.append(statistics.fmean(times))
+        averaged = torch.tensor(means, dtype=torch.float64)
+        dist.all_reduce(averaged)
+        return " ".join(str(x / world) for x in averaged.tolist())
     finally:
         dist.destroy_process_group()
 
@@ -226,9 +229,9 @@ def _run_ranks(worker: str, world: int, seconds: float, *extra: int) -> str:
 def measure_gloo_link(world: int = 2, threads: int = 1, seconds: float = 0.5) -> list[float]:
     """[latency_us, bandwidth_gbs] of gloo all-reduces between 2 of `world` local processes with
     `threads` threads each, as the planner's collective model reads them (launcher/planner/comm.py):
-    an all-reduce of n bytes over 2 ranks takes n / bandwidth + 2 x latency, so the 4-byte median gives
-    the latency and the 16 MiB median minus it the bandwidth. Medians, not best times: what a training
-    step meets."""
+    an all-reduce of n bytes over 2 ranks takes n / bandwidth + 2 x latency, so the 4-byte mean gives
+    the latency and the 16 MiB mean minus it the bandwidth. Means, not best times: what a training
+    step pays."""
     small, big = map(float, _run_ranks("_gloo_allreduce_worker", world, seconds, threads).split())
     return [small / (2 * hops(2)) * 1e6, GLOO_BYTES / max(big - small, 1e-9) / 1e9]
 
@@ -241,7 +244,7 @@ def measure_tp_overhead(seconds: float = 1.0) -> float:
 def gloo_link(cache_dir: str) -> list[float]:
     """The cpu profile's link: [latency_us, bandwidth_gbs] between 2 workers of 1 thread, measured once,
     cached. More workers than cores share them: the planner scales both by the share (request.py)."""
-    key = "gloo_allreduce_busy|world=2|threads=1"
+    key = "gloo_allreduce_mean|world=2|threads=1"
     return [float(x) for x in cached_measure(cache_dir, key, measure_gloo_link)]
 
 
