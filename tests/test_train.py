@@ -96,3 +96,24 @@ def test_train_cli_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "step=3" in result.stdout and "summary" in result.stdout
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "rank0.log").exists()
+
+
+def _write_many(path: str) -> None:
+    from launcher.metrics.sinks import write_json
+
+    for i in range(300):
+        write_json(Path(path), {"i": i})
+
+
+def test_ranks_writing_the_same_json_at_once_do_not_collide(tmp_path: Path) -> None:
+    """Every SLURM task writes prediction.json: a shared temporary name made one rank's rename fail."""
+    import multiprocessing as mp
+
+    path = tmp_path / "prediction.json"
+    procs = [mp.get_context("fork").Process(target=_write_many, args=(str(path),)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert json.loads(path.read_text())["i"] == 299 and not list(tmp_path.glob("*.tmp"))
