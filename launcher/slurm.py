@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from launcher.config import LauncherError, TrainConfig
 
 RESOLVER = "slurm_job"
 PORT_BASE, PORT_SPAN = 20000, 20000
+REQUEUE_WAIT_S = 120.0  # how long a task other than rank 0 waits for the requeue to stop it
 
 
 class Refused(CompactHydraException):
@@ -178,8 +180,15 @@ def requeue() -> bool:
         if job
         else os.environ.get("SLURM_JOB_ID")
     )
-    if not job_id or os.environ.get("SLURM_PROCID", "0") != "0":
-        return bool(job_id)
+    if not job_id:
+        return False
+    if os.environ.get("SLURM_PROCID", "0") != "0":
+        # Rank 0 requeues, and the requeue ends this step. Exiting first could end the step before
+        # rank 0 has asked (srun --kill-on-bad-exit stops every task when one exits non-zero), so
+        # wait for SLURM's SIGTERM, bounded in case rank 0 fails to requeue.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(REQUEUE_WAIT_S)
+        return True
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
         os.kill(os.getpid(), sig)  # submitit's checkpoint_and_try_requeue runs here and exits

@@ -145,6 +145,27 @@ def test_layout_sweep_as_job_array(tmp_path: Path, cache: str) -> None:
     wait_for(lambda: states() == [f"{array}_0|COMPLETED", f"{array}_1|COMPLETED"], 30, f"array {array}: {states()}")
 
 
+def signal_and_release(job: str) -> None:
+    """USR1 to the job's tasks (what SLURM sends before the time limit); once it is requeued, start it
+    again without SLURM's ~2 min hold, but not within the second its credential was revoked in:
+    slurmd compares whole seconds and kills a rerun started then ("Job credential revoked")."""
+    slurm("scancel", "--signal=USR1", job)
+    pending = lambda: slurm("squeue", "-h", "-j", job, "-o", "%T").strip() == "PENDING"  # noqa: E731
+    wait_for(pending, 60, f"job {job} to be requeued")
+    time.sleep(1.5)
+    slurm("scontrol", "update", f"jobid={job}", "StartTime=now")
+
+
+def assert_resumed(run: Path, job: str, steps: int) -> None:
+    """Every step trained exactly once across the two runs, and SLURM ran the job twice."""
+    seen = steps_of(run)
+    assert seen[-1] == steps and sorted(set(seen)) == list(range(1, steps + 1))  # resumed after the checkpoint
+    assert len(seen) == steps  # nothing trained twice: the rerun started after the saved step
+    wait_for(lambda: job_state(job) == "COMPLETED", 30, f"job {job} to be COMPLETED in accounting")
+    assert "Restarts=1" in slurm("scontrol", "show", "job", job)
+    assert json.loads((run / "summary.json").read_text())["steps"] == steps
+
+
 @on_cluster
 def test_signalled_job_is_requeued_and_resumes(tmp_path: Path, cache: str) -> None:
     """USR1 mid-run (what SLURM sends before the time limit): checkpoint, submitit requeues, the rerun resumes."""
@@ -155,24 +176,13 @@ def test_signalled_job_is_requeued_and_resumes(tmp_path: Path, cache: str) -> No
         run = wait_for(lambda: next(iter(tmp_path.glob("*/*/0/metrics.jsonl")), None), 120, "training to start").parent
         wait_for(lambda: len(steps_of(run)) >= 5, 60, "5 steps")
         (job,) = [p.name for p in (run.parent / ".submitit").iterdir() if p.is_dir()]
-        slurm("scancel", "--signal=USR1", job)
-        pending = lambda: slurm("squeue", "-h", "-j", job, "-o", "%T").strip() == "PENDING"  # noqa: E731
-        wait_for(pending, 60, "the job to be requeued")
-        # SLURM holds a requeued job ~2 min; skip that, but not into the second its credential was revoked
-        # in: slurmd compares whole seconds and kills a rerun started then ("Job credential revoked")
-        time.sleep(1.5)
-        slurm("scontrol", "update", f"jobid={job}", "StartTime=now")
+        signal_and_release(job)
         output, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output
-    steps = steps_of(run)
-    assert steps[-1] == 150 and sorted(set(steps)) == list(range(1, 151))  # resumed after the checkpoint
-    assert len(steps) == 150  # nothing trained twice: the rerun started after the saved step
-    wait_for(lambda: job_state(job) == "COMPLETED", 30, f"job {job} to be COMPLETED in accounting")
-    assert "Restarts=1" in slurm("scontrol", "show", "job", job)
-    assert json.loads((run / "summary.json").read_text())["steps"] == 150
+    assert_resumed(run, job, 150)
 
 
 @on_cluster
@@ -189,3 +199,21 @@ def test_emitted_script_runs_under_sbatch(tmp_path: Path, cache: str) -> None:
     assert state == "COMPLETED", (run / f"slurm-{job}.out").read_text()
     assert steps_of(run) == [1, 2, 3, 4]
     assert json.loads((run / "summary.json").read_text())["layout"]["tp"] == 2
+
+
+@on_cluster
+def test_emitted_script_requeues_on_signal_and_resumes(tmp_path: Path, cache: str) -> None:
+    """The plain sbatch path: rank 0 runs `scontrol requeue`, the other rank waits to be stopped
+    (exiting first would let `srun --kill-on-bad-exit` end the step before the requeue)."""
+    run = tmp_path / "run"
+    args = [*tiny_args(cache, steps=150), "tp=2", "checkpoint.every=1000", "slurm.emit=true", f"run_dir={run}"]
+    out = run_cli("train", *args, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job = slurm("sbatch", "--parsable", out.stdout.strip().splitlines()[-1]).strip()
+    wait_for(lambda: (run / "metrics.jsonl").exists() and len(steps_of(run)) >= 5, 120, "5 steps")
+    signal_and_release(job)
+    state = wait_for(
+        lambda: (s := job_state(job)) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s, 180, "the rerun"
+    )
+    assert state == "COMPLETED", (run / f"slurm-{job}.out").read_text()
+    assert_resumed(run, job, 150)
