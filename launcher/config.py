@@ -109,6 +109,10 @@ class LinkConfig:
     size: int = 1  # devices inside one domain of this level
     bandwidth_gbs: float | None = None  # GB/s per device, one direction; None: calibrate (cpu)
     latency_us: float | None = 1.0  # per hop; None: calibrate (cpu)
+    # GB/s per device of these two collectives where the backend does not reach the ring algorithm's
+    # (gloo's reduce-scatter all-reduces the whole buffer); None: bandwidth_gbs (cpu: calibrated)
+    all_gather_gbs: float | None = None
+    reduce_scatter_gbs: float | None = None
 
 
 @dataclass

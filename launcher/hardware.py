@@ -98,11 +98,12 @@ def _same_iteration_exit(end: float) -> bool:
     return done.item() > 0
 
 
-def _gloo_allreduce_worker(rank: int, world: int, port: int, seconds: float, threads: int) -> str:
-    """One rank of the link measurement: mean all-reduce seconds of 4 bytes and of GLOO_BYTES within
-    pairs of ranks (as tensor-parallel groups of 2 do), averaged over the ranks. Each rank computes a
-    few ms between collectives, as a training step does, so the wait for a peer that arrives late is
-    part of the cost. Means, not medians: that wait has a heavy tail, and a step pays the sum."""
+def _gloo_collectives_worker(rank: int, world: int, port: int, seconds: float, threads: int) -> str:
+    """One rank of the link measurement: mean seconds of a 4-byte all-reduce, and of an all-reduce, an
+    all-gather and a reduce-scatter of GLOO_BYTES (the full buffer), within pairs of ranks (as
+    tensor-parallel groups of 2 do), averaged over the ranks. Each rank computes a few ms between
+    collectives, as a training step does, so the wait for a peer that arrives late is part of the
+    cost. Means, not medians: that wait has a heavy tail, and a step pays the sum."""
     import torch
     import torch.distributed as dist
 
@@ -112,18 +113,24 @@ def _gloo_allreduce_worker(rank: int, world: int, port: int, seconds: float, thr
         pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
         group = pairs[min(rank // 2, len(pairs) - 1)] if rank < 2 * len(pairs) else None
         a = torch.randn(256, 256)
+        full, shard = torch.ones(GLOO_BYTES // 4), torch.ones(GLOO_BYTES // 8)
+        collectives = (
+            lambda g: dist.all_reduce(torch.ones(1), group=g),
+            lambda g: dist.all_reduce(full, group=g),
+            lambda g: dist.all_gather_into_tensor(full, shard, group=g),
+            lambda g: dist.reduce_scatter_tensor(shard, full, group=g),
+        )
         means = []
-        for nbytes in (4, GLOO_BYTES):
-            x = torch.ones(nbytes // 4)
+        for collective in collectives:
             if group is not None:
-                dist.all_reduce(x, group=group)  # warm up (connections, buffers)
+                collective(group)  # warm up (connections, buffers)
             times, end = [], time.perf_counter() + seconds
             while True:
                 for _ in range(20):  # ~0.7 GFLOP, a few ms between collectives
                     a @ a
                 t0 = time.perf_counter()
                 if group is not None:
-                    dist.all_reduce(x, group=group)
+                    collective(group)
                 times.append(time.perf_counter() - t0)
                 if _same_iteration_exit(end):
                     break
@@ -226,14 +233,20 @@ def _run_ranks(worker: str, world: int, seconds: float, *extra: int) -> str:
     return outs[0].strip().splitlines()[-1]
 
 
-def measure_gloo_link(world: int = 2, threads: int = 1, seconds: float = 0.5) -> list[float]:
-    """[latency_us, bandwidth_gbs] of gloo all-reduces between 2 of `world` local processes with
-    `threads` threads each, as the planner's collective model reads them (launcher/planner/comm.py):
-    an all-reduce of n bytes over 2 ranks takes n / bandwidth + 2 x latency, so the 4-byte mean gives
-    the latency and the 16 MiB mean minus it the bandwidth. Means, not best times: what a training
-    step pays."""
-    small, big = map(float, _run_ranks("_gloo_allreduce_worker", world, seconds, threads).split())
-    return [small / (2 * hops(2)) * 1e6, GLOO_BYTES / max(big - small, 1e-9) / 1e9]
+def measure_gloo_link(world: int = 2, threads: int = 1, seconds: float = 1.5) -> list[float]:
+    """[latency_us, all-reduce, all-gather and reduce-scatter bandwidth in GB/s] of gloo between 2 of
+    `world` local processes with `threads` threads each, as the planner's collective model reads them
+    (launcher/planner/comm.py). Over 2 ranks an all-reduce of n bytes takes n / bandwidth + 2 latency,
+    an all-gather or a reduce-scatter n / 2 / its bandwidth + latency; the 4-byte all-reduce gives the
+    latency. gloo needs its own numbers for the latter two: its reduce-scatter all-reduces the whole
+    buffer, so it takes as long as an all-reduce, not half."""
+    small, reduce, gather, scatter = map(float, _run_ranks("_gloo_collectives_worker", world, seconds, threads).split())
+    latency = small / (2 * hops(2))
+
+    def gbs(share: float, t: float) -> float:
+        return share * GLOO_BYTES / max(t - small * share, 1e-9) / 1e9
+
+    return [latency * 1e6, gbs(1.0, reduce), gbs(0.5, gather), gbs(0.5, scatter)]
 
 
 def measure_tp_overhead(seconds: float = 1.0) -> float:
@@ -242,9 +255,10 @@ def measure_tp_overhead(seconds: float = 1.0) -> float:
 
 
 def gloo_link(cache_dir: str) -> list[float]:
-    """The cpu profile's link: [latency_us, bandwidth_gbs] between 2 workers of 1 thread, measured once,
-    cached. More workers than cores share them: the planner scales both by the share (request.py)."""
-    key = "gloo_allreduce_mean|world=2|threads=1"
+    """The cpu profile's link: [latency_us, all-reduce, all-gather, reduce-scatter GB/s] between 2
+    workers of 1 thread, measured once, cached. More workers than cores share them: the planner
+    scales these by the share (request.py)."""
+    key = "gloo_collectives_mean|world=2|threads=1"
     return [float(x) for x in cached_measure(cache_dir, key, measure_gloo_link)]
 
 
@@ -261,12 +275,10 @@ def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> Hardwa
     links = []
     for link in hw.links:
         if link.bandwidth_gbs is None or link.latency_us is None:
-            latency, bandwidth = gloo_link(cache_dir)
-            link = replace(
-                link,
-                latency_us=latency if link.latency_us is None else link.latency_us,
-                bandwidth_gbs=bandwidth if link.bandwidth_gbs is None else link.bandwidth_gbs,
+            measured = dict(
+                zip(("latency_us", "bandwidth_gbs", "all_gather_gbs", "reduce_scatter_gbs"), gloo_link(cache_dir))
             )
+            link = replace(link, **{k: v for k, v in measured.items() if getattr(link, k) is None})
         links.append(link)
     host = hw.host_overhead_us if hw.host_overhead_us is not None else tp_overhead_us(cache_dir)
     return replace(hw, peak_tflops=peak, links=links, host_overhead_us=host)

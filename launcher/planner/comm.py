@@ -44,32 +44,38 @@ def split(levels: tuple[Level, ...], stride: int, size: int) -> tuple[tuple[Leve
 
 
 @cache
-def _reduce_scatter_coeffs(levels: tuple[Level, ...], stride: int, size: int) -> tuple[float, float]:
-    """(seconds per byte of the full buffer, seconds of latency) for a hierarchical reduce-scatter."""
+def _coeffs(levels: tuple[Level, ...], stride: int, size: int, kind: str) -> tuple[float, float]:
+    """(seconds per byte of the full buffer, seconds of latency) for a hierarchical reduce-scatter,
+    or all-gather, at each level's bandwidth for that `kind` ("ring": the all-reduce's halves)."""
     per_byte, latency, share = 0.0, 0.0, 1.0
     for level, n in split(levels, stride, size):
-        per_byte += (n - 1) / n * share / level.bandwidth
+        own = {"gather": level.gather_bandwidth, "scatter": level.scatter_bandwidth}.get(kind)
+        per_byte += (n - 1) / n * share / (own or level.bandwidth)
         latency += hops(n) * level.latency
         share /= n
     return per_byte, latency
 
 
-def reduce_scatter(levels: tuple[Level, ...], nbytes: float, stride: int, size: int) -> float:
-    """Seconds to reduce-scatter a buffer of `nbytes` (the full, unsharded size) over the group."""
+def _collective(levels: tuple[Level, ...], nbytes: float, stride: int, size: int, kind: str) -> float:
     if size <= 1 or nbytes <= 0:
         return 0.0
-    per_byte, latency = _reduce_scatter_coeffs(levels, stride, size)
+    per_byte, latency = _coeffs(levels, stride, size, kind)
     return nbytes * per_byte + latency
+
+
+def reduce_scatter(levels: tuple[Level, ...], nbytes: float, stride: int, size: int) -> float:
+    """Seconds to reduce-scatter a buffer of `nbytes` (the full, unsharded size) over the group."""
+    return _collective(levels, nbytes, stride, size, "scatter")
 
 
 def all_gather(levels: tuple[Level, ...], nbytes: float, stride: int, size: int) -> float:
     """Seconds to all-gather into a buffer of `nbytes` (the full size): the reduce-scatter mirrored."""
-    return reduce_scatter(levels, nbytes, stride, size)
+    return _collective(levels, nbytes, stride, size, "gather")
 
 
 def all_reduce(levels: tuple[Level, ...], nbytes: float, stride: int, size: int) -> float:
-    """Seconds to all-reduce `nbytes`: a reduce-scatter then an all-gather."""
-    return 2.0 * reduce_scatter(levels, nbytes, stride, size)
+    """Seconds to all-reduce `nbytes`: a ring reduce-scatter then a ring all-gather."""
+    return 2.0 * _collective(levels, nbytes, stride, size, "ring")
 
 
 def level_of(levels: tuple[Level, ...], footprint: int) -> Level:

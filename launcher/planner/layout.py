@@ -57,6 +57,8 @@ class Level:
     size: int
     bandwidth: float  # bytes/s per device
     latency: float  # seconds per hop
+    gather_bandwidth: float | None = None  # all-gather, when the backend differs; None: bandwidth
+    scatter_bandwidth: float | None = None  # reduce-scatter, likewise
 
 
 @dataclass(frozen=True)

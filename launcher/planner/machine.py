@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from launcher.config import HardwareConfig, LauncherError
+from launcher.config import HardwareConfig, LauncherError, LinkConfig
 from launcher.planner.layout import GIB, Level, Machine
 
 LINK_EFFICIENCY = 0.8  # nccl-tests bus bandwidth is typically 75-90% of the datasheet link rate
@@ -50,12 +50,18 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
         from launcher.hardware import resolve_hardware  # imports torch: calibration only
 
         hw = resolve_hardware(hw, threads, cache_dir)
+
+    def rate(link: LinkConfig, gbs: float | None) -> float | None:
+        return None if gbs is None else float(gbs) * 1e9 * (1.0 if link.name in measured else LINK_EFFICIENCY)
+
     levels = tuple(
         Level(
             name=link.name,
             size=link.size,
-            bandwidth=float(link.bandwidth_gbs) * 1e9 * (1.0 if link.name in measured else LINK_EFFICIENCY),
+            bandwidth=rate(link, link.bandwidth_gbs),
             latency=link.latency_us * 1e-6,
+            gather_bandwidth=rate(link, link.all_gather_gbs),
+            scatter_bandwidth=rate(link, link.reduce_scatter_gbs),
         )
         for link in sorted(hw.links, key=lambda link: link.size)
     )

@@ -43,7 +43,14 @@ def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
         # matmuls, gloo's copies and reductions, and the framework's dispatch alike
         share = min(1.0, (os.cpu_count() or 1) / (local * threads))
         levels = tuple(
-            dataclasses.replace(lv, bandwidth=lv.bandwidth * share, latency=lv.latency / share) for lv in mach.levels
+            dataclasses.replace(
+                lv,
+                bandwidth=lv.bandwidth * share,
+                latency=lv.latency / share,
+                gather_bandwidth=lv.gather_bandwidth and lv.gather_bandwidth * share,
+                scatter_bandwidth=lv.scatter_bandwidth and lv.scatter_bandwidth * share,
+            )
+            for lv in mach.levels
         )
         mach = dataclasses.replace(
             mach, peak_flops=mach.peak_flops * share, levels=levels, host_overhead=mach.host_overhead / share
