@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.config import HardwareConfig, LauncherError
+from launcher.metrics.sinks import write_json
 from launcher.planner.comm import hops
 
 GLOO_BYTES = 16 * 2**20  # large enough that bandwidth, not latency, sets its time
@@ -53,9 +54,7 @@ def cached_measure(cache_dir: str, key: str, measure: Callable[[], Any]) -> Any:
         print(f"calibrating this machine, once: {key} (cached in {path})", file=sys.stderr, flush=True)
         cache[full_key] = measure()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(path)
+        write_json(path, cache)
     return cache[full_key]
 
 
@@ -98,39 +97,35 @@ def _same_iteration_exit(end: float) -> bool:
     return done.item() > 0
 
 
-def _gloo_collectives_worker(rank: int, world: int, port: int, seconds: float, threads: int) -> str:
-    """One rank of the link measurement: mean seconds of a 4-byte all-reduce, and of an all-reduce, an
-    all-gather and a reduce-scatter of GLOO_BYTES (the full buffer), within pairs of ranks (as
-    tensor-parallel groups of 2 do), averaged over the ranks. Each rank computes a few ms between
-    collectives, as a training step does, so the wait for a peer that arrives late is part of the
-    cost. Means, not medians: that wait has a heavy tail, and a step pays the sum."""
+def _gloo_collectives_worker(rank: int, world: int, port: int, seconds: float) -> str:
+    """One of 2 ranks of the link measurement: mean seconds of a 4-byte all-reduce, and of an
+    all-reduce, an all-gather and a reduce-scatter of GLOO_BYTES (the full buffer), averaged over the
+    ranks. Each rank computes a few ms between collectives, as a training step does, so the wait for
+    a peer that arrives late is part of the cost. Means, not medians: that wait has a heavy tail, and
+    a step pays the sum."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
-        group = pairs[min(rank // 2, len(pairs) - 1)] if rank < 2 * len(pairs) else None
         a = torch.randn(256, 256)
-        full, shard = torch.ones(GLOO_BYTES // 4), torch.ones(GLOO_BYTES // 8)
+        full, shard = torch.ones(GLOO_BYTES // 4), torch.ones(GLOO_BYTES // 4 // world)
         collectives = (
-            lambda g: dist.all_reduce(torch.ones(1), group=g),
-            lambda g: dist.all_reduce(full, group=g),
-            lambda g: dist.all_gather_into_tensor(full, shard, group=g),
-            lambda g: dist.reduce_scatter_tensor(shard, full, group=g),
+            lambda: dist.all_reduce(torch.ones(1)),
+            lambda: dist.all_reduce(full),
+            lambda: dist.all_gather_into_tensor(full, shard),
+            lambda: dist.reduce_scatter_tensor(shard, full),
         )
         means = []
         for collective in collectives:
-            if group is not None:
-                collective(group)  # warm up (connections, buffers)
+            collective()  # warm up (connections, buffers)
             times, end = [], time.perf_counter() + seconds
             while True:
                 for _ in range(20):  # ~0.7 GFLOP, a few ms between collectives
                     a @ a
                 t0 = time.perf_counter()
-                if group is not None:
-                    collective(group)
+                collective()
                 times.append(time.perf_counter() - t0)
                 if _same_iteration_exit(end):
                     break
@@ -192,20 +187,16 @@ def _tp_overhead_worker(rank: int, world: int, port: int, seconds: float) -> str
         dist.destroy_process_group()
 
 
-def _run_ranks(worker: str, world: int, seconds: float, *extra: int) -> str:
-    """Run `launcher.hardware.<worker>(rank, world, port, seconds, *extra)` in `world` fresh interpreters
-    (not multiprocessing: this works from any entry point, inside a process group or not); rank 0's
-    result."""
+def _run_ranks(worker: str, world: int, seconds: float) -> str:
+    """Run `launcher.hardware.<worker>(rank, world, port, seconds)` in `world` fresh interpreters (not
+    multiprocessing: this works from any entry point, inside a process group or not); rank 0's result."""
     import socket
     import subprocess
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = (
-        f"import sys; from launcher.hardware import {worker} as w; "
-        f"print(w(*map(int, sys.argv[1:4]), {seconds!r}, *{extra!r}))"
-    )
+    code = f"import sys; from launcher.hardware import {worker} as w; print(w(*map(int, sys.argv[1:4]), {seconds!r}))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path]))
     procs = [
         subprocess.Popen(
@@ -233,14 +224,14 @@ def _run_ranks(worker: str, world: int, seconds: float, *extra: int) -> str:
     return outs[0].strip().splitlines()[-1]
 
 
-def measure_gloo_link(world: int = 2, threads: int = 1, seconds: float = 1.5) -> list[float]:
-    """[latency_us, all-reduce, all-gather and reduce-scatter bandwidth in GB/s] of gloo between 2 of
-    `world` local processes with `threads` threads each, as the planner's collective model reads them
+def measure_gloo_link(seconds: float = 1.5) -> list[float]:
+    """[latency_us, all-reduce, all-gather and reduce-scatter bandwidth in GB/s] of gloo between 2
+    local processes of 1 thread each, as the planner's collective model reads them
     (launcher/planner/comm.py). Over 2 ranks an all-reduce of n bytes takes n / bandwidth + 2 latency,
     an all-gather or a reduce-scatter n / 2 / its bandwidth + latency; the 4-byte all-reduce gives the
     latency. gloo needs its own numbers for the latter two: its reduce-scatter all-reduces the whole
     buffer, so it takes as long as an all-reduce, not half."""
-    small, reduce, gather, scatter = map(float, _run_ranks("_gloo_collectives_worker", world, seconds, threads).split())
+    small, reduce, gather, scatter = map(float, _run_ranks("_gloo_collectives_worker", 2, seconds).split())
     latency = small / (2 * hops(2))
 
     def gbs(share: float, t: float) -> float:

@@ -60,6 +60,18 @@ class Level:
     gather_bandwidth: float | None = None  # all-gather, when the backend differs; None: bandwidth
     scatter_bandwidth: float | None = None  # reduce-scatter, likewise
 
+    def time_sliced(self, share: float) -> Level:
+        """This level when each process gets `share` of a core (CPU workers outnumbering the cores):
+        the copies and reductions run slower, and a peer answers later."""
+        return Level(
+            self.name,
+            self.size,
+            self.bandwidth * share,
+            self.latency / share,
+            self.gather_bandwidth and self.gather_bandwidth * share,
+            self.scatter_bandwidth and self.scatter_bandwidth * share,
+        )
+
 
 @dataclass(frozen=True)
 class Machine:

@@ -42,16 +42,7 @@ def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
         # local workers share the cores: with more threads than cores everything time-slices, the
         # matmuls, gloo's copies and reductions, and the framework's dispatch alike
         share = min(1.0, (os.cpu_count() or 1) / (local * threads))
-        levels = tuple(
-            dataclasses.replace(
-                lv,
-                bandwidth=lv.bandwidth * share,
-                latency=lv.latency / share,
-                gather_bandwidth=lv.gather_bandwidth and lv.gather_bandwidth * share,
-                scatter_bandwidth=lv.scatter_bandwidth and lv.scatter_bandwidth * share,
-            )
-            for lv in mach.levels
-        )
+        levels = tuple(lv.time_sliced(share) for lv in mach.levels)
         mach = dataclasses.replace(
             mach, peak_flops=mach.peak_flops * share, levels=levels, host_overhead=mach.host_overhead / share
         )
