@@ -56,9 +56,8 @@ def cache_dir(tmp_path: Path) -> str:
 def calibrated_cpu() -> None:
     """Calibrate this machine's cpu profile up front (once per machine, cached) for every thread count
     a worker may get, so no test's output carries the one-time "calibrating" note."""
-    from launcher.planner.machine import machine
+    from launcher.planner.machine import machine, worker_threads
 
     cfg = compose_config()
-    cores = os.cpu_count() or 1
-    for threads in sorted({max(1, cores // workers) for workers in (1, 2, 4, 8)}):
+    for threads in {worker_threads(None, workers) for workers in (1, 2, 4, 8)}:
         machine(cfg.hardware, threads, cfg.cache_dir)

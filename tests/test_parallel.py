@@ -91,8 +91,9 @@ class ShapeRecorder(TorchDispatchMode):
         self.collectives: list[tuple[str, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in COLLECTIVES:
-            self.collectives.append((func.__name__.split(".")[0], args[0].numel()))
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name in COLLECTIVES:
+            self.collectives.append((name, args[0].numel()))
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
