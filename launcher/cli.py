@@ -101,7 +101,7 @@ def _train_task(cfg: TrainConfig) -> None:
     from launcher.metrics.sinks import write_json
     from launcher.planner import check
     from launcher.spawn import WorkerFailed, env_rank, launch
-    from launcher.train.checkpoint import resolve_resume
+    from launcher.train.checkpoint import preflight_resume
     from launcher.train.preemption import PREEMPTED_EXIT
 
     env = env_rank()
@@ -128,7 +128,8 @@ def _train_task(cfg: TrainConfig) -> None:
         print(emit_script(cfg, run_dir))
         return
     check_source(cfg.data, cfg.model.vocab_size)
-    resolve_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))  # a bad path fails here
+    # a bad path, or checkpoints none of which is readable, fails here
+    preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "prediction.json", prediction)  # the loop puts it into summary.json
     try:

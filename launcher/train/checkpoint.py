@@ -8,15 +8,20 @@ are loaded; a newest one that fails to load is skipped for the previous one (wit
 old checkpoints are deleted only after a newer one is complete.
 
 Tensors are stored with their global shapes (DTensor and FSDP shards are resolved by DCP), so a
-checkpoint written under one layout loads under another. Non-tensor values are read back with
-`torch.load(weights_only=True)`: loading never unpickles arbitrary objects.
+checkpoint written under one layout loads under another.
+
+A checkpoint may come from an untrusted or damaged disk: nothing in it is unpickled beyond DCP's own
+index classes and tensors (launcher/compat.py), and any file that fails to load (index, shards, extras,
+RNG) makes the whole checkpoint unreadable: the previous one is tried, and when checkpoints exist but
+none loads, the run stops (exit 2) rather than start over and prune them.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
+import pickle
+import re
 import shutil
 import time
 import warnings
@@ -30,7 +35,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -38,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from launcher.compat import SafeFileSystemReader, SafeLoadPlanner, dcp_file_extents
 from launcher.config import CheckpointConfig, LauncherError
 from launcher.train.preemption import agree
 
@@ -47,19 +52,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 MARKER = "complete.json"
 EXTRAS = "extras.json"
 FORMAT = 1
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, but non-tensor values are read with weights_only=True (no arbitrary pickles)."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+NAME = re.compile(r"step_\d{8}")
 
 
 def step_of(path: Path) -> int:
@@ -70,8 +63,90 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, newest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial")]
+    found = [p for p in root.glob("step_*") if p.is_dir() and NAME.fullmatch(p.name)]
     return sorted((p for p in found if (p / MARKER).is_file()), key=step_of, reverse=True)
+
+
+class UnreadableCheckpoint(Exception):
+    """A file of a checkpoint failed to load; the message names the file and why."""
+
+
+def why(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP's index of `path`, read with the restricted unpickler (launcher/compat.py)."""
+    try:
+        return SafeFileSystemReader(str(path)).read_metadata()
+    except pickle.UnpicklingError as err:
+        raise UnreadableCheckpoint(str(err)) from None  # "unexpected object X in .metadata"
+    except Exception as err:
+        raise UnreadableCheckpoint(f".metadata: {why(err)}") from None
+
+
+def read_extras(path: Path) -> dict[str, Any]:
+    try:
+        extras = json.loads((path / EXTRAS).read_text())
+    except (OSError, ValueError) as err:
+        raise UnreadableCheckpoint(f"{EXTRAS}: {why(err)}") from None
+    if not isinstance(extras, dict) or not isinstance(extras.get("step"), int):
+        raise UnreadableCheckpoint(f"{EXTRAS}: not an object with an integer step")
+    return extras
+
+
+def read_rng(file: Path) -> torch.Tensor:
+    try:
+        with warnings.catch_warnings():  # a foreign pickle protocol warns before it fails: the error says it
+            warnings.simplefilter("ignore")
+            state = torch.load(file, weights_only=True)
+    except Exception as err:
+        raise UnreadableCheckpoint(f"{file.name}: {why(err)}") from None
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+        raise UnreadableCheckpoint(f"{file.name}: not an RNG state (a uint8 tensor)")
+    return state
+
+
+def verify(path: Path) -> Any:
+    """What can be checked without the model: the index, the extras, every RNG file, and that every
+    shard file holds the bytes the index points into. Returns the index; raises UnreadableCheckpoint."""
+    metadata = read_metadata(path)
+    read_extras(path)
+    for rng in sorted(path.glob("rng_rank*.pt")):
+        read_rng(rng)
+    for name, needed in dcp_file_extents(metadata).items():
+        shard = path / name
+        size = shard.stat().st_size if shard.is_file() else None
+        if size is None or size < needed:
+            what = "missing" if size is None else f"truncated ({size} of {needed} bytes)"
+            raise UnreadableCheckpoint(f"{name}: {what}")
+    return metadata
+
+
+def no_readable(root: Path, failures: list[tuple[Path, str]], fix: str) -> LauncherError:
+    path, why = failures[0]
+    return LauncherError(
+        f"no readable checkpoint under {root} ({len(failures)} found, newest {path.name}: {why}); {fix}"
+    )
+
+
+RESUME_FIX = "resume=never starts over, resume=PATH picks one"
+
+
+def preflight_resume(resume: str, default_root: Path) -> None:
+    """Before any worker starts: a bad resume path, or checkpoints none of which passes `verify`,
+    is one line (exit 2); training from step 0 would prune them."""
+    candidates = resolve_resume(resume, default_root)
+    failures = []
+    for path in candidates:
+        try:
+            verify(path)
+            return
+        except UnreadableCheckpoint as err:
+            failures.append((path, str(err)))
+    if failures:
+        raise no_readable(failures[0][0].parent, failures, RESUME_FIX)
 
 
 def resolve_resume(resume: str, default_root: Path) -> list[Path]:
@@ -121,6 +196,8 @@ class Checkpointer:
         self.root = root
         self.rank = rank
         self.pending: tuple[Future, Path, Path, Stateful] | None = None  # async save in flight
+        self.unreadable: set[Path] = set()  # failed to load: kept until a newer one is saved
+        self.newest_saved = -1  # step of the newest checkpoint this run completed
         # a separate gloo group keeps background checkpoint traffic off the training collectives
         self.group = dist.new_group(backend="gloo") if cfg.async_save and dist.is_initialized() else None
 
@@ -183,17 +260,22 @@ class Checkpointer:
         if self.rank == 0:
             (partial / EXTRAS).write_text(json.dumps({"step": st.step, **st.extras}))
             (partial / MARKER).write_text(json.dumps({"format": FORMAT, "step": st.step, "time": time.time()}))
-            if final.exists():
+            if final.exists():  # an older run's checkpoint of this step (superseded by this one)
                 shutil.rmtree(final)
             partial.rename(final)
+        self.unreadable.discard(final)
+        self.newest_saved = max(self.newest_saved, st.step)
+        if self.rank == 0:
             self.prune()
         _barrier()
         log.info("checkpoint step %d saved to %s in %.2fs", st.step, final, seconds)
 
     def prune(self) -> None:
-        """Delete complete checkpoints beyond `keep` (newest kept) and stale partial folders."""
+        """Delete complete checkpoints beyond `keep` (newest kept) and stale partial folders. One that
+        failed to load is never deleted while no newer checkpoint has been saved: it may be repairable."""
         complete = complete_checkpoints(self.root)
-        for old in complete[max(self.cfg.keep, 1) :]:
+        protected = {p for p in self.unreadable if step_of(p) > self.newest_saved}
+        for old in [p for p in complete if p not in protected][max(self.cfg.keep, 1) :]:
             shutil.rmtree(old, ignore_errors=True)
         newest = step_of(complete[0]) if complete else -1
         for partial in self.root.glob("step_*.partial"):
@@ -202,45 +284,72 @@ class Checkpointer:
 
     # loading --------------------------------------------------------------------------------
     def load(self, candidates: list[Path], parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> Stateful | None:
-        """Load the newest candidate that loads on every rank; None when there is none."""
+        """Load the newest candidate that loads on every rank; None when there are no candidates.
+        Raises LauncherError when there are some but none loads."""
+        failures: list[tuple[Path, str]] = []
         for path in candidates:
             state = self.state(parts, optimizer)
-            check_shapes(path, state)
-            error = ""
+            error, extras, rng = "", {}, None
             try:
-                dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
-                extras = json.loads((path / EXTRAS).read_text())
-            except (Exception, CheckpointException) as err:  # truncated or corrupt shard, unreadable extras
-                error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            if not agree(not error, dist.ReduceOp.MIN):
-                log.warning("checkpoint %s could not be loaded (%s); trying the previous one", path, error)
+                check_shapes(path, verify(path), state)  # another model: a LauncherError on every rank
+                load_shards(state, path)
+                extras = read_extras(path)
+                rng_file = path / f"rng_rank{self.rank}.pt"
+                rng = read_rng(rng_file) if rng_file.is_file() else None  # other world sizes have none
+            except UnreadableCheckpoint as err:
+                error = str(err)
+            error = first_error(error)
+            if error:
+                failures.append((path, error))
+                self.unreadable.add(path)
+                log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, error)
                 if self.rank == 0:
                     print(
-                        f"warning: checkpoint {path} is unreadable ({error or 'on another rank'}); "
-                        "falling back to the previous one",
+                        f"warning: checkpoint {path} is unreadable ({error}); falling back to the previous one",
                         flush=True,
                     )
                 continue
             model = model_view(parts)
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, optimizer, state["optim"])
-            rng = path / f"rng_rank{self.rank}.pt"
-            if rng.is_file():  # same world size: exact continuation of dropout randomness
-                torch.set_rng_state(torch.load(rng, weights_only=True))
+            if rng is not None:  # same world size: exact continuation of dropout randomness
+                torch.set_rng_state(rng)
             log.info("resumed from %s at step %d", path, extras["step"])
             return Stateful(step=int(extras.pop("step")), extras=extras)
+        if failures:
+            raise no_readable(candidates[0].parent, failures, RESUME_FIX)
         return None
 
 
-def check_shapes(path: Path, state: dict[str, Any]) -> None:
-    """A checkpoint of another model shape: name the first tensor that differs."""
+def load_shards(state: dict[str, Any], path: Path) -> None:
+    """Fill `state` from the checkpoint's shards (DCP, restricted reader); UnreadableCheckpoint if any fails."""
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception:
-        return  # unreadable metadata is handled as a corrupt checkpoint by the caller
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=SafeLoadPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
+    except (Exception, CheckpointException) as err:  # a corrupt shard; DCP's own text is a traceback
+        if isinstance(err, CheckpointException) and err.failures:
+            err = next(iter(err.failures.values()))[0]
+        raise UnreadableCheckpoint(f"shards: {why(err)}") from None
+
+
+def first_error(error: str) -> str:
+    """The first rank's error, on every rank ("" when every rank loaded): ranks must agree to fall back."""
+    if not dist.is_initialized() or agree(not error, dist.ReduceOp.MIN):
+        return error
+    errors: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"{e} (rank {r})" if r else e for r, e in enumerate(errors) if e), "")
+
+
+def check_shapes(path: Path, metadata: Any, state: dict[str, Any]) -> None:
+    """A checkpoint of another model shape: name the first tensor that differs."""
+    saved_shapes = metadata.state_dict_metadata
     for fqn, tensor in state["model"].items():
-        key = f"model.{fqn}"
-        saved = getattr(metadata.get(key), "size", None)
+        saved = getattr(saved_shapes.get(f"model.{fqn}"), "size", None)
         if saved is not None and tuple(saved) != tuple(tensor.shape):
             raise LauncherError(
                 f"checkpoint {path} holds {fqn} with shape {tuple(saved)} but the model has {tuple(tensor.shape)}: "
