@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,6 +46,27 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     return subprocess.run(
         [str(exe), *args[1:]], capture_output=True, text=True, env=full_env, cwd=cwd or ROOT, timeout=600
     )
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step from a run's metrics.jsonl; a step trained again (resume, restart) keeps its last value."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def worker_pids(parent: int) -> list[int]:
+    """Local workers of a `train` process: its multiprocessing-spawned children."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat[1]) == parent and b"spawn_main" in cmdline:
+                pids.append(int(entry.name))
+    return pids
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import time
@@ -17,12 +16,7 @@ from launcher.model import Transformer
 from launcher.train.checkpoint import complete_checkpoints, resolve_resume
 from launcher.train.loop import build_model, train
 from launcher.train.preemption import PREEMPTED_EXIT
-from tests.conftest import run_cli, tiny_config
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+from tests.conftest import losses, run_cli, tiny_config
 
 
 def test_resume_is_exact(tmp_path: Path) -> None:

@@ -17,14 +17,9 @@ import pytest
 from launcher.layout import resolve_layout
 from launcher.spawn import start_local_workers
 from launcher.train.loop import train
-from tests.conftest import tiny_config
+from tests.conftest import losses, tiny_config, worker_pids
 
 COMMON = ("hardware.peak_tflops=1.0", "steps=6", "batch.global=8", "threads=1")
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}  # a restarted step's last value wins
 
 
 def run(tmp_path: Path, name: str, *overrides: str) -> Path:
@@ -62,21 +57,6 @@ def test_checkpoint_reshards_across_layouts(
     got = losses(resumed)
     assert sorted(got) == [4, 5, 6]
     assert [got[s] for s in (4, 5, 6)] == pytest.approx([reference[s] for s in (4, 5, 6)], rel=1e-4)
-
-
-def worker_pids(parent: int) -> list[int]:
-    """Local workers of a `train` process: its multiprocessing-spawned children."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat[1]) == parent and b"spawn_main" in cmdline:
-                pids.append(int(entry.name))
-    return pids
 
 
 def test_sigkilled_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
