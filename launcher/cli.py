@@ -6,6 +6,7 @@ import contextlib
 import difflib
 import io
 import re
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import fields, is_dataclass
@@ -19,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config import CONF_DIR, LauncherError, TrainConfig, default_batch, validate
 
 BAD_INPUT = 2
+INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command stopped by Ctrl-C
 
 
 def schema_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
@@ -78,6 +80,9 @@ def run_app(config_name: str, task: Callable[[Any], None]) -> None:
     try:
         with contextlib.redirect_stderr(captured):
             app()
+    except KeyboardInterrupt:  # Ctrl-C before a run can save, or a second one (launcher/train/preemption.py)
+        print("interrupted: stopped without saving", file=real_stderr)
+        sys.exit(INTERRUPTED)
     except SystemExit as exit_:
         if started or exit_.code in (0, None):
             real_stderr.write("" if started else captured.getvalue())

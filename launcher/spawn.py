@@ -2,20 +2,33 @@
 
 "Run here" is read from the environment that torchrun or SLURM sets. Otherwise a world of one runs
 in this process (no launch cost), and a larger world starts one local worker per rank through
-PyTorch's elastic launch API, which also tears the group down when a worker dies.
+PyTorch's elastic agent, which also tears the group down when a worker dies (and restarts it). The
+local launcher owns its workers' signals: SIGINT, SIGTERM and SIGUSR1 sent to it mean "every rank saves
+at the same step and stops", as they do for a rank of torchrun or SLURM.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
+import threading
+import time
 import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.config import TrainConfig
 from launcher.layout import Layout, owner_rank
-from launcher.train.preemption import LOCAL_WORKER_ENV
+from launcher.train.preemption import LOCAL_WORKER_ENV, STOP_SIGNALS, PreemptionFlag, local_worker_signals
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.api import RunResult
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,8 @@ def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict[str, Any]:
 
     from launcher.train.loop import train
 
+    if os.environ.get(LOCAL_WORKER_ENV):
+        local_worker_signals()
     env = env_rank()
     assert env is not None, "run_rank needs RANK/WORLD_SIZE (torchrun, elastic launch) or SLURM variables"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -66,29 +81,110 @@ def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict[str, Any]:
 
 def start_local_workers(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict[str, Any]:
     """One process per rank on this machine; returns the summary of the output-owning rank."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=layout.world_size,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=cfg.max_restarts,  # a restarted group resumes from the newest complete checkpoint
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
+    agent = local_agent(cfg, run_dir, layout)
     os.environ[LOCAL_WORKER_ENV] = "1"  # inherited by the workers (see launcher/train/preemption.py)
     try:
-        results = elastic_launch(config, run_rank)(cfg, run_dir, layout)
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {failure_text(failure)}") from None
+        result = supervise(agent)
     finally:
         os.environ.pop(LOCAL_WORKER_ENV, None)
-    return results[owner_rank(layout)]
+        agent.get_worker_group().spec.rdzv_handler.shutdown()
+    if result.is_failed():
+        rank, failure = min(result.failures.items(), key=lambda item: item[1].timestamp)
+        raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {failure_text(failure)}")
+    return result.return_values[owner_rank(layout)]
+
+
+def supervise(agent: LocalElasticAgent) -> RunResult:
+    """Run the agent in a helper thread, so that this (main) thread keeps the signal handlers (the agent
+    would install its own, which only kill the workers): SIGINT, SIGTERM or SIGUSR1 here is forwarded to
+    the workers as SIGUSR1, "save and stop" (train/preemption.py); a second Ctrl-C kills them."""
+    outcome: Future = Future()
+
+    def run_agent() -> None:
+        # Blocked in this thread, hence in the workers it starts until they are ready for them
+        # (train/preemption.py): a terminal's Ctrl-C or an early SIGUSR1 must not kill a starting worker.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            outcome.set_result(agent.run())
+        except BaseException as err:  # handed to the main thread, which raises it
+            outcome.set_exception(err)
+
+    stop = PreemptionFlag(STOP_SIGNALS)
+    forwarded: set[int] = set()
+    quiet_thread_warning()
+    try:
+        threading.Thread(target=run_agent, name="elastic-agent", daemon=True).start()
+        while True:
+            try:
+                return outcome.result(timeout=0.1)
+            except FutureTimeout:
+                if stop.raised:  # each poll, so that a group the agent restarts after the signal gets it too
+                    signal_workers(agent, signal.SIGUSR1, forwarded)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving
+        kill_workers(agent, outcome)
+        raise
+    finally:
+        stop.restore()
+
+
+def local_agent(cfg: TrainConfig, run_dir: Path, layout: Layout) -> LocalElasticAgent:
+    """PyTorch's elastic agent for `run_rank` on this machine, built as `elastic_launch` builds it, but
+    kept at hand: its worker group names the worker processes and its rendezvous can be closed."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    rendezvous = RendezvousParameters("c10d", "127.0.0.1:0", uuid.uuid4().hex, min_nodes=1, max_nodes=1)
+    spec = WorkerSpec(
+        role="worker",
+        local_world_size=layout.world_size,
+        rdzv_handler=get_rendezvous_handler(rendezvous),
+        entrypoint=run_rank,
+        args=(cfg, run_dir, layout),
+        max_restarts=cfg.max_restarts,  # a restarted group resumes from the newest complete checkpoint
+        monitor_interval=0.1,
+    )
+    return LocalElasticAgent(spec, DefaultLogsSpecs(), start_method="spawn")
+
+
+def quiet_thread_warning() -> None:
+    """Drop the agent's warning that, off the main thread, it cannot install its signal handlers: here
+    that is the point. A private detail of torch (the logger's name and the message): move to compat.py."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(not_the_thread_warning)
+
+
+def not_the_thread_warning(record: logging.LogRecord) -> bool:
+    return "running on a child thread" not in record.getMessage()
+
+
+def signal_workers(agent: LocalElasticAgent, sig: int, done: set[int]) -> None:
+    """Send `sig` once to each worker process the agent runs now (a restarted group has new ones)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    group = agent.get_worker_group()
+    if group.state != WorkerState.HEALTHY:  # starting or stopping: its ids are not running workers
+        return
+    for pid in {worker.id for worker in group.workers} - done - {None}:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        done.add(pid)
+
+
+def kill_workers(agent: LocalElasticAgent, outcome: Future, wait_s: float = 10.0) -> None:
+    """Stop at once: close the rendezvous, so that the agent ends instead of restarting the group it
+    sees fail, and kill the workers until it has ended."""
+    agent.get_worker_group().spec.rdzv_handler.set_closed()
+    killed: set[int] = set()
+    deadline = time.monotonic() + wait_s
+    logging.disable(logging.ERROR)  # torch reports each death it sees, with a traceback: not news here
+    try:
+        while not outcome.done() and time.monotonic() < deadline:
+            signal_workers(agent, signal.SIGKILL, killed)
+            time.sleep(0.05)
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def failure_text(failure: Any) -> str:

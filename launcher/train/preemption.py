@@ -1,5 +1,7 @@
-"""Preemption: SIGTERM or SIGUSR1 (what SLURM sends before preemption or the time limit) asks every
-rank to finish its step, save a checkpoint and exit with `PREEMPTED_EXIT` so the job can be requeued."""
+"""Preemption: SIGINT (Ctrl-C), SIGTERM or SIGUSR1 (what SLURM sends before preemption or the time limit)
+asks every rank to finish its step, save a checkpoint and exit with `PREEMPTED_EXIT` so the job can be
+requeued or rerun; a second Ctrl-C stops at once (`KeyboardInterrupt`, which the CLI turns into exit
+130). Local workers get the request from their launcher (see launcher/spawn.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,20 @@ import torch
 import torch.distributed as dist
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later", what a requeue is
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # Set in local workers started by the elastic agent, which tears a failed group down with SIGTERM:
-# there only SIGUSR1 means "save and stop", and SIGTERM keeps its default (die at once).
+# there only SIGUSR1 (forwarded by the launcher) means "save and stop", SIGTERM keeps its default (die
+# at once) and SIGINT is ignored, as a terminal's Ctrl-C reaches the launcher too, which forwards it.
 LOCAL_WORKER_ENV = "LAUNCHER_LOCAL_WORKER"
+
+
+def local_worker_signals() -> None:
+    """Local workers are born with the stop signals blocked (spawn.py): ignore Ctrl-C and let SIGTERM kill
+    again. SIGUSR1 stays blocked until `PreemptionFlag` handles it, so that one sent early waits instead of
+    killing; outside the loop it does nothing (a request that comes after the last step is moot)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def agree(value: bool, op: dist.ReduceOp.RedOpType) -> bool:
@@ -29,16 +41,23 @@ def agree(value: bool, op: dist.ReduceOp.RedOpType) -> bool:
 
 
 class PreemptionFlag:
-    """Set by a signal handler; `agreed` makes every rank see it at the same step."""
+    """Set by a signal handler; `agreed` makes every rank see it at the same step. Once it is set, a
+    Ctrl-C raises `KeyboardInterrupt` (stop at once) after giving the signals back to their old handlers."""
 
-    def __init__(self) -> None:
+    def __init__(self, signals: tuple[signal.Signals, ...] | None = None) -> None:
         self.raised = False
         self.previous: dict[int, object] = {}
+        if signals is None:
+            signals = (signal.SIGUSR1,) if os.environ.get(LOCAL_WORKER_ENV) else STOP_SIGNALS
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGUSR1,) if os.environ.get(LOCAL_WORKER_ENV) else SIGNALS:
+            for sig in signals:
                 self.previous[sig] = signal.signal(sig, self._handle)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # one that came before us is handled now
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.raised:
+            self.restore()
+            raise KeyboardInterrupt
         self.raised = True
 
     def agreed(self) -> bool:
