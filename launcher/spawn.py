@@ -19,7 +19,9 @@ import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from launcher.config import TrainConfig
@@ -97,12 +99,15 @@ def start_local_workers(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict
 def supervise(agent: LocalElasticAgent) -> RunResult:
     """Run the agent in a helper thread, so that this (main) thread keeps the signal handlers (the agent
     would install its own, which only kill the workers): SIGINT, SIGTERM or SIGUSR1 here is forwarded to
-    the workers as SIGUSR1, "save and stop" (train/preemption.py); a second Ctrl-C kills them."""
+    the workers as SIGUSR1, "save and stop" (train/preemption.py); a second Ctrl-C kills them, and so
+    does SIGHUP or SIGQUIT (as the agent would), unless ignored (nohup)."""
     outcome: Future = Future()
 
     def run_agent() -> None:
         # Blocked in this thread, hence in the workers it starts until they are ready for them
         # (train/preemption.py): a terminal's Ctrl-C or an early SIGUSR1 must not kill a starting worker.
+        # multiprocessing's resource tracker first: starting it unblocks SIGINT and SIGTERM in its thread.
+        resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             outcome.set_result(agent.run())
@@ -110,6 +115,8 @@ def supervise(agent: LocalElasticAgent) -> RunResult:
             outcome.set_exception(err)
 
     stop = PreemptionFlag(STOP_SIGNALS)
+    hangup = [sig for sig in (signal.SIGHUP, signal.SIGQUIT) if signal.getsignal(sig) != signal.SIG_IGN]
+    hangup_before = {sig: signal.signal(sig, stop_at_once) for sig in hangup}
     forwarded: set[int] = set()
     quiet_thread_warning()
     try:
@@ -125,6 +132,12 @@ def supervise(agent: LocalElasticAgent) -> RunResult:
         raise
     finally:
         stop.restore()
+        for sig, handler in hangup_before.items():
+            signal.signal(sig, handler)
+
+
+def stop_at_once(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def local_agent(cfg: TrainConfig, run_dir: Path, layout: Layout) -> LocalElasticAgent:

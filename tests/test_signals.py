@@ -92,9 +92,28 @@ def test_a_signal_saves_every_rank_at_one_step_exits_75_and_the_rerun_resumes_ex
     assert [got[s] for s in range(step + 1, STEPS + 1)] == [whole[s] for s in range(step + 1, STEPS + 1)]
 
 
-def test_a_second_ctrl_c_kills_the_workers_at_once(tmp_path: Path, shared: Path) -> None:
-    """The workers are stopped (SIGSTOP), as if stuck in a long step, so the first Ctrl-C cannot be
-    honoured; the second must still end the command at once, workers included, without a traceback."""
+def test_ctrl_c_in_a_terminal_while_the_workers_start_saves_at_the_first_step(tmp_path: Path, shared: Path) -> None:
+    """A terminal sends Ctrl-C to its whole foreground group, workers included, here before they have
+    even imported torch: they ignore it, the launcher forwards it, and it waits for the first step."""
+    run_dir = tmp_path / "run"
+    proc = start(train_args(shared / "cache", run_dir, tp=2), tmp_path)
+    deadline = time.monotonic() + 120
+    while len(worker_pids(proc.pid)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)  # the group of train's own session: train and its workers only
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT, err
+    assert "Traceback" not in err, err
+    assert "preempted at step 1: checkpoint saved" in err
+    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000001"]
+
+
+@pytest.mark.parametrize("signals", [(signal.SIGINT, signal.SIGINT), (signal.SIGHUP,)], ids=["second-ctrl-c", "sighup"])
+def test_a_second_ctrl_c_kills_the_workers_at_once(tmp_path: Path, shared: Path, signals: tuple[int, ...]) -> None:
+    """The workers are stopped (SIGSTOP), as if stuck in a long step, so a first Ctrl-C cannot be
+    honoured; the second (or a hangup) must still end the command at once, workers included, without
+    a traceback."""
     run_dir = tmp_path / "run"
     proc = start(train_args(shared / "cache", run_dir, tp=2), tmp_path)
     wait_for_step(proc, run_dir, 3)
@@ -102,10 +121,10 @@ def test_a_second_ctrl_c_kills_the_workers_at_once(tmp_path: Path, shared: Path)
     assert len(workers) == 2, workers
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)  # two signals at once would be one
-    start_s = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    for sig in signals:
+        time.sleep(0.5)  # two signals at once would be one
+        start_s = time.monotonic()
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert time.monotonic() - start_s < 5
     assert proc.returncode == INTERRUPTED, err

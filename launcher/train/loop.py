@@ -139,7 +139,7 @@ def train(cfg: TrainConfig, run_dir: Path, rank: int = 0, layout: Layout | None 
                 sink.log(row)
             view.update(row)
             log.info("%s", row)
-        if preemption.agreed():  # SIGTERM/SIGUSR1 on any rank: every rank saves this step, then stops
+        if preemption.agreed():  # a stop signal on any rank: every rank saves this step, then stops
             save(step)
             checkpointer.wait()
             preemption.restore()
