@@ -115,7 +115,8 @@ def supervise(agent: LocalElasticAgent) -> RunResult:
             outcome.set_exception(err)
 
     stop = PreemptionFlag(STOP_SIGNALS)
-    hangup = [sig for sig in (signal.SIGHUP, signal.SIGQUIT) if signal.getsignal(sig) != signal.SIG_IGN]
+    main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
+    hangup = [sig for sig in (signal.SIGHUP, signal.SIGQUIT) if main and signal.getsignal(sig) != signal.SIG_IGN]
     hangup_before = {sig: signal.signal(sig, stop_at_once) for sig in hangup}
     forwarded: set[int] = set()
     quiet_thread_warning()
