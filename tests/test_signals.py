@@ -19,7 +19,7 @@ from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.preemption import PREEMPTED_EXIT, PreemptionFlag
 from tests.conftest import losses, run_cli, tiny_args, worker_pids
 
-STEPS = 60  # ~35 ms each: the signal, sent after step 3, lands well before the end
+STEPS = 40  # ~35 ms each: the signal, sent after step 3, lands well before the end
 
 
 def train_args(cache: Path, run_dir: Path, tp: int) -> list[str]:
@@ -126,7 +126,7 @@ def test_a_second_ctrl_c_kills_the_workers_at_once(tmp_path: Path, shared: Path,
         start_s = time.monotonic()
         proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert time.monotonic() - start_s < 5
+    assert time.monotonic() - start_s < 10  # torch would wait 30 s for the workers before killing them
     assert proc.returncode == INTERRUPTED, err
     assert "Traceback" not in err and "interrupted" in err, err
     assert not complete_checkpoints(run_dir / "checkpoints")
