@@ -17,7 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config import CONF_DIR, LauncherError, TrainConfig, default_batch, validate
+from launcher.config import CONF_DIR, LauncherError, TrainConfig, check_ranges, default_batch, validate
 
 BAD_INPUT = 2
 INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command stopped by Ctrl-C
@@ -109,6 +109,7 @@ def _train_task(cfg: TrainConfig) -> None:
     from launcher.train.checkpoint import preflight_resume
     from launcher.train.preemption import PREEMPTED_EXIT
 
+    check_ranges(cfg)  # first: nodes, batch.micro and the hardware feed the world size and the layout
     env = env_rank()
     world = launch_world_size(cfg, env.world_size if env else None)
     cfg = fill_auto(cfg, world)

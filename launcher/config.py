@@ -6,7 +6,8 @@ override. This module must not import torch: `plan` composes the same schema.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,28 +18,64 @@ class LauncherError(Exception):
     """Bad input. Its message is one line naming the key and the fix; the CLI prints it, exit 2."""
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts (None passes where the key's type allows it)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    integer: bool = False
+    optional: bool = True
+    auto: bool = False  # "auto" passes too: the planner fills it in (batch.micro)
+
+    def holds(self, value: Any) -> bool:
+        if value is None or value == "auto":
+            return self.optional if value is None else self.auto
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        return not (
+            (self.ge is not None and value < self.ge)
+            or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+            or (self.lt is not None and value >= self.lt)
+        )
+
+    def __str__(self) -> str:
+        bounds = ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+        text = " and ".join(f"{op} {v}" for op, v in bounds if v is not None)
+        return ("an integer " if self.integer else "a value ") + text + (" or auto" if self.auto else "")
+
+
+def ranged(default: Any, **bounds: Any) -> Any:
+    """A schema field whose value must lie in Range(**bounds); `check_ranges` enforces it. An int
+    default makes it an integer key; a None default says so with integer=True."""
+    return field(default=default, metadata={"range": Range(**{"integer": isinstance(default, int), **bounds})})
+
+
 @dataclass
 class ModelConfig:
     """Architecture. Defaults are the CPU-sized `small` model (byte-level vocabulary)."""
 
     name: str = "small"
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int | None = None  # None: as many as n_heads (no GQA)
-    ffn_dim: int = 688  # hidden width of the MLP (per gate for SwiGLU)
-    vocab_size: int = 256
-    max_seq_len: int = 1024
+    dim: int = ranged(256, ge=1)
+    n_layers: int = ranged(4, ge=1)
+    n_heads: int = ranged(8, ge=1)
+    n_kv_heads: int | None = ranged(None, ge=1, integer=True)  # None: as many as n_heads (no GQA)
+    ffn_dim: int = ranged(688, ge=1)  # hidden width of the MLP (per gate for SwiGLU)
+    vocab_size: int = ranged(256, ge=1)
+    max_seq_len: int = ranged(1024, ge=1)
     norm: str = "rmsnorm"  # rmsnorm | layernorm
-    norm_eps: float = 1e-5
+    norm_eps: float = ranged(1e-5, gt=0)
     norm_position: str = "pre"  # pre | post
     mlp: str = "swiglu"  # swiglu | gelu
     positions: str = "rope"  # rope | learned
-    rope_theta: float = 10000.0
+    rope_theta: float = ranged(10000.0, gt=0)
     tied_embeddings: bool = False
     bias: bool = False  # biases in linear layers (GPT-2 style)
-    dropout: float = 0.0
-    init_std: float = 0.02
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    init_std: float = ranged(0.02, gt=0)
 
 
 @dataclass
@@ -47,35 +84,41 @@ class DataConfig:
     path: str | None = None  # flat token file (data=tokens)
     dtype: str = "uint16"  # uint16 | uint32 for data=tokens
     val_path: str | None = None  # separate validation token file; None: hold out val_fraction
-    val_fraction: float = 0.02
-    max_bytes: int = 16_000_000  # stdlib corpus size cap (bytes of source)
+    val_fraction: float = ranged(0.02, gt=0, lt=1)
+    max_bytes: int = ranged(16_000_000, ge=1)  # stdlib corpus size cap (bytes of source)
     cache_dir: str = "${cache_dir}"  # the tokenized corpus
 
 
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
+    lr: float = ranged(3e-3, gt=0)
+    min_lr_ratio: float = ranged(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = ranged(20, ge=0)
+    weight_decay: float = ranged(0.1, ge=0)
+    beta1: float = ranged(0.9, ge=0, lt=1)
+    beta2: float = ranged(0.95, ge=0, lt=1)
+    eps: float = ranged(1e-8, gt=0)
+    grad_clip: float = ranged(1.0, ge=0)  # 0 disables clipping
 
 
 def default_batch() -> dict[str, Any]:
     """`batch.micro`: sequences per micro-batch per data-parallel rank. `batch.global`: sequences
     per optimizer step over all ranks (None: micro x dp, no accumulation). A dict, not a dataclass,
-    because `global` is a Python keyword; `validate` checks the types."""
+    because `global` is a Python keyword; BATCH_RANGES gives the types Hydra does not check."""
     return {"micro": 8, "global": None}
+
+
+BATCH_RANGES = {
+    "micro": Range(ge=1, integer=True, optional=False, auto=True),
+    "global": Range(ge=1, integer=True),
+}
 
 
 @dataclass
 class EvalConfig:
-    every: int = 50  # steps between validation passes; 0 disables
-    batches: int = 4
+    every: int = ranged(50, ge=0)  # steps between validation passes; 0 disables
+    batches: int = ranged(4, ge=1)
 
 
 @dataclass
@@ -84,19 +127,21 @@ class WandbConfig:
     project: str = "launcher"
     entity: str | None = None
     name: str | None = None
+    # online: seconds to reach the server before the run falls back to offline (sync it later)
+    init_timeout_s: float = ranged(15.0, gt=0)
 
 
 @dataclass
 class MetricsConfig:
-    log_every: int = 1
+    log_every: int = ranged(1, ge=1)
     console: str = "auto"  # auto (rich panel on a terminal, lines otherwise) | rich | plain | none
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100  # steps between checkpoints (and one at the end); 0 disables
-    keep: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    every: int = ranged(100, ge=0)  # steps between checkpoints (and one at the end); 0 disables
+    keep: int = ranged(2, ge=1)  # complete checkpoints kept; older ones are deleted once a newer one is complete
     dir: str | None = None  # None: <run_dir>/checkpoints
     async_save: bool = False  # write in the background while training continues
 
@@ -106,32 +151,32 @@ class LinkConfig:
     """One level of the interconnect: devices that share it, bandwidth per device, latency."""
 
     name: str = "link"
-    size: int = 1  # devices inside one domain of this level
-    bandwidth_gbs: float | None = None  # GB/s per device, one direction; None: calibrate (cpu)
-    latency_us: float | None = 1.0  # per hop; None: calibrate (cpu)
+    size: int = ranged(1, ge=1)  # devices inside one domain of this level
+    bandwidth_gbs: float | None = ranged(None, gt=0)  # GB/s per device, one direction; None: calibrate (cpu)
+    latency_us: float | None = ranged(1.0, ge=0)  # per hop; None: calibrate (cpu)
     # GB/s per device of these two collectives where the backend does not reach the ring algorithm's
     # (gloo's reduce-scatter all-reduces the whole buffer); None: bandwidth_gbs (cpu: calibrated)
-    all_gather_gbs: float | None = None
-    reduce_scatter_gbs: float | None = None
+    all_gather_gbs: float | None = ranged(None, gt=0)
+    reduce_scatter_gbs: float | None = ranged(None, gt=0)
 
 
 @dataclass
 class HardwareConfig:
     name: str = "cpu"
     kind: str = "cpu"  # cpu | cuda | tpu (tpu: planner only)
-    peak_tflops: float | None = None  # dense bf16 (fp32 on cpu); None: calibrate (cpu)
-    memory_gib: float = 16.0
-    devices_per_node: int = 1
-    matmul_efficiency: float = 1.0  # achievable share of peak for large matmuls (planner)
+    peak_tflops: float | None = ranged(None, gt=0)  # dense bf16 (fp32 on cpu); None: calibrate (cpu)
+    memory_gib: float = ranged(16.0, gt=0)
+    devices_per_node: int = ranged(1, ge=1)
+    matmul_efficiency: float = ranged(1.0, gt=0, le=1)  # achievable share of peak for large matmuls (planner)
     # host time per tensor-parallel block and microbatch that no device work hides: DTensor dispatch
     # on a CPU, where the host is the device; 0 on accelerators (launches run ahead). None: calibrate
-    host_overhead_us: float | None = 0.0
+    host_overhead_us: float | None = ranged(0.0, ge=0)
     links: list[LinkConfig] = field(default_factory=list)
 
 
 @dataclass
 class PlanConfig:
-    top: int = 10
+    top: int = ranged(10, ge=0)  # 0: all layouts
     format: str = "table"  # table | json
     # plan app: also choose sequence_parallel (on when tp > 1) and virtual_stages (interleaved) instead
     # of taking the top-level values; `train` (best_layout) only fills keys set to auto.
@@ -142,8 +187,9 @@ class PlanConfig:
 class SweepConfig:
     """The layout sweeper (`-m hydra/sweeper=layouts`): run the planner's best `top` layouts."""
 
-    top: int = 4
-    world: int | None = None  # devices to plan for; None: nodes x devices per node (cpu: max_local_workers)
+    top: int = ranged(4, ge=1)
+    # devices to plan for; None: nodes x devices per node (cpu: max_local_workers)
+    world: int | None = ranged(None, ge=1, integer=True)
 
 
 @dataclass
@@ -154,11 +200,12 @@ class SlurmConfig:
     dry_run: bool = False  # print what would be submitted, submit nothing
     partition: str | None = None  # None: the cluster's default partition
     account: str | None = None
-    time_min: int = 60  # time limit (minutes)
-    tasks_per_node: int | None = None  # None: from the layout (cpu) or hardware.devices_per_node (cuda)
-    cpus_per_task: int | None = None  # None: threads if set, else 1 (cuda: 8)
-    signal_delay_s: int = 90  # SIGUSR1 this long before the time limit: checkpoint, then requeue
-    max_requeues: int = 3  # requeues after a time limit (preemptions always requeue)
+    time_min: int = ranged(60, ge=1)  # time limit (minutes)
+    # None: from the layout (cpu) or hardware.devices_per_node (cuda)
+    tasks_per_node: int | None = ranged(None, ge=1, integer=True)
+    cpus_per_task: int | None = ranged(None, ge=1, integer=True)  # None: threads if set, else 1 (cuda: 8)
+    signal_delay_s: int = ranged(90, ge=0)  # SIGUSR1 this long before the time limit: checkpoint, then requeue
+    max_requeues: int = ranged(3, ge=0)  # requeues after a time limit (preemptions always requeue)
     script: str | None = None  # slurm.emit: where to write it; None: <run_dir>/job.sbatch
 
 
@@ -167,7 +214,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    batch: dict[str, Any] = field(default_factory=default_batch)
+    batch: dict[str, Any] = field(default_factory=default_batch, metadata={"ranges": BATCH_RANGES})
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
@@ -176,16 +223,16 @@ class TrainConfig:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
-    steps: int = 200
-    seq_len: int = 256
-    seed: int = 1234
+    steps: int = ranged(200, ge=1)
+    seq_len: int = ranged(256, ge=1)
+    seed: int = ranged(1234, ge=0, le=2**64 - 1)  # torch.manual_seed's range
     run_dir: str | None = None  # None: Hydra's output directory
     cache_dir: str = "${oc.env:XDG_CACHE_HOME,${oc.env:HOME}/.cache}/launcher"  # corpus, CPU calibration
     resume: str = "auto"  # auto (newest complete checkpoint, if any) | never | PATH
-    max_restarts: int = 0  # local workers: restart the group this often after a failure
+    max_restarts: int = ranged(0, ge=0)  # local workers: restart the group this often after a failure
 
-    # layout: degrees are ints or "auto"
-    nodes: int = 1
+    # layout: degrees are ints or "auto" (checked by launcher/layout.py, not by a Range)
+    nodes: int = ranged(1, ge=1)
     tp: Any = 1
     pp: Any = 1
     dp: Any = "auto"  # whatever ranks remain
@@ -199,8 +246,9 @@ class TrainConfig:
 
     compile: bool = False
     dtype: str = "auto"  # auto (bf16 autocast on cuda, fp32 on cpu) | fp32 | bf16
-    threads: int | None = None  # torch intra-op threads per worker; None: cores / local workers
-    max_local_workers: int = 8
+    # torch intra-op threads per worker; None: cores / local workers
+    threads: int | None = ranged(None, ge=1, integer=True)
+    max_local_workers: int = ranged(8, ge=1)
     dry_run: bool = False
     force: bool = False
 
@@ -256,25 +304,39 @@ def positive_int(value: Any, key: str, allow_none: bool = False) -> None:
         raise LauncherError(f"{key}={value}: expected a positive integer")
 
 
+def leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any, Range | None]]:
+    """Every leaf key of a config (a dataclass instance), its value and its Range (None: unranged)."""
+    for f in fields(node):
+        key, value = prefix + f.name, getattr(node, f.name)
+        if is_dataclass(value):
+            yield from leaves(value, key + ".")
+        elif isinstance(value, list) and value and is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                yield from leaves(item, f"{key}.{i}.")
+        elif "ranges" in f.metadata:  # batch: a dict (see default_batch)
+            for sub, rng in f.metadata["ranges"].items():
+                yield f"{key}.{sub}", value.get(sub), rng
+        else:
+            yield key, value, f.metadata.get("range")
+
+
+def check_ranges(cfg: Any, prefix: str = "") -> None:
+    """Every value inside the Range its schema field declares: one LauncherError for the first that is not."""
+    for key, value, rng in leaves(cfg, prefix):
+        if rng is not None and not rng.holds(value):
+            raise LauncherError(f"{key}={value} is out of range: use {rng}")
+
+
 def validate(cfg: TrainConfig, dp: int) -> None:
     """Checks that need no torch and no process: one LauncherError naming the key and the fix."""
+    check_ranges(cfg)
     for key, allowed in CHOICES.items():
         if get_key(cfg, key) not in allowed:
             raise LauncherError(f"{key}={get_key(cfg, key)}: choose one of {', '.join(allowed)}")
     m = cfg.model
-    for key in (
-        "steps",
-        "seq_len",
-        "model.dim",
-        "model.n_layers",
-        "model.n_heads",
-        "model.ffn_dim",
-        "model.vocab_size",
-    ):
-        positive_int(get_key(cfg, key), key)
     if m.dim % m.n_heads:
         raise LauncherError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: change either")
-    if m.n_kv_heads is not None and (m.n_kv_heads < 1 or m.n_heads % m.n_kv_heads):
+    if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
         raise LauncherError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.positions == "rope" and (m.dim // m.n_heads) % 2:
         raise LauncherError(f"head dim {m.dim // m.n_heads} is odd: RoPE needs an even model.dim / model.n_heads")
@@ -286,12 +348,8 @@ def validate(cfg: TrainConfig, dp: int) -> None:
     if cfg.data.name == "stdlib" and m.vocab_size < 256:
         raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
     micro, global_batch = cfg.batch.get("micro"), cfg.batch.get("global")
-    positive_int(micro, "batch.micro")
-    positive_int(global_batch, "batch.global", allow_none=True)
     if global_batch is not None and global_batch % (micro * dp):
         raise LauncherError(
             f"batch.global={global_batch} is not a multiple of batch.micro x dp = {micro} x {dp}: "
             f"use a multiple of {micro * dp} (e.g. {max(global_batch // (micro * dp), 1) * micro * dp})"
         )
-    positive_int(cfg.eval.batches, "eval.batches")
-    positive_int(cfg.metrics.log_every, "metrics.log_every")

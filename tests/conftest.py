@@ -69,6 +69,17 @@ def worker_pids(parent: int) -> list[int]:
     return pids
 
 
+def assert_bad_input(result: subprocess.CompletedProcess, expected: str, where: Path) -> None:
+    """Refused as bad input: exit 2, one `error:` line holding `expected`, no traceback, and no worker
+    started (no metrics.jsonl under `where`)."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+    assert not list(where.rglob("metrics.jsonl")), "no worker may start on bad input"
+
+
 @pytest.fixture
 def cache_dir(tmp_path: Path) -> str:
     return str(tmp_path / "cache")

@@ -34,7 +34,7 @@ def test_failed_point_is_listed_and_the_sweep_goes_on(tmp_path: Path, cache: str
     assert [(r["point"], r["status"]) for r in rows] == [("batch.micro=4", "ok"), ("batch.micro=0", "failed")]
     assert rows[0]["tokens_per_s"] > 0 and rows[0]["mfu"] > 0
     assert rows[0]["predicted_tokens_per_s"] is None or rows[0]["predicted_tokens_per_s"] > 0  # the planner's
-    assert rows[1]["error"] == "batch.micro=0: expected a positive integer"
+    assert rows[1]["error"] == "batch.micro=0 is out of range: use an integer >= 1 or auto"
     assert "1 of 2 sweep points failed" in out.stdout and "#1 batch.micro=0: batch.micro=0" in out.stdout
     with (sweep / "sweep_summary.csv").open() as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["ok", "failed"]
@@ -66,7 +66,7 @@ def test_layouts_sweeper_runs_the_planners_best(tmp_path: Path, cache: str) -> N
 def test_layouts_sweeper_bad_top_is_one_line(tmp_path: Path, cache: str) -> None:
     out = run_cli("train", "-m", "hydra/sweeper=layouts", "sweep.top=0", *tiny(cache), cwd=tmp_path)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == ["error: sweep.top=0 must be a positive integer"]
+    assert out.stderr.strip().splitlines() == ["error: sweep.top=0 is out of range: use an integer >= 1"]
 
 
 def test_summary_with_prediction_and_a_job_that_never_finished(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
-from launcher.config import LauncherError, TrainConfig
+from launcher.config import LauncherError, TrainConfig, check_ranges
 from launcher.slurm import Refused  # importing it registers the ${slurm_job:...} resolver, before configs resolve
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,6 @@ def ranked_layouts(cfg: TrainConfig, top: int, world: int | None = None) -> list
     from launcher.planner import plan
     from launcher.planner.request import world_size
 
-    if top < 1:
-        raise LauncherError(f"sweep.top={top} must be a positive integer")
     world = world or world_size(cfg)
     _, res = plan(cfg, world, explore=False)
     chosen: list[tuple[list[str], dict[str, Any]]] = []
@@ -87,6 +85,7 @@ class LayoutSweeper(BasicSweeper):
         fixed = {o.key_or_group for o in parsed if o.key_or_group in DEGREES and not o.is_sweep_override()}
         try:
             cfg = search_config(self.config, fixed)
+            check_ranges(cfg)  # sweep.top and sweep.world among them
             layouts = ranked_layouts(cfg, cfg.sweep.top, cfg.sweep.world)
         except LauncherError as err:
             raise Refused(str(err)) from None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from launcher.config import LauncherError, TrainConfig
+from launcher.config import LauncherError, TrainConfig, check_ranges
 from launcher.planner.layout import GIB, Layout
 from launcher.planner.report import to_json, to_table
 from launcher.planner.request import problem, space, world_size
@@ -36,8 +36,7 @@ def plan(cfg: TrainConfig, world: int, explore: bool = False) -> tuple[Problem, 
 def run_plan(cfg: TrainConfig) -> None:
     if cfg.plan.format not in ("table", "json"):
         raise LauncherError(f"plan.format={cfg.plan.format!r} is unknown: use table or json")
-    if cfg.plan.top < 0:
-        raise LauncherError(f"plan.top={cfg.plan.top} must be >= 0 (0: all layouts)")
+    check_ranges(cfg)  # the same ranges `train` refuses
     world = world_size(cfg)
     prob, res = plan(cfg, world, explore=cfg.plan.explore)
     shown = res.ranked[: cfg.plan.top] if cfg.plan.top else res.ranked

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from launcher.config import HardwareConfig, LauncherError, LinkConfig
+from launcher.config import HardwareConfig, LauncherError, LinkConfig, check_ranges
 from launcher.planner.layout import GIB, Level, Machine
 
 LINK_EFFICIENCY = 0.8  # nccl-tests bus bandwidth is typically 75-90% of the datasheet link rate
@@ -26,11 +26,7 @@ def validate(hw: HardwareConfig) -> None:
         raise LauncherError(f"hardware.kind={hw.kind!r} is unknown: use one of {', '.join(KINDS)}")
     if not hw.links:
         raise LauncherError(f"hardware '{hw.name}' has no links: give at least one level in hardware.links")
-    if hw.memory_gib <= 0 or hw.devices_per_node < 1 or not 0 < hw.matmul_efficiency <= 1:
-        raise LauncherError(
-            f"hardware '{hw.name}': memory_gib, devices_per_node must be positive and matmul_efficiency "
-            "in (0, 1]: fix conf/hardware/" + hw.name + ".yaml"
-        )
+    check_ranges(hw, "hardware.")
     if needs_calibration(hw) and hw.kind != "cpu":
         raise LauncherError(
             f"hardware '{hw.name}' has a null peak_tflops, host_overhead_us or link bandwidth_gbs/latency_us: "

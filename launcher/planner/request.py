@@ -21,8 +21,7 @@ def local_devices(cfg: TrainConfig) -> int:
 
 
 def world_size(cfg: TrainConfig) -> int:
-    if not isinstance(cfg.nodes, int) or cfg.nodes < 1:
-        raise LauncherError(f"nodes={cfg.nodes!r} must be a positive integer")
+    """Devices to plan for (`nodes` is range-checked by config.check_ranges before any plan)."""
     return cfg.nodes * local_devices(cfg)
 
 

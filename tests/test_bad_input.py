@@ -1,0 +1,93 @@
+"""Bad input a user may type: every numeric key out of its range, files the run cannot use, and wandb
+without a key or a server. Each ends as one line and exit 2 before any worker starts, or (an
+unreachable wandb server) costs the run nothing."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher.cli import train_task
+from launcher.config import LauncherError, Range, TrainConfig, leaves
+from tests.conftest import assert_bad_input, make_config, run_cli, tiny_args
+
+# degrees and pipeline counts: int-or-auto, checked by launcher/layout.py rather than by a Range
+DEGREES = {"tp", "pp", "dp", "dp_shard", "dp_replicate", "microbatches", "virtual_stages"}
+
+
+def outside(rng: Range) -> list[Any]:
+    """Values just outside the range, one per bound."""
+    values = [rng.ge - 1 if rng.ge is not None else None, rng.gt, rng.lt, rng.le + 1 if rng.le is not None else None]
+    return [v for v in values if v is not None]
+
+
+def ranged_keys() -> list[tuple[str, Any]]:
+    """(key, bad value) for every ranged key of the default config, read from the schema itself."""
+    return [(key, bad) for key, _, rng in leaves(make_config()) if rng for bad in outside(rng)]
+
+
+def with_key(cfg: TrainConfig, dotted: str, value: Any) -> TrainConfig:
+    cfg = copy.deepcopy(cfg)
+    *path, last = dotted.split(".")
+    node: Any = cfg
+    for part in path:
+        node = node[int(part)] if part.isdigit() else node[part] if isinstance(node, dict) else getattr(node, part)
+    if isinstance(node, dict):
+        node[last] = value
+    else:
+        setattr(node, last, value)
+    return cfg
+
+
+def test_every_numeric_key_has_a_range() -> None:
+    """A new int or float key must declare its range in the schema (or be a degree)."""
+
+    def annotation(cfg: Any, key: str) -> str:
+        *path, name = key.split(".")
+        node = cfg
+        for part in path:
+            node = node[int(part)] if part.isdigit() else getattr(node, part)
+        return next(f.type for f in dataclasses.fields(node) if f.name == name)
+
+    cfg = make_config()
+    unranged = [
+        key for key, _, rng in leaves(cfg) if rng is None and re.search(r"\b(int|float)\b", annotation(cfg, key))
+    ]
+    assert set(unranged) <= DEGREES, sorted(set(unranged) - DEGREES)
+
+
+@pytest.mark.parametrize(("key", "bad"), ranged_keys())
+def test_out_of_range_is_one_line_naming_key_value_and_range(key: str, bad: Any, tmp_path: Path) -> None:
+    """In-process, through the function the `train` CLI calls (the CLI turns it into exit 2)."""
+    cfg = with_key(make_config(*tiny_args(tmp_path / "cache"), f"run_dir={tmp_path / 'run'}"), key, bad)
+    with pytest.raises(LauncherError) as err:
+        train_task(cfg)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{key}={bad} is out of range: use "), message
+    assert not (tmp_path / "run").exists(), "nothing may start on bad input"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["optim.lr=-0.001"], "optim.lr=-0.001 is out of range: use a value > 0"),
+        (["optim.warmup_steps=-5"], "optim.warmup_steps=-5 is out of range: use an integer >= 0"),
+        (["checkpoint.every=-1"], "checkpoint.every=-1 is out of range"),
+        (["eval.every=-1"], "eval.every=-1 is out of range"),
+        (["max_restarts=-1"], "max_restarts=-1 is out of range"),
+        (["nodes=0"], "nodes=0 is out of range: use an integer >= 1"),
+        (["nodes=0", "hardware=h100_sxm"], "nodes=0 is out of range"),
+        (["model.dropout=1.0"], "model.dropout=1.0 is out of range: use a value >= 0 and < 1"),
+    ],
+)
+def test_out_of_range_through_the_cli(args: list[str], expected: str, tmp_path: Path) -> None:
+    assert_bad_input(run_cli("train", *args, "steps=1", cwd=tmp_path), expected, tmp_path)
+
+
+def test_plan_refuses_the_same_ranges(tmp_path: Path) -> None:
+    assert_bad_input(run_cli("plan", "nodes=0", cwd=tmp_path), "nodes=0 is out of range", tmp_path)
