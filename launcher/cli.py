@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import io
+import os
 import re
 import signal
 import sys
@@ -128,15 +129,17 @@ def _train_task(cfg: TrainConfig) -> None:
         return
     prediction = check(cfg, layout.world_size)  # refuses a layout predicted not to fit (force=true overrides)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
+    make_dir(run_dir, "run_dir")
     if cfg.slurm.emit:
         from launcher.slurm import emit_script
 
         print(emit_script(cfg, run_dir))
         return
-    check_source(cfg.data, cfg.model.vocab_size)
+    if cfg.checkpoint.dir:
+        make_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
+    check_source(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
     # a bad path, or checkpoints none of which is readable, fails here
     preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
-    run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "prediction.json", prediction)  # the loop puts it into summary.json
     try:
         summary = launch(cfg, run_dir, layout)
@@ -153,6 +156,16 @@ def _train_task(cfg: TrainConfig) -> None:
             file=sys.stderr,
         )
         sys.exit(PREEMPTED_EXIT)
+
+
+def make_dir(path: Path, key: str) -> None:
+    """Create a directory the run writes into, or say in one line why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LauncherError(f"{key}={path}: cannot create this directory ({err.strerror}): choose another") from None
+    if not os.access(path, os.W_OK):
+        raise LauncherError(f"{key}={path}: this directory is not writable: choose another")
 
 
 def fill_auto(cfg: TrainConfig, world: int | None) -> TrainConfig:

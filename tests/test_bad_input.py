@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from launcher.cli import train_task
@@ -91,3 +92,26 @@ def test_out_of_range_through_the_cli(args: list[str], expected: str, tmp_path: 
 
 def test_plan_refuses_the_same_ranges(tmp_path: Path) -> None:
     assert_bad_input(run_cli("plan", "nodes=0", cwd=tmp_path), "nodes=0 is out of range", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["data=tokens", "data.path=empty.bin"], "data.path=empty.bin: the file is empty"),
+        (["data=tokens", "data.path=odd.bin"], "data.path=odd.bin: 3 bytes is not a multiple of 2 (uint16)"),
+        (["data=tokens", "data.path=u16.bin", "data.dtype=uint32"], "data.path=u16.bin: 2002 bytes is not a multiple"),
+        (["data=tokens", "data.path=short.bin"], "data.path=short.bin: 19 training tokens"),
+        (["data=tokens", "data.path=u16.bin", "data.val_path=short.bin", "eval.every=1"], "data.val_path=short.bin"),
+        (["data=tokens", "data.path=u16.bin", "data.val_path=empty.bin"], "data.val_path=empty.bin: the file is empty"),
+        (["run_dir=afile/run"], "run_dir=afile/run: cannot create this directory (Not a directory)"),
+        (["checkpoint.dir=afile/checkpoints"], "checkpoint.dir=afile/checkpoints: cannot create this directory"),
+    ],
+)
+def test_files_the_run_cannot_use(args: list[str], expected: str, tmp_path: Path) -> None:
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    np.arange(20, dtype=np.uint16).tofile(tmp_path / "short.bin")
+    np.arange(1001, dtype=np.uint16).tofile(tmp_path / "u16.bin")
+    (tmp_path / "afile").write_text("a file, not a directory\n")
+    result = run_cli("train", *tiny_args(tmp_path / "cache", steps=1), "model.vocab_size=1024", *args, cwd=tmp_path)
+    assert_bad_input(result, expected, tmp_path)

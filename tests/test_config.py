@@ -66,7 +66,7 @@ def test_validate_names_key_and_fix(overrides: list[str], message: str) -> None:
     ],
 )
 def test_bad_input_is_one_line_exit_2(args: list[str], expected: str, tmp_path: Path) -> None:
-    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "big_ids.bin")
+    (np.arange(20_000, dtype=np.uint16) % 1000).tofile(tmp_path / "big_ids.bin")  # long enough to validate on
     assert_bad_input(run_cli("train", *args, "steps=1", cwd=tmp_path), expected, tmp_path)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from launcher.config import DataConfig, LauncherError
+from launcher.data.loader import min_tokens
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,18 @@ def open_tokens(path: str, dtype: str, key: str) -> np.ndarray:
         raise LauncherError(f"{key}={path}: no such file; give the path of a flat {dtype} token file")
     if dtype not in ("uint16", "uint32"):
         raise LauncherError(f"data.dtype={dtype}: use uint16 or uint32")
-    arr = np.memmap(p, dtype=np.dtype(dtype), mode="r")
-    if arr.size < 2:
-        raise LauncherError(f"{key}={path}: the file holds fewer than 2 tokens")
-    return arr
+    size, itemsize = p.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0:
+        raise LauncherError(f"{key}={path}: the file is empty; give a flat {dtype} token file")
+    if size % itemsize:
+        raise LauncherError(
+            f"{key}={path}: {size} bytes is not a multiple of {itemsize} ({dtype}): "
+            f"a truncated file, or set data.dtype to the file's"
+        )
+    try:
+        return np.memmap(p, dtype=np.dtype(dtype), mode="r")
+    except OSError as err:
+        raise LauncherError(f"{key}={path}: cannot read it ({err.strerror})") from None
 
 
 def load_splits(cfg: DataConfig) -> Splits:
@@ -76,8 +85,9 @@ def load_splits(cfg: DataConfig) -> Splits:
         tokens = np.memmap(cache, dtype=np.uint8, mode="r")
         vocab = 256
     elif cfg.name == "tokens":
-        check_source(cfg)
-        tokens = open_tokens(str(cfg.path), cfg.dtype, "data.path")
+        if not cfg.path:
+            raise LauncherError("data.path is missing: data=tokens needs data.path=FILE (a flat token file)")
+        tokens = open_tokens(cfg.path, cfg.dtype, "data.path")
         vocab = 0  # checked lazily against the model: scanning a large file here would be slow
     else:
         raise LauncherError(f"data.name={cfg.name}: use data=stdlib or data=tokens")
@@ -90,8 +100,9 @@ def load_splits(cfg: DataConfig) -> Splits:
 SCANNED = 100_000_000  # tokens checked against the vocabulary before the run (about 0.1 s)
 
 
-def check_vocab(tokens: np.ndarray, vocab_size: int, key: str, path: str) -> None:
-    top = int(tokens[:SCANNED].max())
+def check_vocab(parts: list[np.ndarray], vocab_size: int, key: str, path: str) -> None:
+    """The largest token id of one file (its splits, `parts`) fits the model's vocabulary."""
+    top = max(int(tokens[:SCANNED].max()) for tokens in parts)
     if top >= vocab_size:
         raise LauncherError(
             f"{key}={path} holds token id {top}, beyond model.vocab_size={vocab_size}: "
@@ -99,15 +110,22 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, key: str, path: str) -> Non
         )
 
 
-def check_source(cfg: DataConfig, vocab_size: int | None = None) -> None:
-    """Fail before any worker starts when the configured data cannot be read or does not fit the model."""
-    if cfg.name == "tokens":
-        if not cfg.path:
-            raise LauncherError("data.path is missing: data=tokens needs data.path=FILE (a flat token file)")
-        tokens = open_tokens(cfg.path, cfg.dtype, "data.path")
-        if vocab_size is not None:
-            check_vocab(tokens, vocab_size, "data.path", cfg.path)
+def check_source(cfg: DataConfig, vocab_size: int, seq_len: int, evaluates: bool) -> None:
+    """Fail before any worker starts when the configured data cannot be read, is too short for one
+    sequence (the validation split only matters when the run `evaluates`), or does not fit the model."""
+    splits = load_splits(cfg)
+    train = ("data.path", cfg.path) if cfg.name == "tokens" else ("data.max_bytes", cfg.max_bytes)
+    val = ("data.val_path", cfg.val_path) if cfg.val_path else train
+    need = min_tokens(seq_len)
+    for split, (key, value), what in ((splits.train, train, "training"), (splits.val, val, "validation")):
+        if split.size < need and (what == "training" or evaluates):
+            held_out = "" if cfg.val_path else f" with data.val_fraction={cfg.val_fraction}"
+            raise LauncherError(
+                f"{key}={value}: {split.size} {what} tokens{held_out}, fewer than the {need} one sequence of "
+                f"seq_len={seq_len} needs: use more data or a lower seq_len"
+                + ("" if what == "training" else ", or set eval.every=0")
+            )
+    if cfg.name == "tokens":  # stdlib bytes fit any vocabulary that validate accepts
+        check_vocab([splits.train] + ([] if cfg.val_path else [splits.val]), vocab_size, *train)
     if cfg.val_path:
-        val = open_tokens(cfg.val_path, cfg.dtype, "data.val_path")
-        if vocab_size is not None:
-            check_vocab(val, vocab_size, "data.val_path", cfg.val_path)
+        check_vocab([splits.val], vocab_size, *val)

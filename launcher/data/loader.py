@@ -25,8 +25,14 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+def min_tokens(seq_len: int) -> int:
+    """The shortest split a sample fits in: seq_len inputs, the targets shifted by one, and at least
+    one start offset to draw."""
+    return seq_len + 2
+
+
 def sample_offsets(seed: int, first: int, count: int, n_tokens: int, seq_len: int) -> np.ndarray:
-    span = n_tokens - seq_len - 1  # room for inputs plus the shifted targets
+    span = n_tokens - min_tokens(seq_len) + 1  # start offsets that leave room for inputs and shifted targets
     idx = np.arange(first, first + count, dtype=np.uint64) + np.uint64(seed) * np.uint64(1 << 40)
     return (splitmix64(idx) % np.uint64(span)).astype(np.int64)
 
