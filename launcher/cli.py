@@ -104,7 +104,7 @@ def train_task(cfg: TrainConfig) -> None:
 def _train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
     from launcher.layout import check_layout, launch_world_size, resolve_layout, with_degrees
-    from launcher.metrics.sinks import write_json
+    from launcher.metrics.sinks import check_wandb_login, write_json
     from launcher.planner import check
     from launcher.spawn import WorkerFailed, env_rank, launch
     from launcher.train.checkpoint import preflight_resume
@@ -138,6 +138,8 @@ def _train_task(cfg: TrainConfig) -> None:
     if cfg.checkpoint.dir:
         make_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
     check_source(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
+    if cfg.metrics.wandb.mode == "online":
+        check_wandb_login()
     # a bad path, or checkpoints none of which is readable, fails here
     preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
     write_json(run_dir / "prediction.json", prediction)  # the loop puts it into summary.json

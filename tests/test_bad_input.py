@@ -115,3 +115,30 @@ def test_files_the_run_cannot_use(args: list[str], expected: str, tmp_path: Path
     (tmp_path / "afile").write_text("a file, not a directory\n")
     result = run_cli("train", *tiny_args(tmp_path / "cache", steps=1), "model.vocab_size=1024", *args, cwd=tmp_path)
     assert_bad_input(result, expected, tmp_path)
+
+
+def wandb_env(home: Path, **extra: str) -> dict[str, str]:
+    """No credentials from this machine: a clean HOME (no .netrc, no wandb settings), no key. The
+    launcher's own cache (CPU calibration) stays where it is, so the run does not recalibrate."""
+    cache_home = str(Path(make_config().cache_dir).parent)
+    env = {"HOME": str(home), "NETRC": "", "WANDB_API_KEY": "", "WANDB_CONFIG_DIR": str(home / "wandb")}
+    return {**env, "XDG_CACHE_HOME": cache_home, **extra}
+
+
+def test_wandb_online_without_a_key_is_one_line(tmp_path: Path) -> None:
+    args = [*tiny_args(tmp_path / "cache", steps=1), "metrics.wandb.mode=online"]
+    result = run_cli("train", *args, env=wandb_env(tmp_path), cwd=tmp_path)
+    assert_bad_input(result, "metrics.wandb.mode=online needs a W&B API key: set WANDB_API_KEY", tmp_path)
+    assert "`wandb login`" in result.stderr and "metrics.wandb.mode=offline" in result.stderr
+
+
+def test_wandb_server_out_of_reach_costs_the_run_nothing(tmp_path: Path) -> None:
+    """A key, but the server (a closed loopback port) never answers: the run logs offline and says so once."""
+    env = wandb_env(tmp_path, WANDB_API_KEY="0" * 40, WANDB_BASE_URL="http://127.0.0.1:9")
+    args = [*tiny_args(tmp_path / "cache", steps=2), "metrics.wandb.mode=online", "metrics.wandb.init_timeout_s=2"]
+    result = run_cli("train", *args, f"run_dir={tmp_path / 'run'}", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (warning,) = result.stderr.strip().splitlines()
+    assert warning.startswith("warning: wandb could not start online") and "`wandb sync " in warning
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
