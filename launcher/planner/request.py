@@ -57,9 +57,8 @@ def elem_bytes(cfg: TrainConfig) -> int:
 
 
 def problem(cfg: TrainConfig, world: int) -> Problem:
+    """The model, sequence and machine to plan for (the keys' ranges are checked by config.check_ranges)."""
     m = cfg.model
-    if not isinstance(cfg.seq_len, int) or cfg.seq_len < 1:
-        raise LauncherError(f"seq_len={cfg.seq_len!r} must be a positive integer")
     if m.positions == "learned" and cfg.seq_len > m.max_seq_len:
         raise LauncherError(
             f"seq_len={cfg.seq_len} > model.max_seq_len={m.max_seq_len} (learned positions): lower seq_len"
@@ -104,8 +103,6 @@ def space(cfg: TrainConfig, world: int, explore: bool) -> Space:
     batch = cfg.batch if isinstance(cfg.batch, dict) else {}
     micro = _int_or_auto("batch.micro", batch.get("micro", "auto"))
     glob = batch.get("global")
-    if glob is not None and (isinstance(glob, bool) or not isinstance(glob, int) or glob < 1):
-        raise LauncherError(f"batch.global={glob!r} must be a positive integer or null")
     if cfg.microbatches is not None and (not isinstance(cfg.microbatches, int) or cfg.microbatches < 1):
         raise LauncherError(f"microbatches={cfg.microbatches!r} must be a positive integer or null")
     if cfg.pp_schedule not in (*SCHEDULES, "auto"):
