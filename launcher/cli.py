@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import io
-import os
 import re
 import signal
 import sys
@@ -18,7 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config import CONF_DIR, LauncherError, TrainConfig, check_ranges, default_batch, validate
+from launcher.config import CONF_DIR, LauncherError, TrainConfig, check_ranges, default_batch, make_dir, validate
 
 BAD_INPUT = 2
 INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command stopped by Ctrl-C
@@ -158,16 +157,6 @@ def _train_task(cfg: TrainConfig) -> None:
             file=sys.stderr,
         )
         sys.exit(PREEMPTED_EXIT)
-
-
-def make_dir(path: Path, key: str) -> None:
-    """Create a directory the run writes into, or say in one line why it cannot be."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise LauncherError(f"{key}={path}: cannot create this directory ({err.strerror}): choose another") from None
-    if not os.access(path, os.W_OK):
-        raise LauncherError(f"{key}={path}: this directory is not writable: choose another")
 
 
 def fill_auto(cfg: TrainConfig, world: int | None) -> TrainConfig:

@@ -6,6 +6,7 @@ override. This module must not import torch: `plan` composes the same schema.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -325,6 +326,18 @@ def check_ranges(cfg: Any, prefix: str = "") -> None:
     for key, value, rng in leaves(cfg, prefix):
         if rng is not None and not rng.holds(value):
             raise LauncherError(f"{key}={value} is out of range: use {rng}")
+
+
+def make_dir(path: Path, key: str) -> None:
+    """Create a directory the run writes into, or say in one line why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LauncherError(
+            f"{key}: cannot create the directory {path} ({err.strerror}): choose another {key}"
+        ) from None
+    if not os.access(path, os.W_OK):
+        raise LauncherError(f"{key}: the directory {path} is not writable: choose another {key}")
 
 
 def validate(cfg: TrainConfig, dp: int) -> None:

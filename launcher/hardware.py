@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher.config import HardwareConfig, LauncherError
+from launcher.config import HardwareConfig, LauncherError, make_dir
 from launcher.metrics.sinks import write_json
 from launcher.planner.comm import hops
 
@@ -51,9 +51,9 @@ def cached_measure(cache_dir: str, key: str, measure: Callable[[], Any]) -> Any:
         except (OSError, ValueError):
             cache = {}  # a corrupt cache is re-measured, never fatal
     if full_key not in cache:
+        make_dir(path.parent, "cache_dir")  # before measuring: a cache that cannot be written is bad input
         print(f"calibrating this machine, once: {key} (cached in {path})", file=sys.stderr, flush=True)
         cache[full_key] = measure()
-        path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, cache)
     return cache[full_key]
 

@@ -30,7 +30,7 @@ from typing import Any
 from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 
-from launcher.config import LauncherError, TrainConfig
+from launcher.config import LauncherError, TrainConfig, make_dir
 
 RESOLVER = "slurm_job"
 PORT_BASE, PORT_SPAN = 20000, 20000
@@ -262,7 +262,7 @@ def emit_script(cfg: TrainConfig, run_dir: Path) -> Path:
         "defaults:\n  - base_train\n  - _self_\n\n" + OmegaConf.to_yaml(OmegaConf.create(hydra)) + body
     )
     script = Path(cfg.slurm.script) if cfg.slurm.script else run_dir / "job.sbatch"
-    script.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(script.parent, "slurm.script")
     script.write_text(render_script(cfg, run_dir, config_file))
     script.chmod(0o755)
     return script

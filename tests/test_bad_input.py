@@ -103,8 +103,11 @@ def test_plan_refuses_the_same_ranges(tmp_path: Path) -> None:
         (["data=tokens", "data.path=short.bin"], "data.path=short.bin: 19 training tokens"),
         (["data=tokens", "data.path=u16.bin", "data.val_path=short.bin", "eval.every=1"], "data.val_path=short.bin"),
         (["data=tokens", "data.path=u16.bin", "data.val_path=empty.bin"], "data.val_path=empty.bin: the file is empty"),
-        (["run_dir=afile/run"], "run_dir=afile/run: cannot create this directory (Not a directory)"),
-        (["checkpoint.dir=afile/checkpoints"], "checkpoint.dir=afile/checkpoints: cannot create this directory"),
+        (["run_dir=afile/run"], "run_dir: cannot create the directory afile/run (Not a directory)"),
+        (["checkpoint.dir=afile/checkpoints"], "checkpoint.dir: cannot create the directory afile/checkpoints"),
+        (["data.cache_dir=afile/cache"], "data.cache_dir: cannot create the directory afile/cache"),
+        (["cache_dir=afile/cache"], "cache_dir: cannot create the directory afile/cache"),
+        (["slurm.emit=true", "slurm.script=afile/job.sbatch"], "slurm.script: cannot create the directory afile"),
     ],
 )
 def test_files_the_run_cannot_use(args: list[str], expected: str, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.config import DataConfig, LauncherError
+from launcher.config import DataConfig, LauncherError, make_dir
 from launcher.data.loader import min_tokens
 
 
@@ -45,7 +45,7 @@ def build_stdlib_tokens(max_bytes: int, out: Path) -> None:
             break
     if not chunks:
         raise LauncherError("data=stdlib found no Python sources: use data=tokens data.path=FILE")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(out.parent, "data.cache_dir")
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(b"".join(chunks)[:max_bytes])
     tmp.replace(out)
