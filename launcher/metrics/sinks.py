@@ -34,8 +34,11 @@ def import_wandb() -> Any:
 
 def check_wandb_login() -> None:
     """online mode needs an API key (WANDB_API_KEY, or a .netrc entry that `wandb login` writes):
-    without one, wandb.init would fail inside a worker. No prompt; quiet, it asks no server either."""
-    if not import_wandb().login(prompt=False, verify=False):
+    without one, wandb.init would fail inside a worker. No prompt, and silent even under WANDB_SILENT=false:
+    otherwise wandb.login asks the server for the user name, and an unreachable one can hold the CLI."""
+    wandb = import_wandb()
+    wandb.setup(wandb.Settings(silent=True))
+    if not wandb.login(prompt=False, verify=False):
         raise LauncherError(
             "metrics.wandb.mode=online needs a W&B API key: set WANDB_API_KEY or run `wandb login`, "
             "or log locally with metrics.wandb.mode=offline (or disabled)"
