@@ -1,4 +1,4 @@
-"""The typed configuration schema: every key, its type and its default, in one place.
+"""The typed configuration schema: every key, its type, its default and (numeric keys) its range, in one place.
 
 Registered in Hydra's ConfigStore as ``base_train`` / ``base_plan``; the YAML files under conf/ only
 override. This module must not import torch: `plan` composes the same schema.
@@ -35,6 +35,8 @@ class Range:
         if value is None or value == "auto":
             return self.optional if value is None else self.auto
         if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if value != value:  # nan compares false with every bound
             return False
         return not (
             (self.ge is not None and value < self.ge)
