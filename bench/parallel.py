@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from launcher import flops
+from launcher.calibration import measure_gemm_flops
 from launcher.config import ModelConfig, TrainConfig
-from launcher.hardware import measure_gemm_flops
 from launcher.layout import build_mesh, resolve_layout
 from launcher.parallel import parallelize
 from launcher.train.loop import build_model

@@ -216,7 +216,8 @@ def main(argv: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from launcher.hardware import measure_gemm_flops, peak_flops
+    from launcher.calibration import measure_gemm_flops
+    from launcher.hardware import peak_flops
 
     parser = argparse.ArgumentParser(prog="python -m bench planner_accuracy", description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=256)

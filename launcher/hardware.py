@@ -1,81 +1,15 @@
-"""Hardware profiles: peak FLOP/s, memory and link levels (conf/hardware/*.yaml), and CPU calibration.
+"""Hardware profiles: peak FLOP/s, memory and link levels (conf/hardware/*.yaml), resolved into numbers.
 
-GPU numbers come from the YAML files (datasheets). The `cpu` profile leaves its peak (and link
-bandwidth) null: they are measured once on this machine, for the thread count a worker uses, and
-cached in a small JSON file so later runs start instantly. torch is imported only to measure.
+GPU numbers come from the YAML files (datasheets). The `cpu` profile leaves its peak, link and host
+overhead null: `resolve_hardware` fills them in from this machine's calibration (launcher/calibration.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import statistics
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from dataclasses import replace
 
-from launcher.config import HardwareConfig, LauncherError, make_dir
-from launcher.metrics.sinks import write_json
-from launcher.planner.comm import hops
-
-GLOO_BYTES = 16 * 2**20  # large enough that bandwidth, not latency, sets its time
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cache_file(cache_dir: str) -> Path:
-    return Path(cache_dir).expanduser() / "calibration.json"
-
-
-def cached_measure(cache_dir: str, key: str, measure: Callable[[], Any]) -> Any:
-    """Return the cached value for `key` on this machine, measuring (and caching) it once."""
-    import torch
-
-    full_key = f"{cpu_model()}|torch={torch.__version__}|{key}"
-    path = _cache_file(cache_dir)
-    cache: dict[str, Any] = {}
-    if path.exists():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cache = {}  # a corrupt cache is re-measured, never fatal
-    if full_key not in cache:
-        make_dir(path.parent, "cache_dir")  # before measuring: a cache that cannot be written is bad input
-        print(f"calibrating this machine, once: {key} (cached in {path})", file=sys.stderr, flush=True)
-        cache[full_key] = measure()
-        write_json(path, cache)
-    return cache[full_key]
-
-
-def measure_gemm_flops(threads: int, n: int = 1024, seconds: float = 0.6) -> float:
-    """Best fp32 GEMM FLOP/s with `threads` intra-op threads (the CPU's practical peak)."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)  # warm up
-        best, end = 0.0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            for _ in range(4):
-                torch.mm(a, b)
-            best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
-        return best
-    finally:
-        torch.set_num_threads(old)
+from launcher import calibration
+from launcher.config import HardwareConfig, LauncherError
 
 
 def peak_flops(hw: HardwareConfig, threads: int, cache_dir: str) -> float:
@@ -84,192 +18,23 @@ def peak_flops(hw: HardwareConfig, threads: int, cache_dir: str) -> float:
         return hw.peak_tflops * 1e12
     if hw.kind != "cpu":
         raise LauncherError(f"hardware.peak_tflops is not set for '{hw.name}': give its bf16 dense peak")
-    return float(cached_measure(cache_dir, f"gemm_fp32|threads={threads}", lambda: measure_gemm_flops(threads)))
-
-
-def _same_iteration_exit(end: float) -> bool:
-    """True on every rank once any rank is past `end`, so all leave a timing loop together."""
-    import torch
-    import torch.distributed as dist
-
-    done = torch.tensor([1.0 if time.perf_counter() > end else 0.0])
-    dist.all_reduce(done, op=dist.ReduceOp.MAX)
-    return done.item() > 0
-
-
-def _gloo_collectives_worker(rank: int, world: int, port: int, seconds: float) -> str:
-    """One of 2 ranks of the link measurement: mean seconds of a 4-byte all-reduce, and of an
-    all-reduce, an all-gather and a reduce-scatter of GLOO_BYTES (the full buffer), averaged over the
-    ranks. Each rank computes a few ms between collectives, as a training step does, so the wait for
-    a peer that arrives late is part of the cost. Means, not medians: that wait has a heavy tail, and
-    a step pays the sum."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        a = torch.randn(256, 256)
-        full, shard = torch.ones(GLOO_BYTES // 4), torch.ones(GLOO_BYTES // 4 // world)
-        collectives = (
-            lambda: dist.all_reduce(torch.ones(1)),
-            lambda: dist.all_reduce(full),
-            lambda: dist.all_gather_into_tensor(full, shard),
-            lambda: dist.reduce_scatter_tensor(shard, full),
-        )
-        means = []
-        for collective in collectives:
-            collective()  # warm up (connections, buffers)
-            times, end = [], time.perf_counter() + seconds
-            while True:
-                for _ in range(20):  # ~0.7 GFLOP, a few ms between collectives
-                    a @ a
-                t0 = time.perf_counter()
-                collective()
-                times.append(time.perf_counter() - t0)
-                if _same_iteration_exit(end):
-                    break
-            means.append(statistics.fmean(times))
-        averaged = torch.tensor(means, dtype=torch.float64)
-        dist.all_reduce(averaged)
-        return " ".join(str(x / world) for x in averaged.tolist())
-    finally:
-        dist.destroy_process_group()
-
-
-def _tp_overhead_worker(rank: int, world: int, port: int, seconds: float) -> str:
-    """Host seconds per tensor-parallel block and microbatch: a train step of a 2-layer model too small
-    for its FLOPs to matter, under the tensor-parallel plan on a 1-rank mesh (all of DTensor's dispatch,
-    no peer to wait for) minus the same step on plain tensors, over 3 blocks (2 layers + embedding,
-    output and loss as one)."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from launcher.config import ModelConfig
-    from launcher.model.transformer import Transformer
-    from launcher.parallel.tensor import apply_tensor_parallel, loss_context
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        cfg = ModelConfig(name="probe", dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=256, max_seq_len=16)
-        torch.manual_seed(0)
-        plain, sharded = Transformer(cfg), Transformer(cfg)
-        apply_tensor_parallel(sharded, init_device_mesh("cpu", (1,)), sequence_parallel=False)
-        tokens = torch.randint(0, cfg.vocab_size, (1, 9))
-        steps = []
-        for model, tp in ((plain, 1), (sharded, 2)):
-            opt = torch.optim.AdamW(model.parameters(), foreach=True)
-
-            def step(model: torch.nn.Module = model, tp: int = tp, opt: torch.optim.Optimizer = opt) -> None:
-                with loss_context(tp):
-                    logits = model(tokens[:, :-1])
-                    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            steps.append(step)
-        times: list[list[float]] = [[], []]
-        for fn in steps:
-            fn()  # warm up: DTensor's sharding-propagation cache
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:  # alternate, so drift hits both alike
-            for i, fn in enumerate(steps):
-                t0 = time.perf_counter()
-                fn()
-                times[i].append(time.perf_counter() - t0)
-        plain_s, sharded_s = (statistics.median(t) for t in times)
-        return str(max(sharded_s - plain_s, 0.0) / (cfg.n_layers + 1))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_ranks(worker: str, world: int, seconds: float) -> str:
-    """Run `launcher.hardware.<worker>(rank, world, port, seconds)` in `world` fresh interpreters (not
-    multiprocessing: this works from any entry point, inside a process group or not); rank 0's result."""
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = f"import sys; from launcher.hardware import {worker} as w; print(w(*map(int, sys.argv[1:4]), {seconds!r}))"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(r), str(world), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            if p.returncode:
-                raise LauncherError(f"cpu calibration ({worker}) failed: {err.strip().splitlines()[-1:]}")
-            outs.append(out)
-    except subprocess.TimeoutExpired as e:
-        raise LauncherError(f"cpu calibration ({worker}) timed out: give the cpu profile's numbers") from e
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return outs[0].strip().splitlines()[-1]
-
-
-def measure_gloo_link(seconds: float = 1.5) -> list[float]:
-    """[latency_us, all-reduce, all-gather and reduce-scatter bandwidth in GB/s] of gloo between 2
-    local processes of 1 thread each, as the planner's collective model reads them
-    (launcher/planner/comm.py). Over 2 ranks an all-reduce of n bytes takes n / bandwidth + 2 latency,
-    an all-gather or a reduce-scatter n / 2 / its bandwidth + latency; the 4-byte all-reduce gives the
-    latency. gloo needs its own numbers for the latter two: its reduce-scatter all-reduces the whole
-    buffer, so it takes as long as an all-reduce, not half."""
-    small, reduce, gather, scatter = map(float, _run_ranks("_gloo_collectives_worker", 2, seconds).split())
-    latency = small / (2 * hops(2))
-
-    def gbs(share: float, t: float) -> float:
-        return share * GLOO_BYTES / max(t - small * share, 1e-9) / 1e9
-
-    return [latency * 1e6, gbs(1.0, reduce), gbs(0.5, gather), gbs(0.5, scatter)]
-
-
-def measure_tp_overhead(seconds: float = 1.0) -> float:
-    """Microseconds of DTensor dispatch per tensor-parallel block and microbatch (fwd + bwd + optimizer)."""
-    return float(_run_ranks("_tp_overhead_worker", 1, seconds)) * 1e6
-
-
-def gloo_link(cache_dir: str) -> list[float]:
-    """The cpu profile's link: [latency_us, all-reduce, all-gather, reduce-scatter GB/s] between 2
-    workers of 1 thread, measured once, cached. More workers than cores share them: the planner
-    scales these by the share (request.py)."""
-    key = "gloo_collectives_mean|world=2|threads=1"
-    return [float(x) for x in cached_measure(cache_dir, key, measure_gloo_link)]
-
-
-def tp_overhead_us(cache_dir: str) -> float:
-    return float(cached_measure(cache_dir, "tp_dispatch_us|threads=1", measure_tp_overhead))
+    return calibration.gemm_flops(threads, cache_dir)
 
 
 def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> HardwareConfig:
     """A copy of `hw` with its null numbers calibrated on this machine (peak FLOP/s at `threads`
     threads, link latency and bandwidth, tensor-parallel host overhead)."""
-    from dataclasses import replace
-
     peak = hw.peak_tflops if hw.peak_tflops is not None else peak_flops(hw, threads, cache_dir) / 1e12
     links = []
     for link in hw.links:
         if link.bandwidth_gbs is None or link.latency_us is None:
             measured = dict(
-                zip(("latency_us", "bandwidth_gbs", "all_gather_gbs", "reduce_scatter_gbs"), gloo_link(cache_dir))
+                zip(
+                    ("latency_us", "bandwidth_gbs", "all_gather_gbs", "reduce_scatter_gbs"),
+                    calibration.gloo_link(cache_dir),
+                )
             )
             link = replace(link, **{k: v for k, v in measured.items() if getattr(link, k) is None})
         links.append(link)
-    host = hw.host_overhead_us if hw.host_overhead_us is not None else tp_overhead_us(cache_dir)
+    host = hw.host_overhead_us if hw.host_overhead_us is not None else calibration.tp_overhead_us(cache_dir)
     return replace(hw, peak_tflops=peak, links=links, host_overhead_us=host)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from launcher import hardware
+from launcher import calibration, hardware
 from launcher.config import HardwareConfig
 
 CPU_YAML = Path(__file__).resolve().parents[1] / "conf" / "hardware" / "cpu.yaml"
@@ -19,7 +19,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert cpu.peak_tflops is None and cpu.host_overhead_us is None
     assert cpu.links[0].bandwidth_gbs is None and cpu.links[0].latency_us is None
     assert cpu.links[0].all_gather_gbs is None and cpu.links[0].reduce_scatter_gbs is None
-    monkeypatch.setattr(hardware, "measure_gemm_flops", lambda threads: 1e10)  # the GEMM has its own test
+    monkeypatch.setattr(calibration, "measure_gemm_flops", lambda threads: 1e10)  # the GEMM has its own test
     resolved = hardware.resolve_hardware(cpu, 1, str(tmp_path))
     assert resolved.peak_tflops == pytest.approx(0.01)
     link = resolved.links[0]
@@ -32,6 +32,6 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
         raise AssertionError("measured again")
 
     for name in ("measure_gemm_flops", "measure_gloo_link", "measure_tp_overhead"):
-        monkeypatch.setattr(hardware, name, fail)
+        monkeypatch.setattr(calibration, name, fail)
     again = hardware.resolve_hardware(cpu, 1, str(tmp_path))
     assert again.links[0] == link and again.host_overhead_us == resolved.host_overhead_us

@@ -2,7 +2,8 @@
 
 Datasheet link bandwidths are scaled by LINK_EFFICIENCY (what collectives reach in practice);
 measured ones (the cpu profile's gloo calibration) are used as they are. Null numbers (cpu) are
-calibrated by `launcher.hardware.resolve_hardware`, the only path on which torch is imported.
+calibrated by `launcher.hardware.resolve_hardware` (launcher/calibration.py), the only path on which
+torch is imported.
 """
 
 from __future__ import annotations

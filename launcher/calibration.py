@@ -1,0 +1,258 @@
+"""CPU calibration: the numbers the `cpu` profile leaves null, measured on this machine.
+
+- the GEMM peak: best fp32 matmul FLOP/s at the thread count a worker uses;
+- the gloo link: latency and all-reduce / all-gather / reduce-scatter bandwidth between 2 local processes;
+- the tensor-parallel host overhead: DTensor's dispatch time per block and microbatch.
+
+Each is measured once per machine (CPU model, torch version, threads) and cached in
+`<cache_dir>/calibration.json`, so later runs start instantly. The multi-process harnesses run in
+fresh interpreters. torch is imported only to measure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from launcher.config import LauncherError, make_dir
+from launcher.metrics.sinks import write_json
+
+GLOO_BYTES = 16 * 2**20  # large enough that bandwidth, not latency, sets its time
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_file(cache_dir: str) -> Path:
+    return Path(cache_dir).expanduser() / "calibration.json"
+
+
+def cached_measure(cache_dir: str, key: str, measure: Callable[[], Any]) -> Any:
+    """Return the cached value for `key` on this machine, measuring (and caching) it once."""
+    import torch
+
+    full_key = f"{cpu_model()}|torch={torch.__version__}|{key}"
+    path = _cache_file(cache_dir)
+    cache: dict[str, Any] = {}
+    if path.exists():
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}  # a corrupt cache is re-measured, never fatal
+    if full_key not in cache:
+        make_dir(path.parent, "cache_dir")  # before measuring: a cache that cannot be written is bad input
+        print(f"calibrating this machine, once: {key} (cached in {path})", file=sys.stderr, flush=True)
+        cache[full_key] = measure()
+        write_json(path, cache)
+    return cache[full_key]
+
+
+def measure_gemm_flops(threads: int, n: int = 1024, seconds: float = 0.6) -> float:
+    """Best fp32 GEMM FLOP/s with `threads` intra-op threads (the CPU's practical peak)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)  # warm up
+        best, end = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            for _ in range(4):
+                torch.mm(a, b)
+            best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
+def gemm_flops(threads: int, cache_dir: str) -> float:
+    """The CPU's practical fp32 peak at `threads` threads, measured once, cached."""
+    return float(cached_measure(cache_dir, f"gemm_fp32|threads={threads}", lambda: measure_gemm_flops(threads)))
+
+
+def _same_iteration_exit(end: float) -> bool:
+    """True on every rank once any rank is past `end`, so all leave a timing loop together."""
+    import torch
+    import torch.distributed as dist
+
+    done = torch.tensor([1.0 if time.perf_counter() > end else 0.0])
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    return done.item() > 0
+
+
+def _gloo_collectives_worker(rank: int, world: int, port: int, seconds: float) -> str:
+    """One of 2 ranks of the link measurement: mean seconds of a 4-byte all-reduce, and of an
+    all-reduce, an all-gather and a reduce-scatter of GLOO_BYTES (the full buffer), averaged over the
+    ranks. Each rank computes a few ms between collectives, as a training step does, so the wait for
+    a peer that arrives late is part of the cost. Means, not medians: that wait has a heavy tail, and
+    a step pays the sum."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        a = torch.randn(256, 256)
+        full, shard = torch.ones(GLOO_BYTES // 4), torch.ones(GLOO_BYTES // 4 // world)
+        collectives = (
+            lambda: dist.all_reduce(torch.ones(1)),
+            lambda: dist.all_reduce(full),
+            lambda: dist.all_gather_into_tensor(full, shard),
+            lambda: dist.reduce_scatter_tensor(shard, full),
+        )
+        means = []
+        for collective in collectives:
+            collective()  # warm up (connections, buffers)
+            times, end = [], time.perf_counter() + seconds
+            while True:
+                for _ in range(20):  # ~0.7 GFLOP, a few ms between collectives
+                    a @ a
+                t0 = time.perf_counter()
+                collective()
+                times.append(time.perf_counter() - t0)
+                if _same_iteration_exit(end):
+                    break
+            means.append(statistics.fmean(times))
+        averaged = torch.tensor(means, dtype=torch.float64)
+        dist.all_reduce(averaged)
+        return " ".join(str(x / world) for x in averaged.tolist())
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_overhead_worker(rank: int, world: int, port: int, seconds: float) -> str:
+    """Host seconds per tensor-parallel block and microbatch: a train step of a 2-layer model too small
+    for its FLOPs to matter, under the tensor-parallel plan on a 1-rank mesh (all of DTensor's dispatch,
+    no peer to wait for) minus the same step on plain tensors, over 3 blocks (2 layers + embedding,
+    output and loss as one)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from launcher.config import ModelConfig
+    from launcher.model.transformer import Transformer
+    from launcher.parallel.tensor import apply_tensor_parallel, loss_context
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        cfg = ModelConfig(name="probe", dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=256, max_seq_len=16)
+        torch.manual_seed(0)
+        plain, sharded = Transformer(cfg), Transformer(cfg)
+        apply_tensor_parallel(sharded, init_device_mesh("cpu", (1,)), sequence_parallel=False)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 9))
+        steps = []
+        for model, tp in ((plain, 1), (sharded, 2)):
+            opt = torch.optim.AdamW(model.parameters(), foreach=True)
+
+            def step(model: torch.nn.Module = model, tp: int = tp, opt: torch.optim.Optimizer = opt) -> None:
+                with loss_context(tp):
+                    logits = model(tokens[:, :-1])
+                    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            steps.append(step)
+        times: list[list[float]] = [[], []]
+        for fn in steps:
+            fn()  # warm up: DTensor's sharding-propagation cache
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:  # alternate, so drift hits both alike
+            for i, fn in enumerate(steps):
+                t0 = time.perf_counter()
+                fn()
+                times[i].append(time.perf_counter() - t0)
+        plain_s, sharded_s = (statistics.median(t) for t in times)
+        return str(max(sharded_s - plain_s, 0.0) / (cfg.n_layers + 1))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(worker: str, world: int, seconds: float) -> str:
+    """Run `launcher.calibration.<worker>(rank, world, port, seconds)` in `world` fresh interpreters (not
+    multiprocessing: this works from any entry point, inside a process group or not); rank 0's result."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        f"import sys; from launcher.calibration import {worker} as w; print(w(*map(int, sys.argv[1:4]), {seconds!r}))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(r), str(world), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(world)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            if p.returncode:
+                raise LauncherError(f"cpu calibration ({worker}) failed: {err.strip().splitlines()[-1:]}")
+            outs.append(out)
+    except subprocess.TimeoutExpired as e:
+        raise LauncherError(f"cpu calibration ({worker}) timed out: give the cpu profile's numbers") from e
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs[0].strip().splitlines()[-1]
+
+
+def measure_gloo_link(seconds: float = 1.5) -> list[float]:
+    """[latency_us, all-reduce, all-gather and reduce-scatter bandwidth in GB/s] of gloo between 2
+    local processes of 1 thread each, as the planner's collective model reads them
+    (launcher/planner/comm.py). Over 2 ranks an all-reduce of n bytes takes n / bandwidth + 2 latency,
+    an all-gather or a reduce-scatter n / 2 / its bandwidth + latency; the 4-byte all-reduce gives the
+    latency. gloo needs its own numbers for the latter two: its reduce-scatter all-reduces the whole
+    buffer, so it takes as long as an all-reduce, not half."""
+    small, reduce, gather, scatter = map(float, _run_ranks("_gloo_collectives_worker", 2, seconds).split())
+    latency = small / 2  # the 4-byte all-reduce: all latency, 2 of them over 2 ranks (comm.hops(2) = 1)
+
+    def gbs(share: float, t: float) -> float:
+        return share * GLOO_BYTES / max(t - small * share, 1e-9) / 1e9
+
+    return [latency * 1e6, gbs(1.0, reduce), gbs(0.5, gather), gbs(0.5, scatter)]
+
+
+def measure_tp_overhead(seconds: float = 1.0) -> float:
+    """Microseconds of DTensor dispatch per tensor-parallel block and microbatch (fwd + bwd + optimizer)."""
+    return float(_run_ranks("_tp_overhead_worker", 1, seconds)) * 1e6
+
+
+def gloo_link(cache_dir: str) -> list[float]:
+    """The cpu profile's link: [latency_us, all-reduce, all-gather, reduce-scatter GB/s] between 2
+    workers of 1 thread, measured once, cached. More workers than cores share them: the planner
+    scales these by the share (request.py)."""
+    key = "gloo_collectives_mean|world=2|threads=1"
+    return [float(x) for x in cached_measure(cache_dir, key, measure_gloo_link)]
+
+
+def tp_overhead_us(cache_dir: str) -> float:
+    return float(cached_measure(cache_dir, "tp_dispatch_us|threads=1", measure_tp_overhead))
