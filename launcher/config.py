@@ -14,9 +14,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-
-class LauncherError(Exception):
-    """Bad input. Its message is one line naming the key and the fix; the CLI prints it, exit 2."""
+from launcher.errors import LauncherError
 
 
 @dataclass(frozen=True)

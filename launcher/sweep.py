@@ -8,14 +8,14 @@ each job's summary.json in the sweep directory and writes there:
 and prints a rich table, then the failed points with their errors.
 
 `sweep_point` wraps one job of a multirun: bad input or a failed worker is written to the job's
-summary.json as {"status": "failed", "error": ...} instead of ending the whole sweep.
+summary.json as {"status": "failed", "error", "error_type", "exit_code"} (from the exception object)
+instead of ending the whole sweep.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
-import io
 import json
 import sys
 from collections.abc import Iterator
@@ -27,7 +27,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config import LauncherError
+from launcher.errors import FAILED, LauncherError
 
 FIELDS = (
     "job",
@@ -45,63 +45,44 @@ FIELDS = (
     "world_size",
     "wall_time_s",
     "error",
+    "error_type",
+    "exit_code",
     "dir",
 )
 LAYOUT_KEYS = ("tp", "pp", "dp_replicate", "dp_shard")
-PREEMPTED_CODES = (75, -1, 255)  # PREEMPTED_EXIT, submitit's requeue exit
 
 
 def _multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-class _Tee(io.TextIOBase):
-    """Writes through to the real stream and keeps the text, to recover an error line."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream, self.kept = stream, io.StringIO()
-
-    def write(self, text: str) -> int:
-        self.kept.write(text)
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def record_failure(run_dir: Path, error: str) -> None:
-    """A failed sweep point: summary.json says so (rank 0 / the first writer only)."""
-    if not error:
-        error = "failed (no message)"
+def record_failure(run_dir: Path, err: Exception) -> None:
+    """A failed sweep point: summary.json records the exception (rank 0 / the first writer only)."""
+    error = str(err) if isinstance(err, LauncherError) else f"{type(err).__name__}: {err}"
+    failure = {
+        "status": "failed",
+        "error": error or "failed (no message)",
+        "error_type": type(err).__name__,
+        "exit_code": err.exit_code if isinstance(err, LauncherError) else FAILED,
+    }
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "summary.json"
     if not path.exists():
-        path.write_text(json.dumps({"status": "failed", "error": error}, indent=2) + "\n")
-    print(f"sweep point failed: {error}", file=sys.stderr)
+        path.write_text(json.dumps(failure, indent=2) + "\n")
+    print(f"sweep point failed: {failure['error']}", file=sys.stderr)
 
 
 @contextlib.contextmanager
 def sweep_point(run_dir: Path | None) -> Iterator[None]:
-    """In a multirun, turn this job's failure into a recorded one; outside a multirun, do nothing."""
+    """In a multirun, record this job's failure instead of ending the sweep; outside one, do nothing.
+    A SystemExit (a preempted point exits to be requeued) is not a failure and passes through."""
     if not _multirun():
         yield
         return
-    run_dir = Path(run_dir or HydraConfig.get().runtime.output_dir)
-    tee, real = _Tee(sys.stderr), sys.stderr
-    sys.stderr = tee
     try:
         yield
-    except LauncherError as err:
-        record_failure(run_dir, str(err))
-    except SystemExit as exit_:
-        if exit_.code in (0, None, *PREEMPTED_CODES):
-            raise
-        lines = [ln for ln in tee.kept.getvalue().splitlines() if ln.startswith("error:")]
-        record_failure(run_dir, lines[-1][len("error:") :].strip() if lines else f"exit code {exit_.code}")
-    except Exception as err:  # a crash in this point must not end the other points
-        record_failure(run_dir, f"{type(err).__name__}: {err}")
-    finally:
-        sys.stderr = real
+    except Exception as err:  # bad input, a failed worker, or a crash: the other points go on
+        record_failure(Path(run_dir or HydraConfig.get().runtime.output_dir), err)
 
 
 # --- collecting ------------------------------------------------------------------------------------
@@ -134,7 +115,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         if not summary:
             status, error = "failed", f"no summary.json: the job did not finish (logs in {job_dir})"
         elif summary.get("status") == "failed":
-            status, error = "failed", summary.get("error", "")
+            status, error = "failed", summary["error"]
         elif "preempted_at_step" in summary:
             status, error = "preempted", f"preempted at step {summary['preempted_at_step']}"
         else:
@@ -156,6 +137,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                 "world_size": summary.get("world_size"),
                 "wall_time_s": summary.get("wall_time_s"),
                 "error": error,
+                "error_type": summary.get("error_type"),
+                "exit_code": summary.get("exit_code"),
                 "dir": str(job_dir),
             }
         )

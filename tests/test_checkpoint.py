@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from launcher.config import LauncherError
+from launcher.errors import PREEMPTED
 from launcher.model import Transformer
 from launcher.train.checkpoint import complete_checkpoints, resolve_resume
 from launcher.train.loop import build_model, train
-from launcher.train.preemption import PREEMPTED_EXIT
 from tests.conftest import losses, run_cli, tiny_config
 
 
@@ -114,7 +114,7 @@ def test_sigterm_saves_current_step_exits_preempted_and_resumes(tmp_path: Path) 
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == PREEMPTED_EXIT, err
+    assert proc.returncode == PREEMPTED, err
     assert b"preempted at step" in err
     last = max(losses(run))
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == [f"step_{last:08d}"]

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from launcher.errors import FAILED, WorkerFailed
 from launcher.layout import resolve_layout
-from launcher.spawn import WorkerFailed, start_local_workers
+from launcher.spawn import start_local_workers
 from launcher.train.loop import train
 from tests.conftest import tiny_config
 
@@ -39,6 +40,7 @@ def test_a_dying_worker_takes_the_job_down_with_its_rank_and_error(tmp_path: Pat
     run_dir = tmp_path / "run"
     (run_dir / "metrics.jsonl").mkdir(parents=True)
     start = time.monotonic()
-    with pytest.raises(WorkerFailed, match=r"worker rank 0 failed \(exit 1\): IsADirectoryError"):
+    with pytest.raises(WorkerFailed, match=r"worker rank 0 failed \(exit 1\): IsADirectoryError") as failed:
         start_local_workers(cfg, run_dir, resolve_layout(cfg, None))
+    assert failed.value.exit_code == FAILED  # what `train` exits with
     assert time.monotonic() - start < 90

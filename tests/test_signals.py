@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import INTERRUPTED
+from launcher.errors import INTERRUPTED, PREEMPTED
 from launcher.train.checkpoint import complete_checkpoints
-from launcher.train.preemption import PREEMPTED_EXIT, PreemptionFlag
+from launcher.train.preemption import PreemptionFlag
 from tests.conftest import losses, run_cli, tiny_args, worker_pids
 
 STEPS = 40  # ~35 ms each: the signal, sent after step 3, lands well before the end
@@ -76,7 +76,7 @@ def test_a_signal_saves_every_rank_at_one_step_exits_75_and_the_rerun_resumes_ex
     wait_for_step(proc, run_dir, 3)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == PREEMPTED_EXIT, err
+    assert proc.returncode == PREEMPTED, err
     assert "Traceback" not in err, err
     step = max(losses(run_dir))
     assert 3 <= step < STEPS
@@ -103,7 +103,7 @@ def test_ctrl_c_in_a_terminal_while_the_workers_start_saves_at_the_first_step(tm
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGINT)  # the group of train's own session: train and its workers only
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == PREEMPTED_EXIT, err
+    assert proc.returncode == PREEMPTED, err
     assert "Traceback" not in err, err
     assert "preempted at step 1: checkpoint saved" in err
     assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000001"]

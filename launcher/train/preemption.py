@@ -1,7 +1,7 @@
 """Preemption: SIGINT (Ctrl-C), SIGTERM or SIGUSR1 (what SLURM sends before preemption or the time limit)
-asks every rank to finish its step, save a checkpoint and exit with `PREEMPTED_EXIT` so the job can be
-requeued or rerun; a second Ctrl-C stops at once (`KeyboardInterrupt`, which the CLI turns into exit
-130). Local workers get the request from their launcher (see launcher/spawn.py)."""
+asks every rank to finish its step, save a checkpoint and exit with `PREEMPTED` (launcher/errors.py) so
+the job can be requeued or rerun; a second Ctrl-C stops at once (`KeyboardInterrupt`, which the CLI turns
+into exit `INTERRUPTED`). Local workers get the request from their launcher (see launcher/spawn.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later", what a requeue is
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # Set in local workers started by the elastic agent, which tears a failed group down with SIGTERM:
 # there only SIGUSR1 (forwarded by the launcher) means "save and stop", SIGTERM keeps its default (die

@@ -1,0 +1,27 @@
+"""How a command ends when it cannot finish: exit codes, and exceptions that carry theirs.
+
+An error is raised where it arises, as an object with its message and exit code, and travels up
+unchanged: the CLI prints it as one line and exits with its code (launcher/cli.py); a point of a
+sweep records it (launcher/sweep.py). Nothing parses error text.
+"""
+
+from __future__ import annotations
+
+import signal
+
+FAILED = 1  # a worker or this process failed (Python's own code for an uncaught exception)
+BAD_INPUT = 2  # refused before any worker started
+PREEMPTED = 75  # EX_TEMPFAIL, "try again later": every rank saved at the same step; a rerun resumes
+INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command stopped by Ctrl-C (nothing saved)
+
+
+class LauncherError(Exception):
+    """Bad input. Its message is one line naming the key and the fix; the CLI prints it, exit 2."""
+
+    exit_code = BAD_INPUT
+
+
+class WorkerFailed(LauncherError):
+    """A worker died; the message names its rank and error."""
+
+    exit_code = FAILED
