@@ -1,5 +1,9 @@
-"""Private PyTorch APIs the project relies on, each in one place with a test (tests/test_compat.py) that
-fails loudly when an upgrade changes them.
+"""Every private PyTorch / Hydra / submitit API the project uses, in one place.
+
+Each is used here for a reason (no public API does the same) and has a test in tests/test_compat.py
+that checks the signature or behaviour the project relies on, so an upgrade that changes one fails
+there, loudly, rather than somewhere in a run. torch is imported only when a torch API is used:
+`plan` and the SLURM submission side import this module without it.
 
 Distributed checkpoint (DCP) reading: DCP stores its index, `.metadata`, as a Python pickle and reads it
 with the full unpickler, which runs whatever code a crafted file names. A checkpoint may come from a
@@ -9,15 +13,96 @@ classes a DCP index holds, and non-tensor values with `torch.load(weights_only=T
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
+import os
 import pickle
-from typing import IO, Any
+import signal
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO, TYPE_CHECKING, Any
 
-import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed import Store
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+
+# --- PyTorch ------------------------------------------------------------------------------------------
+def replicate(module: nn.Module, mesh: DeviceMesh) -> None:
+    """DDP as a composable API on the FSDP2 machinery (gradients all-reduced over `mesh`), in place.
+    No public API does it: DistributedDataParallel wraps the module (its parameter names change) and
+    does not compose with `fully_shard` for HSDP-like meshes."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_with_fsdp
+
+    replicate_with_fsdp(module, mesh=mesh)
+
+
+def fake_store() -> Store:
+    """The store of the "fake" process-group backend: every collective returns at once, with no peer.
+    torch ships it under torch.testing only."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def local_shard_shape(
+    shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]
+) -> tuple[int, ...]:
+    """The local shape of a DTensor of global `shape` at mesh `coordinate`, by DTensor's own rule
+    (uneven splits, FSDP's strided shards), without building it."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    local, _ = _compute_local_shape_and_global_offset(
+        shape, mesh_shape, list(coordinate), list(placements), skip_offset=True
+    )
+    return tuple(local)
+
+
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor in one fused kernel (what clip_grad_norm_ uses)."""
+    import torch
+
+    return list(torch._foreach_norm(tensors))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scale: float) -> None:
+    """Multiply each tensor by `scale` in place, in one fused kernel."""
+    import torch
+
+    torch._foreach_mul_(tensors, scale)
+
+
+def attention_and_reduce_scatter_ops() -> set[Any]:
+    """The ops selective recompute keeps the outputs of, under their private names: the attention
+    kernels `scaled_dot_product_attention` dispatches to (CPU, flash, efficient, cuDNN), and the
+    functional reduce-scatter that sequence parallelism issues."""
+    import torch
+
+    aten = torch.ops.aten
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    }
+
+
+def failure_line(failure: ProcessFailure) -> str:
+    """One line from the elastic agent's record of a failed worker: the exception (`Type: message`)
+    from its error file, or the signal that ended it."""
+    message = failure.message
+    if isinstance(message, dict):  # a Python exception, recorded with its traceback
+        message = message.get("message", "")
+    text = str(message).strip()
+    return text.splitlines()[-1] if text else "no error message (see its log)"
+
+
+# --- distributed checkpoint -------------------------------------------------------------------------
 # Everything a DCP `.metadata` pickle references (torch 2.6 .. 2.13), besides dtypes (`torch.float32`).
 DCP_METADATA_GLOBALS = frozenset(
     {
@@ -46,6 +131,8 @@ DCP_METADATA_GLOBALS = frozenset(
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        import torch
+
         if (module, name) in DCP_METADATA_GLOBALS or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
@@ -55,38 +142,57 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def load_dcp_metadata(stream: IO[bytes]) -> Metadata:
     """A DCP index from `stream`, admitting only DCP's own classes; UnpicklingError otherwise."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     metadata = _MetadataUnpickler(stream).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"unexpected object {type(metadata).__name__} in .metadata")
     return metadata
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with the restricted `.metadata` unpickler (tensors are already read with
-    `torch.load(weights_only=True)` by DCP itself)."""
+@functools.cache
+def _dcp_classes() -> dict[str, type]:
+    """DCP's reader and load planner with the restricted reading, built on first use (they subclass
+    torch's classes: defining them at import would import torch)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_dcp_metadata(stream)
-        if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata does
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class SafeFileSystemReader(FileSystemReader):
+        """DCP's file reader with the restricted `.metadata` unpickler (tensors are already read with
+        `torch.load(weights_only=True)` by DCP itself)."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = load_dcp_metadata(stream)
+            if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's planner, but non-tensor values (optimizer hyper-parameters) are read with
+        `weights_only=True`: DefaultLoadPlanner unpickles them with the full unpickler."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._nested_dict import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return {"SafeFileSystemReader": SafeFileSystemReader, "SafeLoadPlanner": SafeLoadPlanner}
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, but non-tensor values (optimizer hyper-parameters) are read with
-    `weights_only=True`: DefaultLoadPlanner unpickles them with the full unpickler."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+def __getattr__(name: str) -> Any:
+    """`from launcher.compat import SafeFileSystemReader` (or SafeLoadPlanner) builds them then."""
+    if name in ("SafeFileSystemReader", "SafeLoadPlanner"):
+        return _dcp_classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dcp_file_extents(metadata: Metadata) -> dict[str, int]:
@@ -95,3 +201,63 @@ def dcp_file_extents(metadata: Metadata) -> dict[str, int]:
     for info in (metadata.storage_data or {}).values():
         extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
     return extents
+
+
+# --- Hydra --------------------------------------------------------------------------------------------
+def basic_sweeper() -> type:
+    """Hydra's basic sweeper, which the layout sweeper extends (split_arguments, get_job_batch, is_done,
+    validate_batch_is_legal, its `overrides` batches). Looked up when called: Hydra re-executes its
+    plugin modules when it scans them, and a class taken before the scan would be a stale copy."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    return BasicSweeper
+
+
+FULL_ERROR = "HYDRA_FULL_ERROR"  # Hydra's documented switch; "1": run_and_report re-raises
+
+
+def hydra_full_error() -> bool:
+    """The user asked Hydra for full tracebacks."""
+    return os.environ.get(FULL_ERROR) == "1"
+
+
+@contextlib.contextmanager
+def hydra_errors_raised() -> Iterator[Callable[[], None]]:
+    """While active, `hydra.main` lets an exception out as the object it is, instead of printing it
+    and exiting 1. Yields `restore`, which puts the user's own setting back before the block ends
+    (when the task starts: Hydra reports the task's own crashes as the user asked)."""
+    old = os.environ.get(FULL_ERROR)
+
+    def restore() -> None:
+        if old is None:
+            os.environ.pop(FULL_ERROR, None)
+        else:
+            os.environ[FULL_ERROR] = old
+
+    os.environ[FULL_ERROR] = "1"
+    try:
+        yield restore
+    finally:
+        restore()
+
+
+# --- submitit -----------------------------------------------------------------------------------------
+SUBMITIT_COMMAND = "python -u -m submitit.core._submit"  # what a submitit job runs (for the dry run)
+
+
+def sbatch_script(**params: Any) -> str:
+    """The sbatch script submitit would submit for these executor parameters (`slurm.dry_run`);
+    submitit writes it only as part of a submission."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    return _make_sbatch_string(**params)
+
+
+def submitit_requeue_signal() -> signal.Signals | None:
+    """Inside a submitit SLURM job, the signal on which submitit's own handler checkpoints the job,
+    requeues it and exits (SUBMITIT_PREEMPT_SIGNAL, USR2 by default); None elsewhere."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return None
+    from submitit.core.job_environment import JobEnvironment
+
+    return signal.Signals["SIG" + JobEnvironment.USR_SIG]

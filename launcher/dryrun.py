@@ -74,12 +74,12 @@ def build_rank(cfg: TrainConfig, layout: Layout, rank: int, template: Any = None
     """Shard the meta model as `rank` would: its parameters, {name: local shape}, pipeline stages."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from launcher.compat import fake_store
     from launcher.parallel import shard_model
 
     model = rank_model(template or meta_model(cfg), cfg, layout, rank)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=layout.world_size)
     try:
         parts, stages = shard_model(model, layout, cfg, build_mesh(layout, "cpu"))
         params, local, seen = [], {}, set()
@@ -104,10 +104,9 @@ def build_rank(cfg: TrainConfig, layout: Layout, rank: int, template: Any = None
 
 @functools.cache
 def _shard_shape(shape: tuple, placements: tuple, mesh_shape: tuple, coordinate: tuple) -> tuple:
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from launcher.compat import local_shard_shape
 
-    local, _ = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), list(placements), True)
-    return tuple(local)
+    return local_shard_shape(shape, mesh_shape, coordinate, placements)
 
 
 def _local_shape(shape: tuple, placements: tuple, mesh_dims: tuple, mesh_shape: tuple, coords: dict) -> tuple:

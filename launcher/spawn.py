@@ -24,7 +24,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from launcher.compat import failure_line
 from launcher.config import TrainConfig
+from launcher.errors import WorkerFailed
 from launcher.layout import Layout, owner_rank
 from launcher.train.preemption import LOCAL_WORKER_ENV, STOP_SIGNALS, PreemptionFlag, local_worker_signals
 
@@ -46,7 +48,7 @@ def env_rank() -> RankEnv | None:
     if "RANK" in env and "WORLD_SIZE" in env:
         return RankEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
     if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        from launcher.slurm import export_rendezvous
+        from launcher.slurm_job import export_rendezvous
 
         export_rendezvous()  # MASTER_ADDR: first host of the node list; MASTER_PORT: from the job id
         return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
@@ -92,7 +94,7 @@ def start_local_workers(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict
         agent.get_worker_group().spec.rdzv_handler.shutdown()
     if result.is_failed():
         rank, failure = min(result.failures.items(), key=lambda item: item[1].timestamp)
-        raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {failure_text(failure)}")
+        raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {failure_line(failure)}")
     return result.return_values[owner_rank(layout)]
 
 
@@ -199,18 +201,6 @@ def kill_workers(agent: LocalElasticAgent, outcome: Future, wait_s: float = 10.0
             time.sleep(0.05)
     finally:
         logging.disable(logging.NOTSET)
-
-
-def failure_text(failure: Any) -> str:
-    """One line from elastic's failure record: the exception (`Type: message`) or the signal."""
-    message = failure.message
-    if isinstance(message, dict):  # a Python exception, recorded with its traceback
-        message = message.get("message", "")
-    return str(message).strip().splitlines()[-1] if str(message).strip() else "no error message (see its log)"
-
-
-class WorkerFailed(RuntimeError):
-    """A worker died; the message names its rank and error."""
 
 
 def launch(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict[str, Any]:

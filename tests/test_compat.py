@@ -1,22 +1,111 @@
-"""The private PyTorch APIs in launcher/compat.py still behave as the project relies on: these fail
-loudly on a torch upgrade that changes them."""
+"""Each private PyTorch / Hydra / submitit API in launcher/compat.py still has the signature and the
+behaviour the project relies on: these fail loudly on an upgrade that changes one, naming the API to port."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import pickle
+import signal
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import hydra
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigAttributeError
 
+from launcher import compat
 from launcher.compat import SafeFileSystemReader, dcp_file_extents, load_dcp_metadata
+from launcher.config import CONF_DIR
 from launcher.train.checkpoint import Checkpointer, Stateful
 from launcher.train.loop import build_model
 from launcher.train.optim import build_optimizer
 from tests.conftest import tiny_config
 
 
+# --- PyTorch ------------------------------------------------------------------------------------------
+def test_replicate_takes_a_mesh() -> None:
+    """DDP on the FSDP2 machinery; tests/test_parallel.py checks what it computes."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    params = inspect.signature(replicate).parameters
+    assert list(params)[0] == "module" and params["mesh"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_fake_store_runs_collectives_without_peers() -> None:
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=compat.fake_store(), rank=3, world_size=8)
+    try:
+        t = torch.ones(2)
+        dist.all_reduce(t)  # returns at once: 7 peers that do not exist
+        assert dist.get_rank() == 3 and dist.get_world_size() == 8
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_shard_shape_follows_dtensor_chunking() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    # torch.chunk: 10 rows over 4 ranks -> 3, 3, 3, 1
+    assert [compat.local_shard_shape((10, 4), (4,), (c,), [Shard(0)]) for c in range(4)] == [(3, 4)] * 3 + [(1, 4)]
+    assert compat.local_shard_shape((8, 6), (2, 2), (1, 1), [Shard(0), Shard(1)]) == (4, 3)
+    assert compat.local_shard_shape((8, 6), (2, 2), (1, 0), [Replicate(), Shard(1)]) == (8, 3)
+
+
+def test_foreach_norm_and_mul() -> None:
+    tensors = [torch.tensor([3.0, 4.0]), torch.ones(4)]
+    assert [n.item() for n in compat.foreach_norm(tensors)] == [5.0, 2.0]
+    compat.foreach_mul_(tensors, 0.5)
+    assert tensors[0].tolist() == [1.5, 2.0]
+
+
+def test_sdpa_on_cpu_dispatches_to_an_op_selective_recompute_saves() -> None:
+    """Otherwise selective recompute would silently recompute attention (and save nothing)."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    ops = compat.attention_and_reduce_scatter_ops()
+    assert all(isinstance(op, torch._ops.OpOverload) for op in ops) and len(ops) == 5
+    seen = set()
+
+    def record(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        seen.add(op)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    out = checkpoint(
+        lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True),
+        q,
+        use_reentrant=False,
+        context_fn=lambda: create_selective_checkpoint_contexts(record),
+    )
+    out.sum().backward()
+    assert seen & ops, f"attention ran as {sorted(map(str, seen))}"
+
+
+def test_failure_line_reads_elastics_error_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise ValueError("boom")
+    except ValueError as err:
+        ErrorHandler().record_exception(err)  # what a worker writes when it dies of an exception
+    crashed = ProcessFailure(local_rank=1, pid=123, exitcode=1, error_file=str(error_file))
+    killed = ProcessFailure(local_rank=0, pid=5, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    assert compat.failure_line(crashed) == "ValueError: boom"
+    assert compat.failure_line(killed) == "Signal 9 (SIGKILL) received by PID 5"
+    assert crashed.timestamp > 0  # spawn.py takes the earliest failure
+
+
+# --- distributed checkpoint -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real checkpoint of the tiny model and its AdamW state (tensors and non-tensor values)."""
@@ -52,3 +141,79 @@ def test_restricted_unpickler_refuses_other_objects() -> None:
 def test_storage_extents_cover_the_shard_files(checkpoint: Path) -> None:
     extents = dcp_file_extents(SafeFileSystemReader(str(checkpoint)).read_metadata())
     assert extents and all((checkpoint / name).stat().st_size >= end > 0 for name, end in extents.items())
+
+
+# --- Hydra --------------------------------------------------------------------------------------------
+def test_hydra_main_raises_compose_errors_as_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(compat.FULL_ERROR, raising=False)
+    monkeypatch.setattr(sys, "argv", ["train", "stpes=1"])
+    app = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")(lambda cfg: None)
+    try:
+        with compat.hydra_errors_raised(), pytest.raises(ConfigCompositionException) as raised:
+            app()
+        assert isinstance(raised.value.__cause__, ConfigAttributeError)
+        assert raised.value.__cause__.full_key == "stpes"
+        assert not compat.hydra_full_error()  # the user's setting is back
+        with pytest.raises(SystemExit):  # without: Hydra prints and exits
+            app()
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def test_basic_sweeper_runs_the_batches_the_layout_sweeper_sets() -> None:
+    sweeper = compat.basic_sweeper()(max_batch_size=None, params=None)
+    parsed = OverridesParser.create().parse_overrides(["a=1,2", "b=3"])
+    assert sweeper.split_arguments(parsed, None) == [[["a=1", "b=3"], ["a=2", "b=3"]]]
+    sweeper.overrides = [[["a=1"], ["a=2"]], [["a=3"]]]
+    sweeper.batch_index = 0
+    assert sweeper.get_job_batch() == [["a=1"], ["a=2"]] and not sweeper.is_done()
+    assert sweeper.get_job_batch() == [["a=3"]] and sweeper.is_done()
+    assert list(inspect.signature(sweeper.validate_batch_is_legal).parameters) == ["batch"]
+
+
+# --- submitit -----------------------------------------------------------------------------------------
+def test_sbatch_script_takes_the_executor_parameters() -> None:
+    text = compat.sbatch_script(
+        command=f"{compat.SUBMITIT_COMMAND} <folder>",
+        folder="/tmp/jobs/%j",
+        job_name="train",
+        map_count=None,
+        additional_parameters={"requeue": True},
+        nodes=2,
+        ntasks_per_node=4,
+        cpus_per_task=8,
+        gpus_per_node=4,
+        time=60,
+        partition="gpu",
+        account=None,
+        signal_delay_s=120,
+        setup=["export OMP_NUM_THREADS=8"],
+    )
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --partition=gpu", "#SBATCH --requeue"):
+        assert line in text
+    assert "submitit.core._submit" in text and "export OMP_NUM_THREADS=8" in text
+
+
+def test_submitit_command() -> None:
+    from submitit.slurm.slurm import SlurmExecutor
+
+    command = SlurmExecutor._submitit_command_str.fget(SimpleNamespace(python="python", folder="/jobs"))
+    assert command == f"{compat.SUBMITIT_COMMAND} /jobs"
+
+
+def test_submitit_requeues_on_the_signal_we_send(monkeypatch: pytest.MonkeyPatch) -> None:
+    from submitit.core.job_environment import JobEnvironment, SignalHandler
+
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    assert compat.submitit_requeue_signal() is None
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    sig = compat.submitit_requeue_signal()
+    assert sig is not None
+    saved = {s: signal.getsignal(s) for s in (sig, signal.SIGTERM, signal.SIGCONT)}
+    try:
+        JobEnvironment()._handle_signals(None, None)  # what submitit does when a job starts
+        handler = signal.getsignal(sig)
+        assert getattr(handler, "__func__", None) is SignalHandler.checkpoint_and_try_requeue
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)

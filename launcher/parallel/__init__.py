@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from launcher.compat import foreach_mul_, foreach_norm
 from launcher.config import TrainConfig
 from launcher.layout import Layout, build_mesh, pipeline_microbatches
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
@@ -109,11 +110,11 @@ class DistributedRunner(Runner):
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         holders = self.layout.dp * self.layout.tp  # ranks of one stage
         weights = [_distinct_shards(g) / holders for g in grads]
-        norms = torch._foreach_norm(local) if local else []
+        norms = foreach_norm(local) if local else []
         squared = sum((n.double() ** 2 * w for n, w in zip(norms, weights)), torch.zeros((), dtype=torch.float64))
         total = math.sqrt(self._all_reduce(squared.reshape(1).to(self.device), self.mesh.mesh_dim_names).item())
         if max_norm > 0 and total > max_norm:
-            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+            foreach_mul_(grads, max_norm / (total + 1e-6))
         return total
 
 

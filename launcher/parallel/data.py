@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from launcher.compat import replicate
 from launcher.layout import Layout
 
 

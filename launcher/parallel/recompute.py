@@ -19,16 +19,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-_aten = torch.ops.aten
+from launcher.compat import attention_and_reduce_scatter_ops
+
 SAVE_OPS = {
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    *attention_and_reduce_scatter_ops(),
 }
 
 
