@@ -13,7 +13,12 @@ import os
 from dataclasses import dataclass
 
 from launcher.config import LauncherError, TrainConfig, positive_int
-from launcher.planner.search import divisors
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of `n`, ascending: the degrees a dimension of `n` ranks can be split into."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 @dataclass(frozen=True)

@@ -1,79 +1,31 @@
-"""SLURM: job resources from the layout, preflight checks, rendezvous, requeue, and plain sbatch scripts.
+"""SLURM, the submission side: job resources from the layout, preflight checks, plain sbatch scripts.
 
 - `-m hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml) submits through hydra-submitit-launcher;
   its resources come from the resolver `${slurm_job:KEY}`, computed here from the resolved layout and
   hardware profile (`job_resources`), and every one stays overridable (`hydra.launcher.KEY=...`).
   `SlurmLauncher` checks before anything is submitted (`preflight`) and honours `slurm.dry_run`.
-- Inside a job each task is one rank (`launcher.spawn.env_rank`); `rendezvous` gives the address
-  every task agrees on without talking: the first host of the node list and a port from the job id.
-- On SIGTERM/SIGUSR1 the worker checkpoints and stops; `requeue` then puts the job back in the queue
-  (submitit's checkpoint/requeue under submitit, `scontrol requeue` in a plain sbatch job).
 - `slurm.emit=true` writes an sbatch script (`emit_script`) that runs the same resolved config.
 
-No torch here: the submitting side stays light.
+Inside a job (rendezvous, requeue): launcher/slurm_job.py. No torch here: the submitting side stays light.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 
+from launcher.compat import SUBMITIT_COMMAND, sbatch_script
 from launcher.config import LauncherError, TrainConfig, make_dir
 
 RESOLVER = "slurm_job"
-PORT_BASE, PORT_SPAN = 20000, 20000
-REQUEUE_WAIT_S = 120.0  # how long a task other than rank 0 waits for the requeue to stop it
-
-
-class Refused(CompactHydraException):
-    """A LauncherError raised inside Hydra's sweep machinery (launcher, sweeper): Hydra prints just the
-    message, and the CLI turns it into its one line, exit 2."""
-
-
-# --- rendezvous -------------------------------------------------------------------------------------
-def expand_nodelist(nodelist: str) -> list[str]:
-    """`node[01-03,7],gpu5` -> ['node01', 'node02', 'node03', 'node7', 'gpu5'] (SLURM's compact form)."""
-    hosts: list[str] = []
-    for group in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
-        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", group)
-        if not match:
-            hosts.append(group)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{str(i).zfill(len(lo))}{suffix}")
-    return hosts
-
-
-def rendezvous(env: dict[str, str] | os._Environ = os.environ) -> tuple[str, int]:
-    """MASTER_ADDR and MASTER_PORT for the tasks of one SLURM job: the first host of the node list
-    (127.0.0.1 on a single node) and a port derived from the job id, so every task computes the same."""
-    nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURM_NODELIST", ""))
-    addr = nodes[0] if len(nodes) > 1 else "127.0.0.1"
-    job = env.get("SLURM_JOB_ID", "0")
-    port = PORT_BASE + int(job) % PORT_SPAN if job.isdigit() else PORT_BASE
-    return addr, port
-
-
-def export_rendezvous() -> None:
-    """Set MASTER_ADDR/MASTER_PORT from the SLURM environment unless already set (torchrun, the user)."""
-    addr, port = rendezvous()
-    os.environ.setdefault("MASTER_ADDR", addr)
-    os.environ.setdefault("MASTER_PORT", str(port))
 
 
 # --- resources --------------------------------------------------------------------------------------
@@ -169,38 +121,6 @@ def partitions() -> list[str]:
     return sorted({line.strip() for line in out.stdout.splitlines() if line.strip()})
 
 
-# --- requeue ----------------------------------------------------------------------------------------
-def requeue() -> bool:
-    """After the worker checkpointed on SIGTERM/SIGUSR1: put this SLURM job back in the queue (task 0
-    only). Under submitit, its own handler does it (it pickles the job for the rerun, requeues and
-    exits); in a plain sbatch job, `scontrol requeue`. False outside SLURM."""
-    job = os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID")
-    job_id = (
-        f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-        if job
-        else os.environ.get("SLURM_JOB_ID")
-    )
-    if not job_id:
-        return False
-    if os.environ.get("SLURM_PROCID", "0") != "0":
-        # Rank 0 requeues, and the requeue ends this step. Exiting first could end the step before
-        # rank 0 has asked (srun --kill-on-bad-exit stops every task when one exits non-zero), so
-        # wait for SLURM's SIGTERM, bounded in case rank 0 fails to requeue.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        time.sleep(REQUEUE_WAIT_S)
-        return True
-    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
-        sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
-        os.kill(os.getpid(), sig)  # submitit's checkpoint_and_try_requeue runs here and exits
-        return True
-    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    if done.returncode:
-        print(f"warning: scontrol requeue {job_id} failed: {done.stderr.strip()}", file=sys.stderr)
-        return False
-    print(f"requeued SLURM job {job_id}: it resumes from the checkpoint", file=sys.stderr)
-    return True
-
-
 # --- sbatch script ------------------------------------------------------------------------------------
 def sbatch_header(res: Resources, name: str, output: str, signal_delay_s: int) -> list[str]:
     lines = [
@@ -270,13 +190,11 @@ def emit_script(cfg: TrainConfig, run_dir: Path) -> Path:
 
 def describe(params: dict[str, Any], job_overrides: Any, initial_job_idx: int) -> None:
     """`slurm.dry_run=true`: print the sbatch script submitit would submit, and each job's overrides."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
     skip = {"submitit_folder", "max_num_timeout", "name", "mem_gb", "additional_parameters", "_target_"}
     mapped = {"tasks_per_node": "ntasks_per_node", "timeout_min": "time"}
     args = {mapped.get(k, k): v for k, v in params.items() if k not in skip and v is not None}
-    text = _make_sbatch_string(
-        command="python -u -m submitit.core._submit <folder>",
+    text = sbatch_script(
+        command=f"{SUBMITIT_COMMAND} <folder>",
         folder=str(params["submitit_folder"]),
         job_name=str(params.get("name")),
         map_count=len(job_overrides) if len(job_overrides) > 1 else None,
@@ -287,15 +205,3 @@ def describe(params: dict[str, Any], job_overrides: Any, initial_job_idx: int) -
     print(text)
     for i, overrides in enumerate(job_overrides):
         print(f"  #{initial_job_idx + i}: {' '.join(overrides)}")
-
-
-def job_task(cfg: Any) -> None:
-    """What each SLURM task runs: `train` on the job's config. The CLI's own task function is a closure
-    over the terminal (not picklable), so the launcher ships this one instead."""
-    from launcher.cli import train_task
-
-    try:
-        train_task(OmegaConf.to_object(cfg))
-    except LauncherError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from launcher.config import LauncherError
-from launcher.slurm import emit_script, expand_nodelist, job_resources, preflight, rendezvous
+from launcher.slurm import emit_script, job_resources, preflight
+from launcher.slurm_job import expand_nodelist, rendezvous
 from tests.conftest import make_config, run_cli, tiny_args, tiny_config
 from tests.slurm_fixture import job_state, slurm, slurm_cluster, wait_for  # noqa: F401  (fixture)
 

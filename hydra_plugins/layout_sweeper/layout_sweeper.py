@@ -16,13 +16,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
-from launcher.config import LauncherError, TrainConfig, check_ranges
-from launcher.slurm import Refused  # importing it registers the ${slurm_job:...} resolver, before configs resolve
+from launcher.compat import basic_sweeper
+from launcher.config import TrainConfig, check_ranges
+from launcher.slurm import register_resolver
+
+register_resolver()  # ${slurm_job:...} in conf/hydra/launcher/slurm.yaml, before Hydra resolves it
 
 log = logging.getLogger(__name__)
 DEGREES = ("tp", "pp", "dp", "dp_shard", "dp_replicate")
@@ -74,7 +76,7 @@ def search_config(primary: Any, fixed: set[str]) -> TrainConfig:
     return dataclasses.replace(obj, **{k: "auto" for k in DEGREES if k not in fixed})
 
 
-class LayoutSweeper(BasicSweeper):
+class LayoutSweeper(basic_sweeper()):
     def __init__(self, max_batch_size: int | None = None) -> None:
         super().__init__(max_batch_size=max_batch_size, params=None)
 
@@ -83,12 +85,10 @@ class LayoutSweeper(BasicSweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         parsed = parser.parse_overrides(arguments)
         fixed = {o.key_or_group for o in parsed if o.key_or_group in DEGREES and not o.is_sweep_override()}
-        try:
-            cfg = search_config(self.config, fixed)
-            check_ranges(cfg)  # sweep.top and sweep.world among them
-            layouts = ranked_layouts(cfg, cfg.sweep.top, cfg.sweep.world)
-        except LauncherError as err:
-            raise Refused(str(err)) from None
+        # a LauncherError reaches the CLI as it is (launcher.compat.hydra_errors_raised): one line, exit 2
+        cfg = search_config(self.config, fixed)
+        check_ranges(cfg)  # sweep.top and sweep.world among them
+        layouts = ranked_layouts(cfg, cfg.sweep.top, cfg.sweep.world)
         base = self.split_arguments(parsed, None)[0] if parsed else [[]]
         jobs = [[*b, *lay] for b in base for lay, _ in layouts]
         for rank, (lay, pred) in enumerate(layouts, 1):

@@ -5,22 +5,27 @@ Hydra only instantiates plugins from the hydra_plugins package, hence this thin 
 from typing import Any
 
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
+from omegaconf import OmegaConf
 
-from launcher.config import LauncherError
-from launcher.slurm import Refused, describe, job_task, preflight
+from launcher.slurm import describe, preflight
+
+
+def job_task(cfg: Any) -> None:
+    """What each SLURM task runs: `train` on the job's config. A failure is recorded by the sweep point
+    (launcher/sweep.py). The CLI's own task function is a closure (not picklable): this one is shipped."""
+    from launcher.cli import train_task
+
+    train_task(OmegaConf.to_object(cfg))
 
 
 class SlurmLauncher(SubmititSlurmLauncher):
     def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-        # `train`'s task function is a closure over the terminal: ship a picklable one to the jobs
         super().setup(hydra_context=hydra_context, task_function=job_task, config=config)
 
     def launch(self, job_overrides: Any, initial_job_idx: int) -> Any:
         assert self.config is not None
-        try:
-            preflight(self.config, int(self.params.get("tasks_per_node") or 1), self.params.get("partition"))
-        except LauncherError as err:
-            raise Refused(str(err)) from None
+        # a LauncherError here reaches the CLI as it is (launcher.compat.hydra_errors_raised): one line, exit 2
+        preflight(self.config, int(self.params.get("tasks_per_node") or 1), self.params.get("partition"))
         if self.config.slurm.dry_run:
             describe(self.params, job_overrides, initial_job_idx)
             return []

@@ -15,10 +15,11 @@ import dataclasses
 from typing import Any
 
 from launcher.config import LauncherError, TrainConfig, check_ranges
+from launcher.layout import divisors
 from launcher.planner.layout import GIB, Layout
 from launcher.planner.report import to_json, to_table
 from launcher.planner.request import problem, space, world_size
-from launcher.planner.search import DEGREES, Prediction, Problem, Result, Space, divisors, predict, search
+from launcher.planner.search import DEGREES, Prediction, Problem, Result, Space, predict, search
 
 __all__ = ["run_plan", "best_layout", "check", "plan", "Prediction", "Layout"]
 

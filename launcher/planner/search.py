@@ -23,6 +23,7 @@ from typing import Any
 
 from launcher.config import ModelConfig
 from launcher.flops import flops_per_token, hardware_flops_per_token, mfu
+from launcher.layout import divisors
 from launcher.planner.cost import StepTime, compute_efficiency, step_time
 from launcher.planner.layout import GIB, Layout, Machine
 from launcher.planner.memory import FUSED_ATTENTION, Memory, memory
@@ -138,11 +139,6 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
         bottleneck=bottleneck(t, compute_efficiency(mach, m, layout)),
         machine=mach.name,
     )
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 def _tp_ok(m: ModelConfig, tp: int) -> bool:
