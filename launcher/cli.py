@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import io
-import re
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf, ValueNode
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from launcher.config import CONF_DIR, LauncherError, TrainConfig, check_ranges, default_batch, make_dir, validate
-
-BAD_INPUT = 2
-INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command stopped by Ctrl-C
+from launcher.compat import hydra_errors_raised, hydra_full_error
+from launcher.config import CONF_DIR, TrainConfig, check_ranges, default_batch, make_dir, validate
+from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError
 
 
 def schema_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
@@ -38,59 +35,55 @@ def schema_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
     return keys
 
 
-def one_line(message: str) -> str:
-    """Hydra/OmegaConf compose errors span several lines; keep what names the key and the fix."""
-    unknown = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'\w+')\s+full_key: (\S+)", message)
-    if unknown:
-        full = unknown.group(2)
-        close = difflib.get_close_matches(full, schema_keys(), n=1, cutoff=0.6)
+def compose_error(err: Exception) -> str:
+    """One line for an error Hydra raised while composing: the key and the fix, from the exception's
+    own fields (OmegaConf names the key, the value and the node type; Hydra the missing option)."""
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    if isinstance(cause, ConfigKeyError | ConfigAttributeError) and cause.full_key:
+        close = difflib.get_close_matches(cause.full_key, schema_keys(), n=1, cutoff=0.6)
         hint = f"did you mean '{close[0]}'?" if close else "see `train --cfg job` for the keys"
-        return f"unknown config key '{full}': {hint}"
-    wrong_type = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)\s+full_key: (\S+)", message)
-    if wrong_type:
-        value, expected, key = wrong_type.groups()
-        return f"{key}={value}: expected a value of type {expected}"
-    message = message.split("Config search path")[0]
-    drop = ("Set the environment variable HYDRA_FULL_ERROR", "object_type=", "reference_type=")
-    lines = [ln.strip() for ln in message.splitlines() if ln.strip() and not ln.strip().startswith(drop)]
-    text = " ".join(lines)
-    text = re.sub(
-        r"Available options in '(\w+)':\s*(.*)",
-        lambda m: f"available {m.group(1)}: " + ", ".join(m.group(2).split()),
-        text,
-    )
-    return text or "invalid command line"
+        return f"unknown config key '{cause.full_key}': {hint}"
+    if isinstance(cause, ValidationError) and cause.full_key and isinstance(cause.child_node, ValueNode):
+        expected = type(cause.child_node).__name__.removesuffix("Node")  # IntegerNode -> Integer
+        return f"{cause.full_key}={cause.value}: expected a value of type {expected}"
+    if isinstance(err, MissingConfigException):  # its first paragraph; then the options, or the search path
+        found = str(err).split("\n\n")[0]
+        if err.options and err.missing_cfg_file:
+            found += f" available {err.missing_cfg_file.rpartition('/')[0]}: {', '.join(err.options)}"
+        return found
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or "invalid command line"
+
+
+def exit_with(err: LauncherError) -> NoReturn:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(err.exit_code)
 
 
 def run_app(config_name: str, task: Callable[[Any], None]) -> None:
-    """Run a Hydra app; errors raised before `task` starts (composition) become one line, exit 2."""
-    captured, real_stderr, started = io.StringIO(), sys.stderr, []
+    """Run a Hydra app. Errors arrive as exception objects: ours (LauncherError, from the task or a
+    plugin) exit with their code; Hydra's compose errors (before the task starts) become one line, exit 2."""
 
     def wrapped(cfg: DictConfig) -> None:
-        sys.stderr = real_stderr
-        real_stderr.write(captured.getvalue())
-        started.append(True)
+        restore_hydra_errors()  # from here on Hydra reports the task's own crashes as the user asked
         try:
             task(OmegaConf.to_object(cfg))
         except LauncherError as err:
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(BAD_INPUT)
+            exit_with(err)
 
     app = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(wrapped)
+    full_error = hydra_full_error()
     try:
-        with contextlib.redirect_stderr(captured):
+        with hydra_errors_raised() as restore_hydra_errors:
             app()
     except KeyboardInterrupt:  # Ctrl-C before a run can save, or a second one (launcher/train/preemption.py)
-        print("interrupted: stopped without saving", file=real_stderr)
+        print("interrupted: stopped without saving", file=sys.stderr)
         sys.exit(INTERRUPTED)
-    except SystemExit as exit_:
-        if started or exit_.code in (0, None):
-            real_stderr.write("" if started else captured.getvalue())
+    except LauncherError as err:  # from a sweeper or launcher plugin, before any task ran
+        exit_with(err)
+    except (HydraException, OmegaConfBaseException) as err:
+        if full_error:
             raise
-        print(f"error: {one_line(captured.getvalue())}", file=real_stderr)
-        sys.exit(BAD_INPUT)
-    if not started:
-        real_stderr.write(captured.getvalue())
+        exit_with(LauncherError(compose_error(err)))
 
 
 def train_task(cfg: TrainConfig) -> None:
@@ -105,9 +98,8 @@ def _train_task(cfg: TrainConfig) -> None:
     from launcher.layout import check_layout, launch_world_size, resolve_layout, with_degrees
     from launcher.metrics.sinks import check_wandb_login, write_json
     from launcher.planner import check
-    from launcher.spawn import WorkerFailed, env_rank, launch
+    from launcher.spawn import env_rank, launch
     from launcher.train.checkpoint import preflight_resume
-    from launcher.train.preemption import PREEMPTED_EXIT
 
     check_ranges(cfg)  # first: nodes, batch.micro and the hardware feed the world size and the layout
     env = env_rank()
@@ -142,13 +134,9 @@ def _train_task(cfg: TrainConfig) -> None:
     # a bad path, or checkpoints none of which is readable, fails here
     preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
     write_json(run_dir / "prediction.json", prediction)  # the loop puts it into summary.json
-    try:
-        summary = launch(cfg, run_dir, layout)
-    except WorkerFailed as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    summary = launch(cfg, run_dir, layout)  # a failed worker raises WorkerFailed (exit 1)
     if "preempted_at_step" in summary:
-        from launcher.slurm import requeue
+        from launcher.slurm_job import requeue
 
         requeue()  # under SLURM: back in the queue; the rerun resumes from this checkpoint
         print(
@@ -156,7 +144,7 @@ def _train_task(cfg: TrainConfig) -> None:
             f"run again with run_dir={run_dir} to resume",
             file=sys.stderr,
         )
-        sys.exit(PREEMPTED_EXIT)
+        sys.exit(PREEMPTED)
 
 
 def fill_auto(cfg: TrainConfig, world: int | None) -> TrainConfig:
@@ -201,5 +189,4 @@ def export() -> None:
     try:
         print(write(args.checkpoint, args.out))
     except LauncherError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(BAD_INPUT)
+        exit_with(err)

@@ -56,6 +56,7 @@ def test_validate_names_key_and_fix(overrides: list[str], message: str) -> None:
     [
         (["stpes=10"], "unknown config key 'stpes': did you mean 'steps'?"),
         (["steps=ten"], "steps=ten: expected a value of type Integer"),
+        (["dry_run=maybe"], "dry_run=maybe: expected a value of type Boolean"),
         (["hardware=h300"], "available hardware: a100"),
         (["+model=9b"], "Could not find 'model/9b'"),
         (["data=tokens"], "data.path is missing"),
@@ -76,3 +77,15 @@ def test_help_and_cfg_job(tmp_path: Path) -> None:
     assert "n_kv_heads: 8" in result.stdout and "tp: 8" in result.stdout
     result = run_cli("train", "--help", cwd=tmp_path)
     assert result.returncode == 0 and "model" in result.stdout
+
+
+@pytest.mark.parametrize("app", ["train", "plan"])
+def test_help_names_the_app(app: str, tmp_path: Path) -> None:
+    result = run_cli(app, "--help", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith(f"{app} is powered by Hydra."), result.stdout[:200]
+
+
+def test_plan_writes_nothing(tmp_path: Path) -> None:
+    result = run_cli("plan", "+model=8b", "nodes=1", "plan.top=1", cwd=tmp_path)
+    assert result.returncode == 0 and "tp" in result.stdout, result.stderr
+    assert not list(tmp_path.iterdir())
