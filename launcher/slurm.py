@@ -175,7 +175,9 @@ def emit_script(cfg: TrainConfig, run_dir: Path) -> Path:
     frozen = replace(cfg, run_dir=str(run_dir), slurm=replace(cfg.slurm, emit=False, dry_run=False))
     node = OmegaConf.structured(frozen)
     body = OmegaConf.to_yaml(node, resolve=True)
-    hydra = {"hydra": {"run": {"dir": str(run_dir)}, "job": {"chdir": False}, "output_subdir": ".hydra"}}
+    hydra = {
+        "hydra": {"run": {"dir": str(run_dir)}, "job": {"chdir": False, "name": "train"}, "output_subdir": ".hydra"}
+    }
     config_file = run_dir / "slurm_config.yaml"
     config_file.write_text(
         "# The resolved config of `train slurm.emit=true` (run by job.sbatch)\n"
