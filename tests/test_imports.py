@@ -1,4 +1,4 @@
-"""The `launcher` package's import graph has no circle.
+"""The `launcher` package's import graph has no circle, and the light entry points stay light.
 
 Every import counts, function-local ones too (a lazy import still ties the two modules together),
 and so does the package an import runs on the way (`import a.b.c` runs a/__init__ and a/b/__init__),
@@ -8,6 +8,8 @@ except the importing module's own packages, which are already being imported.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.conftest import ROOT
@@ -80,3 +82,13 @@ def test_no_import_circle() -> None:
 def test_the_cycle_finder_finds_one() -> None:
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_entry_points_and_submission_side_do_not_import_torch() -> None:
+    """`plan` and SLURM submission stay light: the CLI, compat.py and slurm*.py import torch only when used."""
+    code = (
+        "import sys, launcher.cli, launcher.compat, launcher.slurm, launcher.slurm_job\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
