@@ -62,28 +62,27 @@ def exit_with(err: LauncherError) -> NoReturn:
 def run_app(config_name: str, task: Callable[[Any], None]) -> None:
     """Run a Hydra app. Errors arrive as exception objects: ours (LauncherError, from the task or a
     plugin) exit with their code; Hydra's compose errors (before the task starts) become one line, exit 2."""
+    full_error = hydra_full_error()  # the user asked for Hydra's tracebacks: they get them
+    with hydra_errors_raised() as restore_hydra_errors:
 
-    def wrapped(cfg: DictConfig) -> None:
-        restore_hydra_errors()  # from here on Hydra reports the task's own crashes as the user asked
+        def wrapped(cfg: DictConfig) -> None:
+            restore_hydra_errors()  # from here on Hydra reports the task's own crashes as the user asked
+            try:
+                task(OmegaConf.to_object(cfg))
+            except LauncherError as err:
+                exit_with(err)
+
         try:
-            task(OmegaConf.to_object(cfg))
-        except LauncherError as err:
+            hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(wrapped)()
+        except KeyboardInterrupt:  # Ctrl-C before a run can save, or a second one (launcher/train/preemption.py)
+            print("interrupted: stopped without saving", file=sys.stderr)
+            sys.exit(INTERRUPTED)
+        except LauncherError as err:  # from a sweeper or launcher plugin, before any task ran
             exit_with(err)
-
-    app = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(wrapped)
-    full_error = hydra_full_error()
-    try:
-        with hydra_errors_raised() as restore_hydra_errors:
-            app()
-    except KeyboardInterrupt:  # Ctrl-C before a run can save, or a second one (launcher/train/preemption.py)
-        print("interrupted: stopped without saving", file=sys.stderr)
-        sys.exit(INTERRUPTED)
-    except LauncherError as err:  # from a sweeper or launcher plugin, before any task ran
-        exit_with(err)
-    except (HydraException, OmegaConfBaseException) as err:
-        if full_error:
-            raise
-        exit_with(LauncherError(compose_error(err)))
+        except (HydraException, OmegaConfBaseException) as err:
+            if full_error:
+                raise
+            exit_with(LauncherError(compose_error(err)))
 
 
 def train_task(cfg: TrainConfig) -> None:

@@ -20,11 +20,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
+import launcher.slurm  # noqa: F401  (importing it registers the ${slurm_job:...} resolver, before configs resolve)
 from launcher.compat import basic_sweeper
 from launcher.config import TrainConfig, check_ranges
-from launcher.slurm import register_resolver
-
-register_resolver()  # ${slurm_job:...} in conf/hydra/launcher/slurm.yaml, before Hydra resolves it
 
 log = logging.getLogger(__name__)
 DEGREES = ("tp", "pp", "dp", "dp_shard", "dp_replicate")
