@@ -93,7 +93,9 @@ def start_local_workers(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict
         os.environ.pop(LOCAL_WORKER_ENV, None)
         agent.get_worker_group().spec.rdzv_handler.shutdown()
     if result.is_failed():
-        rank, failure = min(result.failures.items(), key=lambda item: item[1].timestamp)
+        # the first to fail names the cause; timestamps are whole seconds, so a tie goes to the lower rank
+        # (not to whichever the agent noticed first: under load, a peer's "connection closed")
+        rank, failure = min(result.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
         raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {failure_line(failure)}")
     return result.return_values[owner_rank(layout)]
 
