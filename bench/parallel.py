@@ -32,7 +32,7 @@ import torch
 from launcher import flops
 from launcher.calibration import measure_gemm_flops
 from launcher.config import ModelConfig, TrainConfig
-from launcher.layout import build_mesh, resolve_layout
+from launcher.layout import build_mesh, from_config
 from launcher.parallel import parallelize
 from launcher.train.loop import build_model
 from launcher.train.optim import build_optimizer
@@ -53,7 +53,10 @@ def model_config(name: str) -> ModelConfig:
 
 
 def bench_config(model: ModelConfig, layout: dict[str, int], seq_len: int, batch: int) -> TrainConfig:
-    return TrainConfig(model=model, seq_len=seq_len, batch={"micro": batch // layout["dp"], "global": batch}, **layout)
+    """`batch` sequences per step, in 2 pp microbatches per dp rank when pipelined (the default)."""
+    microbatches = 2 * layout["pp"] if layout["pp"] > 1 else 1
+    micro = batch // (layout["dp"] * microbatches)
+    return TrainConfig(model=model, seq_len=seq_len, batch={"micro": micro, "global": batch}, **layout)
 
 
 # ---------------------------------------------------------------------------------------------- throughput
@@ -86,7 +89,7 @@ def throughput_worker(rank: int, world: int, jobs: list[tuple[str, dict[str, int
     out = []
     for model_name, lay in jobs:
         cfg = bench_config(model_config(model_name), lay, opts["seq_len"], opts["batch"])
-        layout = resolve_layout(cfg, world)
+        layout = from_config(cfg, world)
         runner = parallelize(build_model(cfg, torch.device("cpu")), layout, cfg, None, build_mesh(layout))
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         dp_rank, local = layout.coordinates(rank)["dp"], opts["batch"] // layout.dp
@@ -198,8 +201,8 @@ def activation_worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, 
     out = {}
     for name, keys in PIPELINES.items():
         cfg = replace(bench_config(model_config("small"), dict(tp=1, dp=1, pp=2), opts["seq_len"], 8), **keys)
-        cfg = replace(cfg, microbatches=8)
-        layout = resolve_layout(cfg, world)
+        cfg = replace(cfg, batch={"micro": 1, "global": 8})  # 8 microbatches of 1
+        layout = from_config(cfg, world)
         runner = parallelize(build_model(cfg, torch.device("cpu")), layout, cfg, None, build_mesh(layout))
         tokens = torch.randint(0, 256, (8, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
         runner.forward_backward(tokens[:, :-1], tokens[:, 1:])  # shape inference happens on the first step

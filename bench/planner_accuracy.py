@@ -26,12 +26,11 @@ import torch
 
 from bench.parallel import LAYOUTS, SavedTensorMeter, train_step
 from launcher.config import TrainConfig, compose_config
-from launcher.layout import build_mesh, resolve_layout, with_degrees
+from launcher.layout import build_mesh, from_config, worker_threads
 from launcher.model.transformer import Block, rope_tables
 from launcher.parallel import parallelize
 from launcher.parallel.pipeline import stage_module
-from launcher.planner import check, layout_of
-from launcher.planner.machine import worker_threads
+from launcher.planner import resolve
 from launcher.planner.memory import layer_activation_bytes, rank_memory, rank_params
 from launcher.train.loop import build_model
 from launcher.train.optim import build_optimizer
@@ -41,17 +40,13 @@ ACT_TOLERANCE = 0.15  # activation bytes per layer
 
 
 def resolved_config(tp: int, pp: int, dp: int, seq_len: int, batch: int, *overrides: str) -> TrainConfig:
-    """The config `train` would run for this layout, degrees filled as the cli fills them.
-
-    pp > 1: 2 pp microbatches per dp rank (the runtime's default), so micro = batch / (dp 2 pp)."""
+    """The config `train` would run for this layout: `batch` sequences per step in 2 pp microbatches
+    per dp rank when pipelined (the default), so micro = batch / (dp 2 pp)."""
     mb = 2 * pp if pp > 1 else 1
-    cfg = compose_config(
+    return compose_config(
         "+model=small", "hardware=cpu", f"tp={tp}", f"pp={pp}", f"dp={dp}", "pp_schedule=1f1b", f"seq_len={seq_len}",
-        f"batch.global={batch}", f"batch.micro={batch // (dp * mb)}", *([f"microbatches={mb}"] if pp > 1 else []),
-        *overrides,
+        f"batch.global={batch}", f"batch.micro={batch // (dp * mb)}", *overrides,
     )  # fmt: skip
-    layout = resolve_layout(cfg, None)
-    return with_degrees(cfg, layout)
 
 
 def local_numel(module: torch.nn.Module) -> int:
@@ -70,10 +65,10 @@ def timing_worker(rank: int, world: int, cfgs: list[TrainConfig], steps: int) ->
     torch.set_num_threads(max((os.cpu_count() or 1) // world, 1))  # what train() does with threads=None
     out = []
     for cfg in cfgs:
-        layout = resolve_layout(cfg, world)
+        layout = from_config(cfg, world)
         runner = parallelize(build_model(cfg, torch.device("cpu")), layout, cfg, None, build_mesh(layout))
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
-        glob = cfg.batch["global"]
+        glob = layout.global_batch
         local = glob // layout.dp
         dp_rank = layout.coordinates(rank)["dp"]
         gen = torch.Generator().manual_seed(0)
@@ -103,11 +98,12 @@ def step_time_rows(seq_len: int, batch: int, steps: int) -> list[dict[str, Any]]
         cfgs = [resolved_config(lay["tp"], lay["pp"], lay["dp"], seq_len, batch) for lay in lays]
         per_rank = run(timing_worker, world, cfgs, steps, timeout=1800)
         for i, (lay, cfg) in enumerate(zip(lays, cfgs)):
-            pred = check(cfg, world)
+            layout, prediction = resolve(cfg, world)
+            pred = prediction.as_dict()
             measured = max(r[i] for r in per_rank)  # the step ends when the slowest rank ends
             rows.append(
                 {**lay, "world": world, "threads": worker_threads(cfg.threads, min(world, cfg.max_local_workers)),
-                 "micro": cfg.batch["micro"], "mb": pred["microbatches"], "predicted": pred["step_time_s"],
+                 "micro": layout.micro, "mb": layout.microbatches, "predicted": pred["step_time_s"],
                  "measured": measured, "ratio": pred["step_time_s"] / measured, "time_s": pred["time_s"]}
             )  # fmt: skip
     return rows
@@ -139,7 +135,7 @@ def block_saved_bytes(block: torch.nn.Module, rope: torch.Tensor, x: torch.Tenso
 
 
 def single_process_memory(seq_len: int) -> dict[str, Any]:
-    """tp=1 activations of one block, and parameters of each pipeline stage (pp=2, untied and tied)."""
+    """tp=1 activations of one block, and parameters of each pipeline stage (pp=2)."""
     torch.set_num_threads(max(os.cpu_count() or 1, 1))
     cfg = resolved_config(1, 1, 1, seq_len, 1)
     m = cfg.model
@@ -148,7 +144,7 @@ def single_process_memory(seq_len: int) -> dict[str, Any]:
     rope = rope_tables(m.dim // m.n_heads, m.max_seq_len, m.rope_theta, torch.device("cpu"))
     x = torch.randn(1, seq_len, m.dim, requires_grad=True)
     saved, detail = block_saved_bytes(block, rope, x)
-    lay = layout_of(cfg, 1)
+    lay = from_config(cfg, 1)
     predicted = layer_activation_bytes(m, seq_len, lay, 4)[0] * seq_len
     out: dict[str, Any] = {"act": [{"tp": 1, "predicted": predicted, "measured": saved, "detail": detail}]}
     params = [
@@ -159,16 +155,12 @@ def single_process_memory(seq_len: int) -> dict[str, Any]:
             "held": local_numel(build_model(cfg, torch.device("cpu"))),
         }
     ]
-    for tied in (False, True):
-        pcfg = resolved_config(1, 2, 1, seq_len, 4, f"model.tied_embeddings={str(tied).lower()}")
-        model = build_model(pcfg, torch.device("cpu"))
-        play = layout_of(pcfg, 2)
-        for stage in range(2):
-            held = local_numel(stage_module(model, stage, 2))
-            name = "pp=2" + (" tied" if tied else "")
-            params.append(
-                {"case": name, "rank": stage, "predicted": rank_params(pcfg.model, play, stage), "held": held}
-            )
+    pcfg = resolved_config(1, 2, 1, seq_len, 4)  # (tied embeddings are refused with pp > 1)
+    model = build_model(pcfg, torch.device("cpu"))
+    play = from_config(pcfg, 2)
+    for stage in range(2):
+        held = local_numel(stage_module(model, stage, 2))
+        params.append({"case": "pp=2", "rank": stage, "predicted": rank_params(pcfg.model, play, stage), "held": held})
     out["params"] = params
     return out
 
@@ -177,10 +169,9 @@ def two_rank_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:
     """tp=2: parameters per rank and one block's saved bytes; FSDP dp=2: the parameter shard."""
     cfg = resolved_config(2, 1, 1, seq_len, 1)
     m = cfg.model
-    layout = resolve_layout(cfg, world)
-    runner = parallelize(build_model(cfg, torch.device("cpu")), layout, cfg, None, build_mesh(layout))
+    lay = from_config(cfg, world)
+    runner = parallelize(build_model(cfg, torch.device("cpu")), lay, cfg, None, build_mesh(lay))
     model = runner.parts[0]
-    lay = layout_of(cfg, world)
     torch.manual_seed(0)
     x = torch.randn(1, seq_len, m.dim, requires_grad=True)
     saved, detail = block_saved_bytes(model.layers["0"], model.rope, x)
@@ -190,9 +181,8 @@ def two_rank_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:
         "params": [{"case": "tp=2", "rank": rank, "predicted": rank_params(m, lay, 0), "held": local_numel(model)}],
     }  # fmt: skip
     fcfg = resolved_config(1, 1, 2, seq_len, 2)
-    flayout = resolve_layout(fcfg, world)
-    frunner = parallelize(build_model(fcfg, torch.device("cpu")), flayout, fcfg, None, build_mesh(flayout))
-    flay = layout_of(fcfg, world)
+    flay = from_config(fcfg, world)
+    frunner = parallelize(build_model(fcfg, torch.device("cpu")), flay, fcfg, None, build_mesh(flay))
     shard = rank_memory(m, seq_len, flay, 4, "cpu", 0).params / 4  # fp32 master bytes / 4 = elements
     out["params"].append({"case": "fsdp dp=2", "rank": rank, "predicted": shard, "held": local_numel(frunner.parts[0])})
     return out

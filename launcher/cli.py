@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf, ValueNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from launcher.compat import hydra_errors_raised, hydra_full_error
-from launcher.config import CONF_DIR, TrainConfig, check_ranges, default_batch, make_dir, validate
+from launcher.config import CONF_DIR, TrainConfig, default_batch, make_dir
 from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError
 
 
@@ -94,36 +94,30 @@ def train_task(cfg: TrainConfig) -> None:
 
 def _train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
-    from launcher.layout import check_layout, launch_world_size, resolve_layout, with_degrees
-    from launcher.metrics.sinks import check_wandb_login, write_json
-    from launcher.planner import check
+    from launcher.layout import check_environment
+    from launcher.metrics.sinks import check_wandb_login
+    from launcher.planner import resolve, too_big
     from launcher.spawn import env_rank, launch
     from launcher.train.checkpoint import preflight_resume
 
-    check_ranges(cfg)  # first: nodes, batch.micro and the hardware feed the world size and the layout
     env = env_rank()
-    world = launch_world_size(cfg, env.world_size if env else None)
-    cfg = fill_auto(cfg, world)
-    layout = resolve_layout(cfg, world)
-    cfg = with_degrees(cfg, layout)
-    validate(cfg, layout.dp)
-    check_layout(cfg, layout, local=env is None)
+    # the run's one layout; first of all, resolve checks the ranges (config.validate), which the
+    # world size and the layout read
+    layout, prediction = resolve(cfg, env.world_size if env else None)
     if cfg.dry_run:  # shapes only: a layout that would not fit is reported, not refused
         from launcher.dryrun import dry_run
 
         dry_run(cfg, layout)
-        try:
-            check(cfg, layout.world_size)
-        except LauncherError as err:
-            print(f"note: {err}")
+        if not prediction.fits and not cfg.force:
+            print(f"note: {too_big(cfg, prediction)}")
         return
-    prediction = check(cfg, layout.world_size)  # refuses a layout predicted not to fit (force=true overrides)
+    check_environment(cfg, layout, local=env is None)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
     make_dir(run_dir, "run_dir")
     if cfg.slurm.emit:
         from launcher.slurm import emit_script
 
-        print(emit_script(cfg, run_dir))
+        print(emit_script(cfg, run_dir, layout))
         return
     if cfg.checkpoint.dir:
         make_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
@@ -132,8 +126,8 @@ def _train_task(cfg: TrainConfig) -> None:
         check_wandb_login()
     # a bad path, or checkpoints none of which is readable, fails here
     preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
-    write_json(run_dir / "prediction.json", prediction)  # the loop puts it into summary.json
-    summary = launch(cfg, run_dir, layout)  # a failed worker raises WorkerFailed (exit 1)
+    # a failed worker raises WorkerFailed (exit 1); the loop puts the prediction into summary.json
+    summary = launch(cfg, run_dir, layout, prediction.as_dict())
     if "preempted_at_step" in summary:
         from launcher.slurm_job import requeue
 
@@ -144,21 +138,6 @@ def _train_task(cfg: TrainConfig) -> None:
             file=sys.stderr,
         )
         sys.exit(PREEMPTED)
-
-
-def fill_auto(cfg: TrainConfig, world: int | None) -> TrainConfig:
-    """Degrees and knobs left `auto` are the planner's choice for the world size."""
-    auto = [k for k in ("tp", "pp", "pp_schedule", "recompute") if getattr(cfg, k) == "auto"]
-    auto += ["batch.micro"] if cfg.batch.get("micro") == "auto" else []
-    if not auto:
-        return cfg
-    if world is None:
-        raise LauncherError(
-            f"{auto[0]}=auto needs a world size, which the cpu profile takes from the degrees: give {auto[0]} a value"
-        )
-    from launcher.planner import best_layout
-
-    return best_layout(cfg, world)
 
 
 def train() -> None:

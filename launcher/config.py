@@ -104,8 +104,9 @@ class OptimConfig:
 
 
 def default_batch() -> dict[str, Any]:
-    """`batch.micro`: sequences per micro-batch per data-parallel rank. `batch.global`: sequences
-    per optimizer step over all ranks (None: micro x dp, no accumulation). A dict, not a dataclass,
+    """`batch.micro`: sequences per microbatch per data-parallel rank (int or auto). `batch.global`:
+    sequences per optimizer step over all ranks, always micro x microbatches x dp (None: whatever
+    `microbatches` makes it; the rule is `layout.microbatch_count`). A dict, not a dataclass,
     because `global` is a Python keyword; BATCH_RANGES gives the types Hydra does not check."""
     return {"micro": 8, "global": None}
 
@@ -180,7 +181,7 @@ class PlanConfig:
     top: int = ranged(10, ge=0)  # 0: all layouts
     format: str = "table"  # table | json
     # plan app: also choose sequence_parallel (on when tp > 1) and virtual_stages (interleaved) instead
-    # of taking the top-level values; `train` (best_layout) only fills keys set to auto.
+    # of taking the top-level values; `train` (planner.resolve) only fills keys set to auto.
     explore: bool = False
 
 
@@ -240,10 +241,12 @@ class TrainConfig:
     dp_shard: Any = "auto"  # FSDP degree inside dp; auto: all of dp (1 = plain DDP)
     dp_replicate: Any = "auto"  # DDP degree inside dp (HSDP when both > 1)
     sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
-    microbatches: int | None = None  # pipeline microbatches; None: 2 x pp
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | auto
+    # per step per dp rank (pipeline microbatches, or accumulation steps without pipelining);
+    # None: batch.global / (batch.micro x dp), or 2 x pp without batch.global (1 without pipelining)
+    microbatches: int | None = None
     virtual_stages: int = 1
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # none | selective | full | auto
 
     compile: bool = False
     dtype: str = "auto"  # auto (bf16 autocast on cuda, fp32 on cpu) | fp32 | bf16
@@ -276,6 +279,8 @@ def register() -> None:
 register()
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # pipeline schedules (launcher/parallel/pipeline.py)
+RECOMPUTE = ("none", "selective", "full")  # activation checkpointing (launcher/parallel/recompute.py)
 CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.norm_position": ("pre", "post"),
@@ -283,8 +288,8 @@ CHOICES = {
     "model.positions": ("rope", "learned"),
     "data.name": ("stdlib", "tokens"),
     "data.dtype": ("uint16", "uint32"),
-    "pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
-    "recompute": ("none", "selective", "full"),
+    "pp_schedule": (*SCHEDULES, "auto"),  # auto: the planner's choice
+    "recompute": (*RECOMPUTE, "auto"),
     "dtype": ("auto", "fp32", "bf16"),
     "metrics.console": ("auto", "rich", "plain", "none"),
     "metrics.wandb.mode": ("offline", "online", "disabled"),
@@ -296,13 +301,6 @@ def get_key(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
     return cfg
-
-
-def positive_int(value: Any, key: str, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise LauncherError(f"{key}={value}: expected a positive integer")
 
 
 def leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any, Range | None]]:
@@ -340,8 +338,10 @@ def make_dir(path: Path, key: str) -> None:
         raise LauncherError(f"{key}: the directory {path} is not writable: choose another {key}")
 
 
-def validate(cfg: TrainConfig, dp: int) -> None:
-    """Checks that need no torch and no process: one LauncherError naming the key and the fix."""
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no torch, no process and no layout: one LauncherError naming the key and the
+    fix. `plan` and `train` both run them first (`planner.run_plan`, `planner.resolve`); the layout's
+    own rules (degrees, batch split) are in launcher/layout.py."""
     check_ranges(cfg)
     for key, allowed in CHOICES.items():
         if get_key(cfg, key) not in allowed:
@@ -360,9 +360,3 @@ def validate(cfg: TrainConfig, dp: int) -> None:
         )
     if cfg.data.name == "stdlib" and m.vocab_size < 256:
         raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
-    micro, global_batch = cfg.batch.get("micro"), cfg.batch.get("global")
-    if global_batch is not None and global_batch % (micro * dp):
-        raise LauncherError(
-            f"batch.global={global_batch} is not a multiple of batch.micro x dp = {micro} x {dp}: "
-            f"use a multiple of {micro * dp} (e.g. {max(global_batch // (micro * dp), 1) * micro * dp})"
-        )

@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from launcher.config import TrainConfig
-from launcher.layout import Layout, build_mesh, rank_of
+from launcher.flops import GIB
+from launcher.layout import Layout, build_mesh, rank_of, rank_stages, stage_layers
 
-GIB = 2**30
 PER_RANK_LINES = 64  # above this many ranks, memory is printed per group of identical ranks
 
 
@@ -60,10 +60,8 @@ def rank_model(template: Any, cfg: TrainConfig, layout: Layout, rank: int) -> An
     """A fresh meta model holding the blocks of this rank's pipeline stages, under their global names."""
     from torch import nn
 
-    from launcher.parallel.pipeline import rank_stages, split_layers
-
-    stages = rank_stages(layout.coordinates(rank)["pp"], layout.pp, cfg.virtual_stages) if layout.pp > 1 else [0]
-    per_stage = split_layers(cfg.model.n_layers, layout.pp * cfg.virtual_stages)
+    stages = rank_stages(layout.coordinates(rank)["pp"], layout.pp, layout.chunks) if layout.pp > 1 else [0]
+    per_stage = stage_layers(cfg.model.n_layers, layout.stages)
     model = copy.deepcopy(template)
     block = model.layers["0"]
     model.layers = nn.ModuleDict({str(i): copy.deepcopy(block) for s in stages for i in per_stage[s]})
@@ -195,8 +193,9 @@ def dry_run(cfg: TrainConfig, layout: Layout, out: Any = print) -> dict[int, int
     out(
         f"dry run: model {m.name} · layout tp={layout.tp} pp={layout.pp} dp={layout.dp} "
         f"(dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}) · {layout.world_size} ranks · "
-        f"sequence_parallel={cfg.sequence_parallel} · pp_schedule={cfg.pp_schedule} · "
-        f"virtual_stages={cfg.virtual_stages} · recompute={cfg.recompute}"
+        f"sequence_parallel={layout.sequence_parallel} · pp_schedule={layout.schedule} · "
+        f"virtual_stages={layout.virtual_stages} · recompute={layout.recompute} · "
+        f"batch {layout.micro} x {layout.microbatches} x dp {layout.dp} = {layout.global_batch} sequences"
     )
     for held, ranks in groups.items():
         out(f"ranks {_ranges(ranks)} hold ({memory[ranks[0]] / GIB:.3f} GiB of parameters each):")

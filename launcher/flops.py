@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+GIB = float(2**30)  # bytes: hardware.memory_gib, and every memory the planner and the dry run report
+
 
 class ModelShape(Protocol):
     """Anything with the architecture fields of `config.ModelConfig`."""

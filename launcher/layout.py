@@ -1,4 +1,14 @@
-"""Parallel degrees → world size and rank order.
+"""The one Layout, and every rule about layouts, once each.
+
+`Layout` is a run's resolved parallel layout: the degrees, the batch split, the pipeline schedule,
+recompute and sequence parallelism. `planner.resolve` builds it once (the CLI's only call into the
+planner); the planner scores candidates built with the same rules; parallelize, the loop, the dry
+run and SLURM read it and never re-derive anything from the raw config. No torch at module level:
+`plan` imports this on accelerator profiles.
+
+Batch semantics (docs/parallelism.md): `micro` sequences per microbatch per data-parallel rank,
+`microbatches` per step per data-parallel rank (pipeline microbatches, or gradient-accumulation
+steps without pipelining), so a step trains `micro x microbatches x dp` sequences (`batch.global`).
 
 Ranks are ordered tp innermost (a tensor-parallel group sits inside the fastest link domain), then
 data parallel (replicate outer, shard inner), then pipeline outermost:
@@ -7,26 +17,31 @@ data parallel (replicate outer, shard inner), then pipeline outermost:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from launcher.config import LauncherError, TrainConfig, positive_int
+from launcher.config import LauncherError, ModelConfig, TrainConfig
 
-
-def divisors(n: int) -> list[int]:
-    """Every divisor of `n`, ascending: the degrees a dimension of `n` ranks can be split into."""
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+DEGREES = ("tp", "pp", "dp", "dp_shard", "dp_replicate")  # the config keys of the parallel degrees
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the rank order above
 
 
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
     pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
+    dp_replicate: int = 1  # DDP degree (HSDP when both dp degrees > 1)
+    dp_shard: int = 1  # FSDP degree (1: parameters replicated)
+    micro: int = 1  # sequences per microbatch per data-parallel rank
+    microbatches: int = 1  # per step per dp rank: pipeline microbatches, or accumulation steps
+    schedule: str = "1f1b"  # pipeline schedule (config.SCHEDULES), read when pp > 1
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+    recompute: str = "none"  # config.RECOMPUTE
+    sequence_parallel: bool = False
+    # expert (ep) and context (cp) parallel degrees join here, and in MESH_DIMS, when they arrive
 
     @property
     def dp(self) -> int:
@@ -35,6 +50,32 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def local_batch(self) -> int:
+        """Sequences per step on one data-parallel rank."""
+        return self.micro * self.microbatches
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step over all ranks (`batch.global`)."""
+        return self.local_batch * self.dp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all: pp x virtual stages (1 without pipelining)."""
+        return self.pp * self.chunks
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: the virtual stages when pipelined, else 1."""
+        return self.virtual_stages if self.pp > 1 else 1
+
+    @property
+    def sharding(self) -> str:
+        if self.dp_shard > 1:
+            return "hsdp" if self.dp_replicate > 1 else "fsdp"
+        return "ddp" if self.dp_replicate > 1 else "none"
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """The rank's position along each mesh dimension (the inverse of the order above)."""
@@ -49,52 +90,245 @@ class Layout:
             "dp": replicate * self.dp_shard + shard,
         }
 
+    def settings(self) -> dict[str, Any]:
+        """The config keys that pin this layout (an emitted job script, a sweep point's overrides)."""
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "dp_shard": self.dp_shard,
+            "dp_replicate": self.dp_replicate,
+            "batch.micro": self.micro,
+            "microbatches": self.microbatches,
+            "pp_schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
+            "recompute": self.recompute,
+            "sequence_parallel": self.sequence_parallel,
+        }
 
-def _degree(cfg: TrainConfig, key: str) -> int | None:
-    value = getattr(cfg, key)
-    if value == "auto":
+
+# --- parsing and counting ------------------------------------------------------------------------------
+def int_or_auto(key: str, value: Any, auto: str | None = "auto") -> int | None:
+    """A positive int, or None where the key says `auto` (`auto=None`: keys whose default is null)."""
+    if value == auto:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise LauncherError(f"{key}={value}: a parallel degree is a positive integer or auto")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LauncherError(f"{key}={value!r}: expected a positive integer or {auto or 'null'}")
     return value
 
 
-def with_degrees(cfg: TrainConfig, layout: Layout) -> TrainConfig:
-    """`cfg` with its `auto` degrees replaced by the resolved layout's (what workers and the planner read)."""
-    return dataclasses.replace(
-        cfg, tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate
-    )
+def given_degrees(cfg: TrainConfig) -> dict[str, int | None]:
+    """The parallel degrees the config fixes (None: auto)."""
+    return {key: int_or_auto(key, getattr(cfg, key)) for key in DEGREES}
 
 
-def resolve_layout(cfg: TrainConfig, world_size: int | None = None) -> Layout:
-    """Fill `auto` degrees: dp takes the ranks that remain (1 when the world size is free)."""
-    tp, pp = _degree(cfg, "tp") or 1, _degree(cfg, "pp") or 1
-    dp = _degree(cfg, "dp")
-    if dp is None:
-        if world_size is not None and world_size % (tp * pp):
-            raise LauncherError(f"world size {world_size} is not divisible by tp*pp={tp * pp}: change tp or pp")
-        dp = world_size // (tp * pp) if world_size else 1
-    if world_size is not None and tp * pp * dp != world_size:
-        raise LauncherError(
-            f"tp*pp*dp={tp}*{pp}*{dp}={tp * pp * dp} does not match the world size {world_size}: set dp=auto"
-        )
-    shard, replicate = _degree(cfg, "dp_shard"), _degree(cfg, "dp_replicate")
+def divisors(n: int) -> list[int]:
+    """Every divisor of `n`, ascending: the degrees a dimension of `n` ranks can be split into."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def workers_per_node(world: int, nodes: int) -> int:
+    return -(-world // nodes)
+
+
+def worker_threads(threads: int | None, local_workers: int) -> int:
+    """Intra-op threads per worker: `threads`, else this machine's cores shared by the local workers
+    (the planner predicts with the same count the workers run with)."""
+    return threads or max(1, (os.cpu_count() or 1) // max(1, local_workers))
+
+
+# --- world size ------------------------------------------------------------------------------------------
+def local_devices(cfg: TrainConfig) -> int:
+    """Devices per node to plan for: the profile's, or (cpu) as many local workers as may start."""
+    hw = cfg.hardware
+    return min(hw.devices_per_node, cfg.max_local_workers) if hw.kind == "cpu" else hw.devices_per_node
+
+
+def plan_world_size(cfg: TrainConfig) -> int:
+    """The devices `plan` (and the layout sweeper) plan for: nodes x devices per node (`nodes` is
+    range-checked by config.validate first)."""
+    return cfg.nodes * local_devices(cfg)
+
+
+def launch_world_size(cfg: TrainConfig, env_world_size: int | None) -> int | None:
+    """The world size the launch imposes, if any: the environment's (torchrun, SLURM), else
+    nodes x devices_per_node on a GPU profile; None on the cpu profile (the degrees decide)."""
+    if env_world_size is not None:
+        return env_world_size
+    if cfg.hardware.kind == "cuda":
+        return cfg.nodes * cfg.hardware.devices_per_node
+    return None
+
+
+def check_world(world: int | None, degrees: dict[str, int | None]) -> None:
+    """The world-size rule: the given tp x pp x dp equals the world size, or divides it when dp (or
+    another degree) is auto; dp_shard and dp_replicate divide dp."""
+    given = {k: degrees[k] for k in ("tp", "pp", "dp") if degrees[k]}
+    product = math.prod(given.values())
+    names, values = "*".join(given), "*".join(map(str, given.values()))
+    if world is not None and len(given) == 3 and product != world:
+        raise LauncherError(f"{names}={values}={product} does not match the world size {world}: set dp=auto")
+    if world is not None and world % product:
+        raise LauncherError(f"world size {world} is not divisible by {names}={values}: change {' or '.join(given)}")
+    dp = degrees["dp"]
+    if dp is None and world is not None and degrees["tp"] and degrees["pp"]:
+        dp = world // (degrees["tp"] * degrees["pp"])
+    for key in ("dp_shard", "dp_replicate"):
+        if degrees[key] and dp and dp % degrees[key]:
+            raise LauncherError(f"{key}={degrees[key]} does not divide dp={dp}: set {key}=auto or change dp")
+
+
+def split_dp(dp: int, shard: int | None, replicate: int | None) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for `dp`: what one fixes, the other fills; both auto: all FSDP."""
     if shard is None and replicate is None:
-        shard, replicate = dp, 1
-    elif shard is None:
+        return 1, dp
+    if shard is None:
         shard = dp // replicate if dp % replicate == 0 else 0
     elif replicate is None:
         replicate = dp // shard if dp % shard == 0 else 0
     if not shard or not replicate or shard * replicate != dp:
+        raise LauncherError(f"dp_replicate={replicate} x dp_shard={shard} must equal dp={dp}: set one of them to auto")
+    return replicate, shard
+
+
+def fixed_degrees(degrees: dict[str, int | None], world: int | None) -> tuple[int, int, int, int]:
+    """(tp, pp, dp_replicate, dp_shard) when tp and pp are given: dp takes the ranks that remain
+    (1 when the world size is free)."""
+    check_world(world, degrees)
+    tp, pp = degrees["tp"] or 1, degrees["pp"] or 1
+    dp = degrees["dp"] or (world // (tp * pp) if world else 1)
+    return tp, pp, *split_dp(dp, degrees["dp_shard"], degrees["dp_replicate"])
+
+
+# --- the batch split -----------------------------------------------------------------------------------
+def microbatch_count(micro: int, dp: int, pp: int, global_batch: int | None, microbatches: int | None) -> int:
+    """The microbatch rule: per step and data-parallel rank, batch.global / (batch.micro x dp) when
+    the global batch is given, else `microbatches`, else 2 x pp with pipelining (a bubble of at most
+    a third of the step under 1F1B), else 1 (no accumulation)."""
+    if global_batch is None:
+        return microbatches or (2 * pp if pp > 1 else 1)
+    if global_batch % (micro * dp):
         raise LauncherError(
-            f"dp_replicate={cfg.dp_replicate} x dp_shard={cfg.dp_shard} must equal dp={dp}: set one of them to auto"
+            f"batch.global={global_batch} is not a multiple of batch.micro x dp = {micro} x {dp}: "
+            f"use a multiple of {micro * dp} (e.g. {max(global_batch // (micro * dp), 1) * micro * dp})"
         )
-    return Layout(tp=tp, pp=pp, dp_replicate=replicate, dp_shard=shard)
+    count = global_batch // (micro * dp)
+    if microbatches is not None and microbatches != count:
+        raise LauncherError(
+            f"microbatches={microbatches} but batch.global / (batch.micro x dp) = {global_batch} / "
+            f"({micro} x {dp}) = {count}: set microbatches=null or change batch.global"
+        )
+    return count
 
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the rank order above
+# --- validity: the predicates both `plan` and `train` apply ---------------------------------------------
+def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """The stage split: layer ids of each stage, contiguous, sizes differing by at most one, larger
+    ones first (the last stage already carries the output projection and the loss)."""
+    base, extra = divmod(n_layers, n_stages)
+    bounds = [0]
+    for stage in range(n_stages):
+        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
 
 
+def rank_stages(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """The stages one pipeline rank holds: r, r + pp, ... (the looped placement of interleaved 1F1B)."""
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def _tensor_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+    kv = m.n_kv_heads or m.n_heads
+    split = (
+        ("model.n_heads", m.n_heads, "attention heads are split over the tensor-parallel ranks"),
+        ("model.n_kv_heads", kv, "KV heads are split over the tensor-parallel ranks"),
+        ("model.ffn_dim", m.ffn_dim, "the MLP hidden width is split over the tensor-parallel ranks"),
+        ("model.vocab_size", m.vocab_size, "the vocabulary is split over the tensor-parallel ranks"),
+    )
+    for key, value, what in split:
+        if value % lay.tp:
+            fits = ", ".join(map(str, divisors(math.gcd(*(v for _, v, _ in split)))))
+            return f"tp={lay.tp} does not divide {key}={value} ({what}): use tp in {{{fits}}}"
+    return None
+
+
+def _sequence_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+    if lay.sequence_parallel and lay.tp == 1:
+        return "sequence_parallel=true needs tensor parallelism: set tp>1 or sequence_parallel=false"
+    if lay.sequence_parallel and seq_len % lay.tp:
+        return f"sequence_parallel=true shards the sequence: seq_len={seq_len} must be a multiple of tp={lay.tp}"
+    return None
+
+
+def _stages(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+    if lay.virtual_stages > 1 and lay.schedule != "interleaved_1f1b":
+        return f"virtual_stages={lay.virtual_stages} needs pp_schedule=interleaved_1f1b (got {lay.schedule})"
+    if lay.pp * lay.virtual_stages > m.n_layers:
+        return (
+            f"pp x virtual_stages = {lay.pp} x {lay.virtual_stages} = {lay.pp * lay.virtual_stages} stages exceed "
+            f"model.n_layers={m.n_layers}: use at most {m.n_layers} stages (uneven splits are fine)"
+        )
+    if lay.pp > 1 and m.tied_embeddings:
+        return (
+            "model.tied_embeddings=true shares the embedding of the first pipeline stage with the output "
+            "projection of the last: set pp=1 or model.tied_embeddings=false"
+        )
+    return None
+
+
+def _microbatches(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+    if lay.pp == 1:
+        return None
+    if lay.microbatches < lay.pp:
+        return (
+            f"{lay.microbatches} microbatches per step cannot fill pp={lay.pp} stages: set microbatches "
+            f"(or batch.global / (batch.micro x dp)) to at least {lay.pp}"
+        )
+    if lay.schedule == "interleaved_1f1b" and lay.microbatches % lay.pp:
+        return (
+            f"microbatches={lay.microbatches} is not a multiple of pp={lay.pp} (interleaved_1f1b): "
+            f"use {(lay.microbatches // lay.pp + 1) * lay.pp}"
+        )
+    return None
+
+
+Rule = Callable[[Layout, ModelConfig, int], str | None]
+RULES: tuple[Rule, ...] = (_tensor_parallel, _sequence_parallel, _stages, _microbatches)
+
+
+def violations(lay: Layout, m: ModelConfig, seq_len: int) -> Iterator[str]:
+    """What is wrong with `lay` for this model and sequence length: one line each, naming the key
+    and the fix. `plan` skips such layouts, `train` refuses them, both through this."""
+    for rule in RULES:
+        problem = rule(lay, m, seq_len)
+        if problem:
+            yield problem
+
+
+def check(lay: Layout, m: ModelConfig, seq_len: int) -> None:
+    for problem in violations(lay, m, seq_len):
+        raise LauncherError(problem)
+
+
+def from_config(cfg: TrainConfig, world: int | None) -> Layout:
+    """The layout a config fixes completely (no `auto` but the dp degrees), checked."""
+    batch = cfg.batch
+    tp, pp, replicate, shard = fixed_degrees(given_degrees(cfg), world)
+    micro = int_or_auto("batch.micro", batch.get("micro"))
+    if micro is None:
+        raise LauncherError("batch.micro=auto is the planner's choice: give a world size or a value")
+    global_batch = int_or_auto("batch.global", batch.get("global"), auto=None)
+    count = microbatch_count(
+        micro, replicate * shard, pp, global_batch, int_or_auto("microbatches", cfg.microbatches, None)
+    )
+    v = int_or_auto("virtual_stages", cfg.virtual_stages, auto=None) or 1
+    lay = Layout(tp, pp, replicate, shard, micro, count, cfg.pp_schedule, v, cfg.recompute, bool(cfg.sequence_parallel))
+    check(lay, cfg.model, cfg.seq_len)
+    return lay
+
+
+# --- where it runs ---------------------------------------------------------------------------------------
 def rank_of(layout: Layout, pp: int = 0, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 0) -> int:
     """The rank at these coordinates (the order in the module docstring)."""
     return tp + layout.tp * (dp_shard + layout.dp_shard * (dp_replicate + layout.dp_replicate * pp))
@@ -124,95 +358,10 @@ def build_mesh(layout: Layout, device_type: str = "cpu", copies: int = 1):  # ->
     return mesh
 
 
-def launch_world_size(cfg: TrainConfig, env_world_size: int | None) -> int | None:
-    """The world size the launch imposes, if any: the environment's (torchrun, SLURM), else
-    nodes x devices_per_node on a GPU profile; None on the cpu profile (the degrees decide)."""
-    if env_world_size is not None:
-        return env_world_size
-    if cfg.hardware.kind == "cuda":
-        return cfg.nodes * cfg.hardware.devices_per_node
-    return None
-
-
-def local_batch_size(cfg: TrainConfig, layout: Layout) -> int:
-    """Sequences per step on one data-parallel rank."""
-    return (cfg.batch["global"] or cfg.batch["micro"] * layout.dp) // layout.dp
-
-
-def pipeline_microbatches(cfg: TrainConfig, layout: Layout) -> int:
-    """`microbatches`, or by default 2 x pp when that divides the local batch, else the smallest
-    divisor of the local batch that is at least pp (else the largest divisor: an error later)."""
-    if cfg.microbatches:
-        return cfg.microbatches
-    local = local_batch_size(cfg, layout)
-    if local % (2 * layout.pp) == 0:
-        return 2 * layout.pp
-    options = divisors(local)
-    return next((d for d in options if d >= layout.pp), options[-1])
-
-
-def check_layout(cfg: TrainConfig, layout: Layout, local: bool = True) -> None:
-    """Everything about the layout that can be checked before a process starts: one LauncherError
-    naming the key and the fix. `local`: the workers would be started here (not torchrun/SLURM)."""
-    m = cfg.model
-    kv = m.n_kv_heads or m.n_heads
-    if layout.tp > 1:
-        shared = math.gcd(math.gcd(m.n_heads, kv), math.gcd(m.ffn_dim, m.vocab_size))
-        fits = ", ".join(str(d) for d in divisors(shared))
-        for key, value, what in (
-            ("model.n_heads", m.n_heads, "attention heads are split over the tensor-parallel ranks"),
-            ("model.n_kv_heads", kv, "KV heads are split over the tensor-parallel ranks"),
-            ("model.ffn_dim", m.ffn_dim, "the MLP hidden width is split over the tensor-parallel ranks"),
-            ("model.vocab_size", m.vocab_size, "the vocabulary is split over the tensor-parallel ranks"),
-        ):
-            if value % layout.tp:
-                raise LauncherError(f"tp={layout.tp} does not divide {key}={value} ({what}): use tp in {{{fits}}}")
-    if cfg.sequence_parallel and layout.tp == 1:
-        raise LauncherError("sequence_parallel=true needs tensor parallelism: set tp>1 or sequence_parallel=false")
-    if cfg.sequence_parallel and cfg.seq_len % layout.tp:
-        raise LauncherError(
-            f"sequence_parallel=true shards the sequence: seq_len={cfg.seq_len} must be a multiple of tp={layout.tp}"
-        )
-    positive_int(cfg.virtual_stages, "virtual_stages")
-    positive_int(cfg.microbatches, "microbatches", allow_none=True)
-    if cfg.virtual_stages > 1 and cfg.pp_schedule != "interleaved_1f1b":
-        raise LauncherError(
-            f"virtual_stages={cfg.virtual_stages} needs pp_schedule=interleaved_1f1b (got {cfg.pp_schedule})"
-        )
-    stages = layout.pp * cfg.virtual_stages
-    if stages > m.n_layers:
-        raise LauncherError(
-            f"pp x virtual_stages = {layout.pp} x {cfg.virtual_stages} = {stages} stages exceed "
-            f"model.n_layers={m.n_layers}: use at most {m.n_layers} stages (uneven splits are fine)"
-        )
-    if layout.pp > 1:
-        if m.tied_embeddings:
-            raise LauncherError(
-                "model.tied_embeddings=true shares the embedding of the first pipeline stage with the output "
-                "projection of the last: set pp=1 or model.tied_embeddings=false"
-            )
-        micro = pipeline_microbatches(cfg, layout)
-        local_batch = local_batch_size(cfg, layout)
-        if micro < layout.pp:
-            raise LauncherError(
-                f"microbatches={micro} is below pp={layout.pp}: use at least {layout.pp}"
-                if cfg.microbatches
-                else f"the {local_batch} sequences per data-parallel rank cannot fill pp={layout.pp} stages: "
-                f"raise batch.global (or batch.micro) to a multiple of {layout.pp} per data-parallel rank"
-            )
-        if cfg.pp_schedule == "interleaved_1f1b" and micro % layout.pp:
-            raise LauncherError(
-                f"microbatches={micro} is not a multiple of pp={layout.pp} (interleaved_1f1b): "
-                f"use {(micro // layout.pp + 1) * layout.pp}"
-            )
-        if local_batch % micro:
-            raise LauncherError(
-                f"the {local_batch} sequences per data-parallel rank do not split into microbatches={micro}: "
-                f"set microbatches to a divisor of {local_batch}, or change batch.global / batch.micro"
-            )
-    if cfg.dry_run:
-        return
-    if local and layout.world_size // cfg.nodes > cfg.max_local_workers and cfg.hardware.kind == "cpu":
+def check_environment(cfg: TrainConfig, layout: Layout, local: bool) -> None:
+    """What this machine must offer to start the layout's workers here (`local`: not torchrun/SLURM)."""
+    per_node = workers_per_node(layout.world_size, cfg.nodes)
+    if local and per_node > cfg.max_local_workers and cfg.hardware.kind == "cpu":
         raise LauncherError(
             f"layout needs {layout.world_size} local workers, more than max_local_workers={cfg.max_local_workers} "
             f"({os.cpu_count()} CPU cores here): lower tp/pp/dp, or raise max_local_workers"
@@ -225,7 +374,6 @@ def check_layout(cfg: TrainConfig, layout: Layout, local: bool = True) -> None:
                 f"hardware={cfg.hardware.name} is a GPU profile but no CUDA device is visible: "
                 f"use hardware=cpu, or dry_run=true to only check the layout"
             )
-        per_node = layout.world_size // cfg.nodes
         if local and torch.cuda.device_count() < per_node:
             raise LauncherError(
                 f"{per_node} workers per node need {per_node} GPUs, found {torch.cuda.device_count()}: "

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from launcher.compat import SUBMITIT_COMMAND, sbatch_script
 from launcher.config import LauncherError, TrainConfig, make_dir
+from launcher.layout import Layout, fixed_degrees, given_degrees, workers_per_node
 
 RESOLVER = "slurm_job"
 
@@ -47,13 +48,10 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 def tasks_needed(cfg: Any) -> int:
-    """Ranks per node the layout asks for (degrees given as ints; `auto` counts as 1)."""
-    world = 1
-    for key in ("tp", "pp", "dp"):
-        value = _get(cfg, key)
-        world *= value if isinstance(value, int) and not isinstance(value, bool) else 1
-    nodes = _get(cfg, "nodes")
-    return -(-world // nodes)
+    """Ranks per node the config's degrees ask for (`auto` counts as 1: the layout rule with a free
+    world size). An emitted script's config pins the resolved Layout, so this is its world size."""
+    tp, pp, replicate, shard = fixed_degrees(given_degrees(cfg), None)
+    return workers_per_node(tp * pp * replicate * shard, _get(cfg, "nodes"))
 
 
 def job_resources(cfg: Any) -> Resources:
@@ -169,11 +167,14 @@ def render_script(cfg: TrainConfig, run_dir: Path, config_file: Path) -> str:
     )
 
 
-def emit_script(cfg: TrainConfig, run_dir: Path) -> Path:
-    """Write the resolved config and an sbatch script that runs it; return the script's path."""
+def emit_script(cfg: TrainConfig, run_dir: Path, layout: Layout) -> Path:
+    """Write the config with `layout` pinned and an sbatch script that runs it (its resources from
+    that layout); return the script's path."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    frozen = replace(cfg, run_dir=str(run_dir), slurm=replace(cfg.slurm, emit=False, dry_run=False))
-    node = OmegaConf.structured(frozen)
+    node = OmegaConf.structured(replace(cfg, run_dir=str(run_dir), slurm=replace(cfg.slurm, emit=False, dry_run=False)))
+    for key, value in layout.settings().items():
+        OmegaConf.update(node, key, value)
+    frozen: TrainConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
     body = OmegaConf.to_yaml(node, resolve=True)
     hydra = {
         "hydra": {"run": {"dir": str(run_dir)}, "job": {"chdir": False, "name": "train"}, "output_subdir": ".hydra"}
@@ -185,7 +186,7 @@ def emit_script(cfg: TrainConfig, run_dir: Path) -> Path:
     )
     script = Path(cfg.slurm.script) if cfg.slurm.script else run_dir / "job.sbatch"
     make_dir(script.parent, "slurm.script")
-    script.write_text(render_script(cfg, run_dir, config_file))
+    script.write_text(render_script(frozen, run_dir, config_file))
     script.chmod(0o755)
     return script
 

@@ -55,7 +55,7 @@ def env_rank() -> RankEnv | None:
     return None
 
 
-def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict[str, Any]:
+def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None = None) -> dict[str, Any]:
     """Body of every rank when the world is larger than one: join the group, train, leave."""
     import torch
     import torch.distributed as dist
@@ -78,14 +78,16 @@ def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict[str, Any]:
         store = dist.PrefixStore(f"launcher/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size)
     try:
-        return train(cfg, run_dir, env.rank, layout)
+        return train(cfg, run_dir, env.rank, layout, prediction)
     finally:
         dist.destroy_process_group()
 
 
-def start_local_workers(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict[str, Any]:
+def start_local_workers(
+    cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None = None
+) -> dict[str, Any]:
     """One process per rank on this machine; returns the summary of the output-owning rank."""
-    agent = local_agent(cfg, run_dir, layout)
+    agent = local_agent(cfg, run_dir, layout, prediction)
     os.environ[LOCAL_WORKER_ENV] = "1"  # inherited by the workers (see launcher/train/preemption.py)
     try:
         result = supervise(agent)
@@ -145,7 +147,7 @@ def stop_at_once(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def local_agent(cfg: TrainConfig, run_dir: Path, layout: Layout) -> LocalElasticAgent:
+def local_agent(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None) -> LocalElasticAgent:
     """PyTorch's elastic agent for `run_rank` on this machine, built as `elastic_launch` builds it, but
     kept at hand: its worker group names the worker processes and its rendezvous can be closed."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -160,7 +162,7 @@ def local_agent(cfg: TrainConfig, run_dir: Path, layout: Layout) -> LocalElastic
         local_world_size=layout.world_size,
         rdzv_handler=get_rendezvous_handler(rendezvous),
         entrypoint=run_rank,
-        args=(cfg, run_dir, layout),
+        args=(cfg, run_dir, layout, prediction),
         max_restarts=cfg.max_restarts,  # a restarted group resumes from the newest complete checkpoint
         monitor_interval=0.1,
     )
@@ -205,11 +207,12 @@ def kill_workers(agent: LocalElasticAgent, outcome: Future, wait_s: float = 10.0
         logging.disable(logging.NOTSET)
 
 
-def launch(cfg: TrainConfig, run_dir: Path, layout: Layout) -> dict[str, Any]:
+def launch(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None = None) -> dict[str, Any]:
+    """Run every rank of `layout`; `prediction` (the planner's) goes into the run's summary."""
     from launcher.train.loop import train
 
     if env_rank() is not None:
-        return run_rank(cfg, run_dir, layout)
+        return run_rank(cfg, run_dir, layout, prediction)
     if layout.world_size == 1:
-        return train(cfg, run_dir, 0, layout)
-    return start_local_workers(cfg, run_dir, layout)
+        return train(cfg, run_dir, 0, layout, prediction)
+    return start_local_workers(cfg, run_dir, layout, prediction)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from launcher.config import LauncherError, validate
+from launcher.planner import resolve
 from tests.conftest import assert_bad_input, make_config, run_cli
 
 
@@ -32,7 +33,7 @@ def test_overrides_reach_the_schema() -> None:
 @pytest.mark.parametrize("name", ["tiny", "small", "125m", "1b", "8b", "70b", "405b", "gpt2-8.3b"])
 def test_every_model_composes_and_validates(name: str) -> None:
     cfg = make_config(f"+model={name}", "seq_len=128")
-    validate(cfg, dp=1)
+    validate(cfg)
     assert cfg.model.name == name
 
 
@@ -48,7 +49,7 @@ def test_every_model_composes_and_validates(name: str) -> None:
 )
 def test_validate_names_key_and_fix(overrides: list[str], message: str) -> None:
     with pytest.raises(LauncherError, match=message.replace(".", r"\.").replace("(", r"\(")):
-        validate(make_config(*overrides), dp=1)
+        resolve(make_config(*overrides))  # the config checks and the layout rules `train` applies
 
 
 @pytest.mark.parametrize(

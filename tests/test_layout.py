@@ -5,13 +5,12 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from dataclasses import replace
 
 import pytest
 
 from launcher.config import LauncherError
-from launcher.layout import Layout, check_layout, launch_world_size, owner_rank, rank_of, resolve_layout
-from launcher.parallel.pipeline import rank_stages, split_layers
+from launcher.layout import Layout, check_environment, from_config, owner_rank, rank_of, rank_stages, stage_layers
+from launcher.planner import resolve
 from tests.conftest import make_config, run_cli
 
 
@@ -54,12 +53,12 @@ def test_device_mesh_follows_the_rank_order() -> None:
 
 
 def test_layers_split_evenly_extra_layers_to_the_first_stages() -> None:
-    assert split_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert split_layers(10, 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
-    assert split_layers(4, 3) == [[0, 1], [2], [3]]
+    assert stage_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert stage_layers(10, 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert stage_layers(4, 3) == [[0, 1], [2], [3]]
     for n, s in itertools.product(range(1, 12), range(1, 6)):
         if s <= n:
-            parts = split_layers(n, s)
+            parts = stage_layers(n, s)
             assert sum(parts, []) == list(range(n)) and max(map(len, parts)) - min(map(len, parts)) <= 1
     assert rank_stages(1, 2, 2) == [1, 3]  # looped placement of interleaved 1F1B
 
@@ -67,8 +66,8 @@ def test_layers_split_evenly_extra_layers_to_the_first_stages() -> None:
 def error(*overrides: str, world_size: int | None = None) -> str:
     cfg = make_config("+model=small", *overrides)
     with pytest.raises(LauncherError) as info:
-        layout = resolve_layout(cfg, launch_world_size(cfg, world_size))
-        check_layout(cfg, layout, local=world_size is None)
+        layout, _ = resolve(cfg, world_size)
+        check_environment(cfg, layout, local=world_size is None)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -84,8 +83,11 @@ def error(*overrides: str, world_size: int | None = None) -> str:
         (("pp=8",), r"8 stages exceed model.n_layers=4"),
         (("pp=2", "virtual_stages=3", "pp_schedule=interleaved_1f1b"), r"6 stages exceed model.n_layers=4"),
         (("virtual_stages=2",), r"virtual_stages=2 needs pp_schedule=interleaved_1f1b"),
-        (("pp=2", "microbatches=3"), r"do not split into microbatches=3"),
-        (("pp=4", "batch.micro=2"), r"2 sequences per data-parallel rank cannot fill pp=4 stages"),
+        (("pp=2", "microbatches=1"), r"1 microbatches per step cannot fill pp=2 stages"),
+        (("pp=4", "batch.micro=2", "batch.global=4"), r"2 microbatches per step cannot fill pp=4 stages"),
+        (("pp=2", "batch.global=12"), r"batch.global=12 is not a multiple of batch.micro x dp = 8 x 1"),
+        (("pp=2", "microbatches=3", "batch.global=32"), r"microbatches=3 but batch.global / \(batch.micro x dp\)"),
+        (("pp=2", "pp_schedule=interleaved_1f1b", "microbatches=3"), r"microbatches=3 is not a multiple of pp=2"),
         (("pp=2", "model.tied_embeddings=true"), r"tied_embeddings"),
         (("sequence_parallel=true",), r"sequence_parallel=true needs tensor parallelism"),
         (("tp=2", "sequence_parallel=true", "seq_len=33"), r"seq_len=33 must be a multiple of tp=2"),
@@ -110,7 +112,9 @@ def test_valid_layouts_pass() -> None:
         ("hardware=h200", "tp=4", "pp=2", "dry_run=true"),
     ):
         cfg = make_config("+model=small", *overrides)
-        check_layout(cfg, resolve_layout(cfg, launch_world_size(cfg, None)))
+        layout, _ = resolve(cfg)
+        if not cfg.dry_run:  # as the CLI: a dry run needs no devices
+            check_environment(cfg, layout, local=True)
 
 
 def test_cli_rejects_a_bad_layout_before_any_worker_starts(tmp_path) -> None:
@@ -136,8 +140,7 @@ def test_dry_run_70b_tp8_pp4_dp2_ranks() -> None:
     from launcher.dryrun import build_rank, local_shapes
 
     cfg = make_config("+model=70b", "tp=8", "pp=4", "dp=2", "dry_run=true")
-    layout = resolve_layout(cfg, None)
-    check_layout(cfg, layout)
+    layout, _ = resolve(cfg)
     params, first, stages = build_rank(cfg, layout, 0)
     assert stages == [0]
     assert first["tok_embeddings.weight"] == (8016, 8192)  # 128256 / tp 8 / dp_shard 2
@@ -168,8 +171,7 @@ def test_dry_run_derived_shapes_equal_building_every_rank(overrides: tuple[str, 
     cfg = make_config(
         "+model=tiny", "model.n_layers=6", "model.dim=32", "model.ffn_dim=90", "batch.micro=3", *overrides
     )
-    layout = resolve_layout(cfg, None)
-    check_layout(cfg, replace(layout), local=False)
+    layout = from_config(cfg, None)
     representative = {}
     for rank in range(layout.world_size):
         params, built, _ = build_rank(cfg, layout, rank)

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from launcher.config import ModelConfig, OptimConfig, TrainConfig
-from launcher.layout import build_mesh, resolve_layout
+from launcher.layout import build_mesh, from_config
 from launcher.parallel import parallelize
 from launcher.train.loop import build_model
 from launcher.train.optim import build_optimizer
@@ -48,8 +48,8 @@ CASES = {  # name: layout and parallelism keys
     "tp2-dp2-fsdp": dict(tp=2, dp=2),
     "tp2-pp2": dict(tp=2, pp=2, pp_schedule="1f1b"),
     "tp2-sp-dp2-fsdp": dict(tp=2, dp=2, sequence_parallel=True, recompute="full"),
-    "dp2-pp2-fsdp": dict(dp=2, pp=2),
-    "dp2-pp2-ddp": dict(dp=2, dp_shard=1, pp=2, pp_schedule="gpipe"),
+    "dp2-pp2-fsdp": dict(dp=2, pp=2, batch={"micro": 2, "global": 8}),  # 2 microbatches per dp rank
+    "dp2-pp2-ddp": dict(dp=2, dp_shard=1, pp=2, pp_schedule="gpipe", batch={"micro": 2, "global": 8}),
     "hsdp2x2": dict(dp=4, dp_replicate=2, dp_shard=2),
 }
 # what runs where: two 2-rank worlds side by side, then one 4-rank world
@@ -107,7 +107,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def train_case(cfg: TrainConfig, world_size: int, probe: bool = False) -> dict[str, Any]:
     """The case on this rank (world_size 1: the reference): losses, gradients after step 1."""
-    layout = resolve_layout(cfg, world_size)
+    layout = from_config(cfg, world_size)
     model = build_model(cfg, torch.device("cpu"))
     mesh = build_mesh(layout, "cpu") if world_size > 1 else None
     runner = parallelize(model, layout, cfg, None, mesh)

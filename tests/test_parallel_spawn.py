@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import FAILED, WorkerFailed
-from launcher.layout import resolve_layout
+from launcher.layout import from_config
 from launcher.spawn import start_local_workers
 from launcher.train.loop import train
 from tests.conftest import tiny_config
@@ -21,7 +21,7 @@ def test_train_tp2_pp2_matches_one_process(tmp_path: Path) -> None:
     single = tiny_config(tmp_path, *overrides, f"run_dir={tmp_path / 'single'}")
     ref = train(single, tmp_path / "single")
     cfg = tiny_config(tmp_path, *overrides, "tp=2", "pp=2", "pp_schedule=gpipe", "threads=1")
-    layout = resolve_layout(cfg, None)
+    layout = from_config(cfg, None)
     summary = start_local_workers(cfg, tmp_path / "par", layout)
     assert summary["world_size"] == 4 and summary["layout"]["pp"] == 2
     assert summary["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4)
@@ -41,6 +41,6 @@ def test_a_dying_worker_takes_the_job_down_with_its_rank_and_error(tmp_path: Pat
     (run_dir / "metrics.jsonl").mkdir(parents=True)
     start = time.monotonic()
     with pytest.raises(WorkerFailed, match=r"worker rank 0 failed \(exit 1\): IsADirectoryError") as failed:
-        start_local_workers(cfg, run_dir, resolve_layout(cfg, None))
+        start_local_workers(cfg, run_dir, from_config(cfg, None))
     assert failed.value.exit_code == FAILED  # what `train` exits with
     assert time.monotonic() - start < 90

@@ -13,9 +13,10 @@ from omegaconf import OmegaConf
 
 from launcher import planner
 from launcher.config import LauncherError, TrainConfig
-from launcher.flops import num_params
+from launcher.flops import GIB, num_params
+from launcher.layout import Layout
 from launcher.planner import comm, memory
-from launcher.planner.layout import GIB, Layout, Level
+from launcher.planner.device import Level
 from launcher.planner.request import problem
 from launcher.planner.search import predict
 
@@ -46,7 +47,7 @@ def fixed(tp, pp, dp, shard, micro, glob, **kw):
 
 def tflops_per_gpu(cfg: TrainConfig, world: int) -> float:
     """Predicted hardware TFLOP/s per GPU (recompute counted, as both papers count it)."""
-    return planner.check(cfg, world)["hfu"] * cfg.hardware.peak_tflops
+    return planner.resolve(cfg, world)[1].hfu * cfg.hardware.peak_tflops
 
 
 def test_megatron_2019_one_v100_is_39_tflops():
@@ -70,7 +71,10 @@ def test_narayanan_2021_1_7b_on_32_a100s_is_137_tflops():
 
 
 def test_narayanan_2021_145_6b_on_1536_a100s_is_148_tflops():
-    model = dict(name="145.6b", dim=12288, n_layers=80, n_heads=96, ffn_dim=49152, max_seq_len=2048, **GPT)
+    # Megatron keeps a copy of the tied embedding on the last stage: what an untied model holds (the
+    # runtime, and so the planner, refuses tied embeddings across pipeline stages)
+    gpt = {**GPT, "tied_embeddings": False}
+    model = dict(name="145.6b", dim=12288, n_layers=80, n_heads=96, ffn_dim=49152, max_seq_len=2048, **gpt)
     run = fixed(8, 8, 24, 1, 1, 2304, pp_schedule="1f1b")
     cfg = make_cfg(model, "a100", nodes=192, seq_len=2048, recompute="full", **run)
     assert tflops_per_gpu(cfg, 1536) == pytest.approx(148.0, rel=0.15)
@@ -105,7 +109,7 @@ def test_full_405b_search_on_16384_gpus_takes_under_a_second():
         t0 = time.perf_counter()
         res = plan_405b("h100_sxm", 8)
         times.append(time.perf_counter() - t0)
-    assert res.tried > 500 and len(res.ranked) > 100
+    assert res.tried > 150 and len(res.ranked) > 50  # (fewer than pp microbatches: not a runnable layout)
     assert min(times) < 1.0
 
 
@@ -118,7 +122,7 @@ def test_planning_for_a_gpu_profile_does_not_import_torch():
         "auto = dict(tp='auto', pp='auto', pp_schedule='auto', recompute='auto')\n"
         "cfg = make_cfg('70b', nodes=4, seq_len=4096, batch=batch, plan={'format': 'json'}, **auto)\n"
         "planner.run_plan(cfg)\n"
-        "planner.check(planner.best_layout(cfg, 32), 32)\n"
+        "planner.resolve(cfg, 32)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     root = Path(__file__).resolve().parents[1]
@@ -131,7 +135,7 @@ def test_planning_for_a_gpu_profile_does_not_import_torch():
 
 
 def gpt_layout(t=1, sp=False, recompute="none"):
-    return Layout(t, 1, 1, 1, 1, 1, recompute=recompute, sequence_parallel=sp)
+    return Layout(tp=t, recompute=recompute, sequence_parallel=sp)
 
 
 def test_activations_reproduce_korthikanti_for_gpt(monkeypatch):
@@ -163,9 +167,9 @@ def test_parameters_per_rank_add_up_to_the_model():
     m = make_cfg("8b").model
     for pp, v in [(1, 1), (4, 1), (4, 2), (3, 1)]:
         sched = "interleaved_1f1b" if v > 1 else "1f1b"
-        lay = Layout(1, pp, 1, 1, 1, 8, sched, v)
+        lay = Layout(pp=pp, microbatches=8, schedule=sched, virtual_stages=v)
         assert sum(memory.rank_params(m, lay, r) for r in range(pp)) == num_params(m)
-    lay = Layout(2, 1, 1, 1, 1, 1)
+    lay = Layout(tp=2)
     assert 2 * memory.rank_params(m, lay, 0) == pytest.approx(num_params(m), rel=1e-4)  # norms replicated
 
 
@@ -207,9 +211,9 @@ def test_ring_all_reduce_on_one_level():
 def test_bubble_shrinks_with_microbatches_and_virtual_stages():
     cfg = make_cfg("8b", seq_len=4096)
     prob = problem(cfg, 8)
-    one = predict(prob, Layout(1, 8, 1, 1, 1, 8, "1f1b")).time
-    more = predict(prob, Layout(1, 8, 1, 1, 1, 32, "1f1b")).time
-    inter = predict(prob, Layout(1, 8, 1, 1, 1, 8, "interleaved_1f1b", 2)).time
+    one = predict(prob, Layout(pp=8, microbatches=8)).time
+    more = predict(prob, Layout(pp=8, microbatches=32)).time
+    inter = predict(prob, Layout(pp=8, microbatches=8, schedule="interleaved_1f1b", virtual_stages=2)).time
     assert one.pp_bubble / one.compute == pytest.approx(7 / 8, rel=0.1)
     assert more.pp_bubble / more.compute == pytest.approx(7 / 32, rel=0.1)
     assert inter.pp_bubble == pytest.approx(one.pp_bubble / 2, rel=0.1)
@@ -217,7 +221,7 @@ def test_bubble_shrinks_with_microbatches_and_virtual_stages():
 
 def test_dp_traffic_hides_behind_compute_on_fast_links():
     cfg = make_cfg("8b", seq_len=4096)
-    t = predict(problem(cfg, 8), Layout(1, 1, 1, 8, 4, 1)).time  # DDP inside one node
+    t = predict(problem(cfg, 8), Layout(dp_replicate=8, micro=4)).time  # DDP inside one node
     assert t.dp_total > 0 and t.dp_exposed < 0.5 * t.dp_total
 
 
@@ -245,15 +249,16 @@ def test_run_plan_table_and_constraints(capsys):
     assert "MFU" in out and "bottleneck" in out and "70b on 32 x h100_sxm" in out
 
 
-def test_best_layout_fills_autos_and_passes_check():
+def test_resolve_fills_autos_with_the_best_layout():
     cfg = make_cfg("70b", nodes=4, seq_len=4096, batch={"micro": "auto", "global": 128}, tp="auto", pp="auto",
                    pp_schedule="auto", recompute="auto")  # fmt: skip
-    best = planner.best_layout(cfg, 32)
-    assert best is not cfg and cfg.tp == "auto"
-    assert all(isinstance(getattr(best, k), int) for k in ("tp", "pp", "dp", "dp_shard", "dp_replicate"))
-    assert best.tp * best.pp * best.dp == 32 and best.dp_shard * best.dp_replicate == best.dp
-    assert isinstance(best.batch["micro"], int) and best.recompute in ("none", "selective", "full")
-    pred = planner.check(best, 32)
+    best, prediction = planner.resolve(cfg, 32)
+    assert cfg.tp == "auto" and prediction.layout == best == planner.plan(cfg, 32)[1].ranked[0].layout
+    assert best.world_size == 32 and best.global_batch == 128 and best.recompute in ("none", "selective", "full")
+    pinned = make_cfg("70b", nodes=4, seq_len=4096, batch={"micro": best.micro, "global": 128},
+                      **{k: v for k, v in best.settings().items() if "." not in k})  # fmt: skip
+    assert planner.resolve(pinned, 32) == (best, prediction)  # the same layout given by hand: the same run
+    pred = prediction.as_dict()
     json.dumps(pred)
     assert pred["fits"] and pred["memory_gib"] <= 74.5
     for key in ("compute", "tp_comm", "pp_bubble", "dp_exposed"):
@@ -265,9 +270,9 @@ def test_best_layout_fills_autos_and_passes_check():
 def test_check_refuses_what_cannot_fit_unless_forced():
     cfg = make_cfg("70b", seq_len=8192, **fixed(8, 1, 1, 1, 4, 4))
     with pytest.raises(LauncherError, match=r"predicted .* GiB .* hardware.memory_gib=74.5"):
-        planner.check(cfg, 8)
+        planner.resolve(cfg, 8)
     cfg.force = True
-    assert planner.check(cfg, 8)["fits"] is False
+    assert planner.resolve(cfg, 8)[1].fits is False
 
 
 # ---------------------------------------------------------------- bad input: one line naming the key
@@ -275,13 +280,13 @@ def test_check_refuses_what_cannot_fit_unless_forced():
 
 def one_line_error(cfg, world=None, match=""):
     with pytest.raises(LauncherError, match=match) as err:
-        planner.best_layout(cfg, world) if world else planner.run_plan(cfg)
+        planner.resolve(cfg, world) if world else planner.run_plan(cfg)
     assert "\n" not in str(err.value)
     return str(err.value)
 
 
 def test_bad_input_errors():
-    one_line_error(make_cfg("8b", nodes=2, tp=3), match=r"16 is not divisible by tp=3")
+    one_line_error(make_cfg("8b", nodes=2, tp=3), match=r"world size 16 is not divisible by tp\*pp=3\*1")
     odd = make_cfg("8b", nodes=1, tp=1, pp=1, batch={"micro": 1, "global": 7})
     one_line_error(odd, match=r"batch.global=7")
     msg = one_line_error(make_cfg("405b", nodes=1, seq_len=8192, tp="auto", pp="auto", recompute="auto",
@@ -289,8 +294,8 @@ def test_bad_input_errors():
     assert "GiB per device" in msg and "memory_gib=74.5" in msg
     bad_hw = make_cfg("8b")
     bad_hw.hardware.kind = "abacus"
-    one_line_error(bad_hw, match=r"hardware.kind='abacus'")
-    one_line_error(make_cfg("8b", tp=1, sequence_parallel=True), match=r"sequence_parallel=true needs tp > 1")
+    one_line_error(bad_hw, match=r"hardware.kind=abacus: choose one of cpu, cuda, tpu")
+    one_line_error(make_cfg("8b", tp=1, sequence_parallel=True), match=r"sequence_parallel=true needs tensor par")
     one_line_error(make_cfg("8b", plan={"format": "xml"}), match=r"plan.format")
 
 
@@ -306,7 +311,7 @@ def test_cpu_profile_is_calibrated_through_resolve_hardware(monkeypatch):
     cfg = make_cfg("small", "cpu", seq_len=256, tp="auto", pp="auto", batch={"micro": 8, "global": 16})
     prob = problem(cfg, 2)
     assert prob.machine.peak_flops == 0.1e12 and prob.machine.levels[0].bandwidth == 2e9  # measured: as is
-    pred = planner.check(planner.best_layout(cfg, 2), 2)
+    pred = planner.resolve(cfg, 2)[1].as_dict()
     assert pred["step_time_s"] > 0 and pred["memory_gib"] < 16 and pred["world"] == 2
     assert GIB == 2**30
 

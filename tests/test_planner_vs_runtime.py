@@ -24,8 +24,8 @@ from bench.planner_accuracy import (
     two_rank_worker,
 )
 from launcher.flops import head_dim
+from launcher.layout import from_config
 from launcher.model.transformer import Block, rope_tables
-from launcher.planner import layout_of
 from launcher.planner.memory import layer_activation_bytes
 from tests.dist import run
 
@@ -46,7 +46,7 @@ def test_block_activation_bytes_within_15_percent():
     block = Block(m)
     rope = rope_tables(head_dim(m), m.max_seq_len, m.rope_theta, torch.device("cpu"))
     saved, detail = block_saved_bytes(block, rope, torch.randn(1, SEQ, m.dim, requires_grad=True))
-    predicted = layer_activation_bytes(m, SEQ, layout_of(cfg, 1), 4)[0] * SEQ
+    predicted = layer_activation_bytes(m, SEQ, from_config(cfg, 1), 4)[0] * SEQ
     assert abs(predicted / saved - 1) <= ACT_TOLERANCE, (predicted, saved, detail)
     assert saved == predicted, detail
 

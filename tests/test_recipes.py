@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from launcher.config import CONF_DIR, compose_config, validate
-from launcher.layout import launch_world_size, resolve_layout, with_degrees
-from launcher.planner import check
+from launcher.planner import resolve
 from tests.conftest import run_cli
 
 RECIPES = sorted(p.stem for p in (Path(CONF_DIR) / "recipe").glob("*.yaml"))
@@ -33,19 +32,16 @@ def test_the_promised_recipes_exist() -> None:
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_recipe_is_accepted_and_header_states_the_prediction(name: str) -> None:
     cfg = compose_config(f"+recipe={name}")
-    layout = resolve_layout(cfg, launch_world_size(cfg, None))
-    cfg = with_degrees(cfg, layout)
-    validate(cfg, layout.dp)
-    prediction = check(cfg, layout.world_size)  # raises if predicted not to fit
+    _, prediction = resolve(cfg)  # raises if refused, or predicted not to fit
     header = (Path(CONF_DIR) / "recipe" / f"{name}.yaml").read_text()
     stated = float(re.search(r"Planner prediction: MFU ([\d.]+)%", header).group(1))
-    assert stated == pytest.approx(100 * prediction["mfu"], abs=0.1), "re-run the planner and update the header"
+    assert stated == pytest.approx(100 * prediction.mfu, abs=0.1), "re-run the planner and update the header"
 
 
 @pytest.mark.parametrize("name", ["cpu_tp_demo", "sweep_layouts_cpu", "norm_position_study"])
 def test_cpu_recipes_compose_and_validate(name: str) -> None:
     cfg = compose_config(f"+recipe={name}")
-    validate(cfg, dp=1)
+    validate(cfg)
     assert cfg.hardware.kind == "cpu"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.layout import resolve_layout
+from launcher.layout import from_config
 from launcher.spawn import start_local_workers
 from launcher.train.loop import train
 from tests.conftest import losses, tiny_config, worker_pids
@@ -24,7 +24,7 @@ COMMON = ("hardware.peak_tflops=1.0", "steps=6", "batch.global=8", "threads=1")
 
 def run(tmp_path: Path, name: str, *overrides: str) -> Path:
     cfg = tiny_config(tmp_path, *COMMON, *overrides)
-    layout = resolve_layout(cfg, None)
+    layout = from_config(cfg, None)
     run_dir = tmp_path / name
     if layout.world_size == 1:
         train(cfg, run_dir)

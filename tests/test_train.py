@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.layout import resolve_layout
+from launcher.layout import from_config
 from launcher.spawn import RankEnv, env_rank
 from launcher.train.loop import train
 from tests.conftest import run_cli, tiny_config
@@ -75,7 +75,7 @@ def test_rank_comes_from_torchrun_or_slurm_environment(monkeypatch) -> None:
 
 
 def test_auto_dp_takes_the_remaining_ranks(tmp_path: Path) -> None:
-    layout = resolve_layout(tiny_config(tmp_path, "tp=2"), world_size=8)
+    layout = from_config(tiny_config(tmp_path, "tp=2"), 8)
     assert (layout.tp, layout.dp, layout.dp_shard, layout.world_size) == (2, 4, 4, 8)
 
 
@@ -96,6 +96,9 @@ def test_train_cli_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "step=3" in result.stdout and "summary" in result.stdout
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "rank0.log").exists()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["prediction"]["tokens_per_step"] == 2 * 32  # handed to the loop, not read from a file
+    assert not (tmp_path / "run" / "prediction.json").exists()
 
 
 def _write_many(path: str) -> None:
@@ -106,7 +109,7 @@ def _write_many(path: str) -> None:
 
 
 def test_ranks_writing_the_same_json_at_once_do_not_collide(tmp_path: Path) -> None:
-    """Every SLURM task writes prediction.json: a shared temporary name made one rank's rename fail."""
+    """Several processes may write one JSON file at once: a shared temporary name made one's rename fail."""
     import multiprocessing as mp
 
     path = tmp_path / "prediction.json"

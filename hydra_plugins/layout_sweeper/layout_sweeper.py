@@ -22,10 +22,10 @@ from omegaconf import OmegaConf, open_dict
 
 import launcher.slurm  # noqa: F401  (importing it registers the ${slurm_job:...} resolver, before configs resolve)
 from launcher.compat import basic_sweeper
-from launcher.config import TrainConfig, check_ranges
+from launcher.config import TrainConfig, validate
+from launcher.layout import DEGREES
 
 log = logging.getLogger(__name__)
-DEGREES = ("tp", "pp", "dp", "dp_shard", "dp_replicate")
 
 
 @dataclass
@@ -39,10 +39,10 @@ ConfigStore.instance().store(group="hydra/sweeper", name="layouts", node=LayoutS
 
 def ranked_layouts(cfg: TrainConfig, top: int, world: int | None = None) -> list[tuple[list[str], dict[str, Any]]]:
     """The best `top` distinct layouts of `cfg` on `world` devices: (overrides, prediction) each."""
+    from launcher.layout import plan_world_size
     from launcher.planner import plan
-    from launcher.planner.request import world_size
 
-    world = world or world_size(cfg)
+    world = world or plan_world_size(cfg)
     _, res = plan(cfg, world, explore=False)
     chosen: list[tuple[list[str], dict[str, Any]]] = []
     seen: set[tuple[str, ...]] = set()
@@ -85,7 +85,7 @@ class LayoutSweeper(basic_sweeper()):
         fixed = {o.key_or_group for o in parsed if o.key_or_group in DEGREES and not o.is_sweep_override()}
         # a LauncherError reaches the CLI as it is (launcher.compat.hydra_errors_raised): one line, exit 2
         cfg = search_config(self.config, fixed)
-        check_ranges(cfg)  # sweep.top and sweep.world among them
+        validate(cfg)  # as plan and train check first: ranges (sweep.top, sweep.world among them)
         layouts = ranked_layouts(cfg, cfg.sweep.top, cfg.sweep.world)
         base = self.split_arguments(parsed, None)[0] if parsed else [[]]
         jobs = [[*b, *lay] for b in base for lay, _ in layouts]

@@ -8,15 +8,15 @@ import time
 
 import torch
 
-from launcher.flops import mfu
+from launcher.flops import GIB, mfu
 
 
 def memory_gib(device: torch.device) -> float:
     """Peak memory of this worker: CUDA allocator peak, or the process's peak resident set on CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return torch.cuda.max_memory_allocated(device) / GIB
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+    return peak / (GIB if sys.platform == "darwin" else 2**20)
 
 
 class Meter:

@@ -89,7 +89,7 @@ class WandbSink:
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write atomically: a reader never sees half a file. The temporary name is this process's own, as
-    several ranks may write the same file at once (each SLURM task writes prediction.json)."""
+    several processes may write the same file at once (e.g. the calibration cache)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)

@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from launcher.compat import foreach_mul_, foreach_norm
 from launcher.config import TrainConfig
-from launcher.layout import Layout, build_mesh, pipeline_microbatches
+from launcher.layout import Layout, build_mesh, rank_stages
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
-from launcher.parallel.pipeline import build_schedule, rank_stages, stage_module
+from launcher.parallel.pipeline import build_schedule, stage_module
 from launcher.parallel.recompute import apply_recompute
 from launcher.parallel.tensor import apply_tensor_parallel, loss_context
 
@@ -38,7 +38,8 @@ def _scalar(value: torch.Tensor) -> float:
 
 
 class Runner:
-    """One process, no parallelism: gradient accumulation over micro-batches."""
+    """One process, no parallelism: gradient accumulation over micro-batches of `micro` sequences
+    (the loader hands each rank `layout.microbatches` of them per step)."""
 
     def __init__(self, model: nn.Module, micro: int, autocast: torch.autocast | None = None) -> None:
         self.parts: list[nn.Module] = [model]
@@ -152,8 +153,9 @@ class ParallelRunner(DistributedRunner):
 class PipelineRunner(DistributedRunner):
     """A pipeline schedule over this rank's stages (tensor and data parallel inside each stage)."""
 
-    def __init__(self, parts: list[nn.Module], stages: list[int], n_stages: int, cfg: TrainConfig, **kw: Any) -> None:
-        super().__init__(parts, cfg.batch["micro"], **kw)
+    def __init__(self, parts: list[nn.Module], stages: list[int], layout: Layout, **kw: Any) -> None:
+        super().__init__(parts, layout.micro, layout=layout, **kw)
+        n_stages = layout.stages
         self.first, self.last = 0 in stages, n_stages - 1 in stages
         tp_mesh = self.mesh["tp"]
 
@@ -169,8 +171,8 @@ class PipelineRunner(DistributedRunner):
             n_stages,
             self.mesh.get_group("pp"),
             self.device,
-            cfg.pp_schedule,
-            pipeline_microbatches(cfg, self.layout),
+            layout.schedule,
+            layout.microbatches,  # the rank's batch (micro x microbatches) splits into these
             loss_fn,
         )
 
@@ -194,37 +196,37 @@ class PipelineRunner(DistributedRunner):
 def parallelize(
     model: nn.Module, layout: Layout, cfg: TrainConfig, autocast: torch.autocast | None, mesh: Any = None
 ) -> Runner:
-    """Cut `model` (the full model, the same on every rank) for this rank of `layout`.
+    """Cut `model` (the full model, the same on every rank) for this rank of `layout`; everything
+    about the cut comes from the layout, `cfg` only says whether to compile.
 
     `mesh`: the layout's DeviceMesh (`layout.build_mesh`); built here from the default process
     group when not given.
     """
     if layout.world_size == 1 and mesh is None:
-        apply_recompute(model, cfg.recompute)
+        apply_recompute(model, layout.recompute)
         _compile(model, cfg)
-        return Runner(model, cfg.batch["micro"], autocast)
+        return Runner(model, layout.micro, autocast)
     if mesh is None:
         device_type = next(model.parameters()).device.type
         mesh = build_mesh(layout, "cuda" if device_type == "cuda" else "cpu")
     parts, stages = shard_model(model, layout, cfg, mesh)
-    n_stages = layout.pp * cfg.virtual_stages
-    kw = {"autocast": autocast, "mesh": mesh, "layout": layout}
+    kw = {"autocast": autocast, "mesh": mesh}
     if layout.pp > 1:
-        return PipelineRunner(parts, stages, n_stages, cfg, **kw)
-    return ParallelRunner(parts, cfg.batch["micro"], **kw)
+        return PipelineRunner(parts, stages, layout, **kw)
+    return ParallelRunner(parts, layout.micro, layout=layout, **kw)
 
 
 def shard_model(model: nn.Module, layout: Layout, cfg: TrainConfig, mesh: Any) -> tuple[list[nn.Module], list[int]]:
     """This rank's model parts, cut and wrapped in the fixed order, and the pipeline stage of each."""
-    n_stages = layout.pp * cfg.virtual_stages
-    stages = rank_stages(mesh["pp"].get_local_rank(), layout.pp, cfg.virtual_stages) if layout.pp > 1 else [0]
-    parts = [stage_module(model, s, n_stages) for s in stages] if layout.pp > 1 else [model]
+    pipelined = layout.pp > 1
+    stages = rank_stages(mesh["pp"].get_local_rank(), layout.pp, layout.chunks) if pipelined else [0]
+    parts = [stage_module(model, s, layout.stages) for s in stages] if pipelined else [model]
     for part in parts:
         if layout.tp > 1:
-            apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel, local_logits=layout.pp > 1)
-        apply_recompute(part, cfg.recompute)
+            apply_tensor_parallel(part, mesh["tp"], layout.sequence_parallel, local_logits=pipelined)
+        apply_recompute(part, layout.recompute)
         _compile(part, cfg)
-        apply_data_parallel(part, mesh, layout, pipelined=layout.pp > 1)
+        apply_data_parallel(part, mesh, layout, pipelined=pipelined)
     return parts, stages
 
 

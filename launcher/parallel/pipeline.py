@@ -2,10 +2,11 @@
 
 Stages. With pp ranks and v virtual stages per rank there are S = pp * v stages; rank r holds the
 stages r, r + pp, ..., r + (v - 1) * pp (the looped placement of interleaved 1F1B, Narayanan et al.
-2021). The embeddings live on stage 0, the final norm, the output projection and the loss on stage
-S - 1. Layers are split as evenly as possible: when S does not divide n_layers, the first
-n_layers % S stages take one layer more (the last stage already carries the output projection and
-the loss, the heaviest non-block work, so it is never the one given the extra layer).
+2021: `layout.rank_stages`). The embeddings live on stage 0, the final norm, the output projection
+and the loss on stage S - 1. Layers are split as evenly as possible (`layout.stage_layers`, which
+the planner counts with too): when S does not divide n_layers, the first n_layers % S stages take
+one layer more (the last stage already carries the output projection and the loss, the heaviest
+non-block work, so it is never the one given the extra layer).
 
 A stage is the same `Transformer` with the parts it does not hold set to None, its blocks keeping
 their global names (`layers.5`), so parameter names, and therefore checkpoints, do not depend on
@@ -25,23 +26,10 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from launcher.layout import stage_layers
 from launcher.model import Transformer
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-
-
-def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """Layer ids of each stage: contiguous, sizes differing by at most one, larger ones first."""
-    base, extra = divmod(n_layers, n_stages)
-    bounds = [0]
-    for stage in range(n_stages):
-        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
-    return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
-
-
-def rank_stages(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """The stage indices one pipeline rank holds (looped placement)."""
-    return [pp_rank + k * pp for k in range(virtual_stages)]
 
 
 def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
@@ -49,7 +37,7 @@ def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
     part = Transformer.__new__(Transformer)
     nn.Module.__init__(part)
     part.cfg = model.cfg
-    ids = split_layers(model.cfg.n_layers, n_stages)[stage]
+    ids = stage_layers(model.cfg.n_layers, n_stages)[stage]
     first, last = stage == 0, stage == n_stages - 1
     part.tok_embeddings = model.tok_embeddings if first else None
     part.pos_embeddings = model.pos_embeddings if first else None

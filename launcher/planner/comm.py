@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from functools import cache
 
-from launcher.planner.layout import Level
+from launcher.planner.device import Level
 
 
 def hops(n: int) -> int:

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 from launcher.config import ModelConfig
 from launcher.flops import flops_per_token, hardware_flops_per_token
+from launcher.layout import Layout
 from launcher.planner import comm
-from launcher.planner.layout import Layout, Machine
+from launcher.planner.device import Machine
 from launcher.planner.memory import GRAD_BYTES, counts, rank_layers, rank_params
 
 # Model width at which the non-matmul work takes as long as the matmuls. It scales with the device's

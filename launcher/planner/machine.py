@@ -8,10 +8,9 @@ torch is imported.
 
 from __future__ import annotations
 
-import os
-
 from launcher.config import HardwareConfig, LauncherError, LinkConfig, check_ranges
-from launcher.planner.layout import GIB, Level, Machine
+from launcher.flops import GIB
+from launcher.planner.device import Level, Machine
 
 LINK_EFFICIENCY = 0.8  # nccl-tests bus bandwidth is typically 75-90% of the datasheet link rate
 KINDS = ("cpu", "cuda", "tpu")
@@ -33,10 +32,6 @@ def validate(hw: HardwareConfig) -> None:
             f"hardware '{hw.name}' has a null peak_tflops, host_overhead_us or link bandwidth_gbs/latency_us: "
             "only the cpu profile is calibrated; give the datasheet numbers"
         )
-
-
-def worker_threads(threads: int | None, local_workers: int) -> int:
-    return threads or max(1, (os.cpu_count() or 1) // max(1, local_workers))
 
 
 def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:

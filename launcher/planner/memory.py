@@ -31,8 +31,8 @@ from dataclasses import astuple, dataclass
 from functools import cache
 
 from launcher.config import ModelConfig
-from launcher.flops import ParamCounts, head_dim, kv_heads, param_counts
-from launcher.planner.layout import GIB, Layout
+from launcher.flops import GIB, ParamCounts, head_dim, kv_heads, param_counts
+from launcher.layout import Layout, rank_stages, stage_layers
 
 MASTER_BYTES = 4  # fp32 parameters
 GRAD_BYTES = 4  # fp32 gradients
@@ -77,25 +77,19 @@ def counts(m: ModelConfig) -> ParamCounts:
     return _COUNTS[key]
 
 
-def chunk_layers(n_layers: int, pp: int, chunks: int) -> list[int]:
-    """Layers of each model chunk in pipeline order (pp x chunks of them); the first get the extras."""
-    n = pp * chunks
-    return [n_layers // n + (1 if k < n_layers % n else 0) for k in range(n)]
-
-
 @cache
 def rank_layers(n_layers: int, pp: int, chunks: int) -> tuple[int, ...]:
-    """Layers held by each pipeline rank (rank r holds chunks r, r + pp, r + 2pp, ...)."""
-    sizes = chunk_layers(n_layers, pp, chunks)
-    return tuple(sum(sizes[r::pp]) for r in range(pp))
+    """Layers held by each pipeline rank: the runtime's stage split and placement."""
+    split = stage_layers(n_layers, pp * chunks)
+    return tuple(sum(len(split[s]) for s in rank_stages(r, pp, chunks)) for r in range(pp))
 
 
 def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
     """Parameters held by one device of pipeline rank `rank` (before FSDP sharding).
 
     TP shards every projection and the vocabulary dimension of the embedding and output by t; norms
-    and biases are counted as replicated. Learned positions live on the first rank; with tied
-    embeddings and pp > 1 the last rank holds its own copy of the output matrix.
+    and biases are counted as replicated. Learned positions live on the first rank (tied embeddings
+    need pp = 1: `layout.violations`).
     """
     pc, t = counts(m), layout.tp
     n = rank_layers(m.n_layers, layout.pp, layout.chunks)[rank]
@@ -107,8 +101,6 @@ def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
         total += pc.final_norm
         if not m.tied_embeddings:
             total += pc.output // t
-        elif layout.pp > 1:
-            total += pc.output_matmul // t
     return total
 
 

@@ -1,14 +1,16 @@
 """The layout search: enumerate the layouts the config allows, predict each, rank by tokens/s.
 
 What is searched (a key given an int or a name in the config constrains it; `auto` searches):
-- tp: divisors of the world size that divide n_heads, n_kv_heads and ffn_dim; pp: divisors of the
-  rest, at most n_layers; dp: what remains; dp_shard x dp_replicate: every split of dp.
-- batch.micro: divisors of the per-rank batch (global / dp) up to MAX_MICRO; the microbatch count
-  follows (global / (micro dp)). Without batch.global: micro in (1, 2, 4, 8) and microbatches as
-  given (None: 2 pp, or 1 without pipelining), so each layout trains its own global batch.
-- pp_schedule `auto`: 1f1b, and interleaved_1f1b with virtual_stages in (2, 4, 8) when every rank
-  gets a chunk and the microbatches are a multiple of pp (Megatron's rule). gpipe is only taken
-  when asked for: it has 1F1B's bubble and holds all microbatches.
+- tp: divisors of the world size; pp: divisors of the rest; dp: what remains; dp_shard x
+  dp_replicate: every split of dp (what one fixes, the other fills).
+- batch.micro: divisors of the per-rank batch (global / dp) up to MAX_MICRO. Without batch.global:
+  micro in (1, 2, 4, 8), so each layout trains its own global batch. The microbatch count follows
+  from the runtime's rule (`layout.microbatch_count`).
+- pp_schedule `auto`: 1f1b, and interleaved_1f1b with virtual_stages in (2, 4, 8). gpipe is only
+  taken when asked for: it has 1F1B's bubble and holds all microbatches.
+Every candidate then passes the runtime's own rules (`layout.violations`: tp divides the model,
+stages fit the layers, microbatches fill the pipeline, ...) or is skipped; the first rule broken is
+kept for the error when nothing is valid.
 - recompute `auto`: the cheapest of none < selective < full that fits in memory (selective is
   skipped while attention is fused: it then frees nothing).
 - sequence_parallel: as given; `explore` (the `plan` app) turns it on whenever tp > 1, where it
@@ -18,21 +20,18 @@ What is searched (a key given an int or a name in the config constrains it; `aut
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
-from launcher.config import ModelConfig
-from launcher.flops import flops_per_token, hardware_flops_per_token, mfu
-from launcher.layout import divisors
+from launcher.config import RECOMPUTE, LauncherError, ModelConfig
+from launcher.flops import GIB, flops_per_token, hardware_flops_per_token, mfu
+from launcher.layout import Layout, divisors, microbatch_count, split_dp, violations
 from launcher.planner.cost import StepTime, compute_efficiency, step_time
-from launcher.planner.layout import GIB, Layout, Machine
+from launcher.planner.device import Machine
 from launcher.planner.memory import FUSED_ATTENTION, Memory, memory
 
 MAX_MICRO = 32
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-RECOMPUTE = ("none", "selective", "full")
 AUTO_VIRTUAL = (2, 4, 8)
-DEGREES = ("tp", "pp", "dp", "dp_shard", "dp_replicate")
 
 
 @dataclass(frozen=True)
@@ -46,16 +45,25 @@ class Prediction:
     fits: bool
     bottleneck: str
     machine: str
+    seq_len: int
 
     @property
     def step_time_s(self) -> float:
         return self.time.total
 
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.layout.micro * self.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout.global_batch * self.seq_len
+
     def as_dict(self) -> dict[str, Any]:
         lay = self.layout
         return {
             "hardware": self.machine,
-            "world": lay.world,
+            "world": lay.world_size,
             "tp": lay.tp,
             "pp": lay.pp,
             "dp": lay.dp,
@@ -65,6 +73,7 @@ class Prediction:
             "microbatch": lay.micro,
             "microbatches": lay.microbatches,
             "global_batch": lay.global_batch,
+            "tokens_per_step": self.tokens_per_step,
             "schedule": lay.schedule if lay.pp > 1 else "none",
             "virtual_stages": lay.chunks,
             "recompute": lay.recompute,
@@ -104,7 +113,6 @@ class Space:
     virtual_stages: int | None
     recompute: str | None
     sequence_parallel: bool | None  # None: on whenever tp > 1
-    notes: list[str] = field(default_factory=list)
 
 
 def bottleneck(t: StepTime, efficiency: float) -> str:
@@ -127,7 +135,7 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
     mem = mem or memory(m, problem.seq, layout, problem.elem, mach.kind)
     t = step_time(m, problem.seq, layout, mach, problem.elem)
     tokens_per_s = layout.global_batch * problem.seq / t.total
-    per_device = tokens_per_s / layout.world
+    per_device = tokens_per_s / layout.world_size
     return Prediction(
         layout=layout,
         memory=mem,
@@ -138,86 +146,97 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
         fits=mem.total <= mach.memory_bytes,
         bottleneck=bottleneck(t, compute_efficiency(mach, m, layout)),
         machine=mach.name,
+        seq_len=problem.seq,
     )
 
 
-def _tp_ok(m: ModelConfig, tp: int) -> bool:
-    return m.n_heads % tp == 0 and (m.n_kv_heads or m.n_heads) % tp == 0 and m.ffn_dim % tp == 0
-
-
-def layouts(problem: Problem, space: Space) -> Iterator[tuple[Layout, tuple[str, ...]]]:
-    """Every layout the space allows, with the recompute choices to try (cheapest first)."""
-    m, world, deg = problem.model, problem.world, space.degrees
-    rec = (
-        (space.recompute,)
-        if space.recompute
-        else tuple(r for r in RECOMPUTE if not (r == "selective" and FUSED_ATTENTION))
-    )
-    for tp in divisors(world) if deg["tp"] is None else [deg["tp"]]:
-        if world % tp or not _tp_ok(m, tp) or (space.sequence_parallel and tp == 1):
+def candidates(problem: Problem, space: Space) -> Iterator[Layout | str]:
+    """Every layout the space allows, or for one that breaks a rule, the rule's message. Parts of a
+    layout are checked as soon as they are chosen (the fields not chosen yet at neutral values), so
+    a tp that does not divide the model is not expanded into thousands of candidates."""
+    m, seq, world, deg = problem.model, problem.seq, problem.world, space.degrees
+    for tp in [deg["tp"]] if deg["tp"] else divisors(world):
+        sp = space.sequence_parallel if space.sequence_parallel is not None else tp > 1
+        if broken := _first(Layout(tp=tp, sequence_parallel=sp), m, seq):
+            yield broken
             continue
-        sp = tp > 1 and (space.sequence_parallel is not False)
         rest = world // tp
-        for pp in divisors(rest) if deg["pp"] is None else [deg["pp"]]:
-            if rest % pp or pp > m.n_layers:
-                continue
+        for pp in [deg["pp"]] if deg["pp"] else divisors(rest):
             dp = rest // pp
-            if deg["dp"] is not None and deg["dp"] != dp:
+            if rest % pp or (deg["dp"] and deg["dp"] != dp):
                 continue
-            for shard in divisors(dp) if deg["dp_shard"] is None else [deg["dp_shard"]]:
-                if dp % shard or (deg["dp_replicate"] is not None and deg["dp_replicate"] != dp // shard):
-                    continue
-                for micro, mb in _batches(space, dp, pp):
-                    for schedule, v in _schedules(space, pp, mb, m.n_layers):
-                        lay = Layout(tp, pp, shard, dp // shard, micro, mb, schedule, v, rec[0], sp)
-                        yield lay, rec
+            if broken := _first(Layout(tp=tp, pp=pp, microbatches=pp, sequence_parallel=sp), m, seq):
+                yield broken
+                continue
+            for replicate, shard in _dp_splits(dp, deg["dp_shard"], deg["dp_replicate"]):
+                for micro in _micro_options(space, dp):
+                    try:
+                        count = microbatch_count(micro, dp, pp, space.global_batch, space.microbatches)
+                    except LauncherError as err:
+                        yield str(err)
+                        continue
+                    for schedule, v in _schedules(space, pp):
+                        lay = Layout(tp, pp, replicate, shard, micro, count, schedule, v, space.recompute or "none", sp)
+                        yield _first(lay, m, seq) or lay
 
 
-def _batches(space: Space, dp: int, pp: int) -> Iterator[tuple[int, int]]:
+def _first(lay: Layout, m: ModelConfig, seq: int) -> str | None:
+    return next(violations(lay, m, seq), None)
+
+
+def _dp_splits(dp: int, shard: int | None, replicate: int | None) -> list[tuple[int, int]]:
+    """(dp_replicate, dp_shard) pairs: all splits of dp when both are auto, else the one they fix."""
+    if shard is None and replicate is None:
+        return [(dp // s, s) for s in divisors(dp)]
+    try:
+        return [split_dp(dp, shard, replicate)]
+    except LauncherError:
+        return []
+
+
+def _micro_options(space: Space, dp: int) -> list[int]:
+    if space.micro:
+        return [space.micro]
     if space.global_batch is None:
-        mb = space.microbatches or (2 * pp if pp > 1 else 1)
-        for micro in [space.micro] if space.micro else [1, 2, 4, 8]:
-            yield micro, mb
-        return
+        return [1, 2, 4, 8]
     if space.global_batch % dp:
-        return
-    per_rank = space.global_batch // dp
-    options = [space.micro] if space.micro else [d for d in divisors(per_rank) if d <= MAX_MICRO]
-    for micro in options:
-        if per_rank % micro == 0 and space.microbatches in (None, per_rank // micro):
-            yield micro, per_rank // micro
+        return [1]  # microbatch_count says why it does not split
+    return [d for d in divisors(space.global_batch // dp) if d <= MAX_MICRO]
 
 
-def _schedules(space: Space, pp: int, mb: int, n_layers: int) -> Iterator[tuple[str, int]]:
-    if pp == 1:
-        yield (space.schedule or "1f1b"), 1
-        return
-    if space.schedule and space.schedule != "interleaved_1f1b":
-        yield space.schedule, 1
+def _schedules(space: Space, pp: int) -> Iterator[tuple[str, int]]:
+    if pp == 1 or (space.schedule and space.schedule != "interleaved_1f1b"):
+        yield space.schedule or "1f1b", space.virtual_stages or 1
         return
     if space.schedule is None:
         yield "1f1b", 1
-    if mb % pp == 0:
-        vs = [space.virtual_stages] if space.virtual_stages else AUTO_VIRTUAL
-        for v in vs:
-            if pp * v <= n_layers:
-                yield "interleaved_1f1b", v
+    for v in [space.virtual_stages] if space.virtual_stages else AUTO_VIRTUAL:
+        yield "interleaved_1f1b", v
 
 
 @dataclass
 class Result:
     ranked: list[Prediction]  # fitting layouts, most tokens/s first (fastest step for a fixed batch)
-    tried: int  # layouts enumerated (before recompute choices)
+    tried: int  # valid layouts enumerated (before recompute choices)
     smallest: Prediction | None  # the layout needing the least memory (for the error message)
+    broken: str | None  # the first rule a candidate broke (for the error when none is valid)
 
 
 def search(problem: Problem, space: Space) -> Result:
-    ranked, tried, smallest, small_mem = [], 0, None, None
+    ranked, tried, smallest, small_mem, broken = [], 0, None, None, None
     cap = problem.machine.memory_bytes
-    for lay, rec in layouts(problem, space):
+    rec = (
+        (space.recompute,)
+        if space.recompute
+        else tuple(r for r in RECOMPUTE if not (r == "selective" and FUSED_ATTENTION))
+    )
+    for lay in candidates(problem, space):
+        if isinstance(lay, str):
+            broken = broken or lay
+            continue
         tried += 1
         for r in rec:
-            cand = lay if r == lay.recompute else _with(lay, recompute=r)
+            cand = replace(lay, recompute=r)
             mem = memory(problem.model, problem.seq, cand, problem.elem, problem.machine.kind)
             if mem.total <= cap:
                 ranked.append(predict(problem, cand, mem))
@@ -226,10 +245,4 @@ def search(problem: Problem, space: Space) -> Result:
                 small_mem, smallest = mem, cand
     ranked.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     best_small = predict(problem, smallest, small_mem) if smallest is not None and not ranked else None
-    return Result(ranked=ranked, tried=tried, smallest=best_small)
-
-
-def _with(lay: Layout, **changes: Any) -> Layout:
-    from dataclasses import replace
-
-    return replace(lay, **changes)
+    return Result(ranked=ranked, tried=tried, smallest=best_small, broken=broken)

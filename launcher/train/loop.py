@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -15,15 +14,14 @@ import torch
 
 from launcher import flops
 from launcher.config import TrainConfig
-from launcher.data import BatchLoader, load_splits
+from launcher.data import BatchLoader, Splits, load_splits
 from launcher.hardware import peak_flops
-from launcher.layout import Layout, owner_rank, resolve_layout
+from launcher.layout import Layout, from_config, owner_rank, worker_threads, workers_per_node
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter
 from launcher.metrics.sinks import JsonlSink, WandbSink, write_json
 from launcher.model import Transformer
 from launcher.parallel import Runner, parallelize
-from launcher.planner.machine import worker_threads
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
 from launcher.train.optim import build_optimizer
 from launcher.train.preemption import PreemptionFlag
@@ -65,22 +63,38 @@ def run_eval(runner: Runner, loader: BatchLoader, batches: int) -> float:
     return sum(losses) / len(losses)
 
 
-def train(cfg: TrainConfig, run_dir: Path, rank: int = 0, layout: Layout | None = None) -> dict[str, Any]:
-    """Train one rank to the end; return the summary (the same on every rank)."""
+def loaders(cfg: TrainConfig, layout: Layout, splits: Splits, dp_rank: int) -> tuple[BatchLoader, BatchLoader]:
+    """Training and validation batches: each step, `layout.local_batch` sequences per data-parallel
+    rank (its microbatches, which the runner splits), `layout.global_batch` over all."""
+    batch = layout.global_batch
+    return (
+        BatchLoader(splits.train, cfg.seq_len, batch, dp_rank, layout.dp, cfg.seed),
+        BatchLoader(splits.val, cfg.seq_len, batch, dp_rank, layout.dp, cfg.seed + 1),
+    )
+
+
+def train(
+    cfg: TrainConfig,
+    run_dir: Path,
+    rank: int = 0,
+    layout: Layout | None = None,
+    prediction: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train one rank to the end; return the summary (the same on every rank). `layout`: the run's
+    (None: the single-process layout `cfg` fixes, for direct calls); `prediction`: the planner's for
+    it, put into summary.json beside what was measured."""
     t_start = time.perf_counter()
-    layout = layout or resolve_layout(cfg, 1)
+    layout = layout or from_config(cfg, 1)
     run_dir.mkdir(parents=True, exist_ok=True)
     rank_logger(run_dir, rank)
     device = pick_device(cfg)
     coords = layout.coordinates(rank)
     owner = rank == owner_rank(layout)
-    threads = worker_threads(cfg.threads, layout.world_size)  # the planner's rule, so both assume the same
+    threads = worker_threads(cfg.threads, workers_per_node(layout.world_size, cfg.nodes))
     torch.set_num_threads(threads)
 
-    splits = load_splits(cfg.data)
-    global_batch = cfg.batch["global"] or cfg.batch["micro"] * layout.dp
-    train_loader = BatchLoader(splits.train, cfg.seq_len, global_batch, coords["dp"], layout.dp, cfg.seed)
-    val_loader = BatchLoader(splits.val, cfg.seq_len, global_batch, coords["dp"], layout.dp, cfg.seed + 1)
+    train_loader, val_loader = loaders(cfg, layout, load_splits(cfg.data), coords["dp"])
+    global_batch = layout.global_batch
 
     model = build_model(cfg, device)
     runner = parallelize(model, layout, cfg, autocast_for(cfg, device))
@@ -171,9 +185,8 @@ def train(cfg: TrainConfig, run_dir: Path, rank: int = 0, layout: Layout | None 
         "threads_per_worker": threads,
         "wall_time_s": time.perf_counter() - t_start,
     }
-    prediction = run_dir / "prediction.json"  # the planner's, written by the launcher before the run
-    if prediction.exists():
-        summary["prediction"] = json.loads(prediction.read_text())
+    if prediction is not None:
+        summary["prediction"] = prediction
     if owner:
         write_json(run_dir / "summary.json", summary)
         for sink in sinks:
