@@ -55,9 +55,13 @@ class Runner:
             logits = self.model(inputs)
         return cross_entropy(logits, targets)
 
+    def microbatches(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batch as the microbatches it runs, `micro` sequences each."""
+        return list(zip(inputs.split(self.micro), targets.split(self.micro)))
+
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Accumulate gradients of the mean loss over this rank's batch; return that mean loss."""
-        chunks = list(zip(inputs.split(self.micro), targets.split(self.micro)))
+        chunks = self.microbatches(inputs, targets)
         total = 0.0
         for x, y in chunks:
             loss = self._loss(x, y) / len(chunks)
@@ -67,7 +71,7 @@ class Runner:
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        losses = [self._loss(x, y).item() for x, y in zip(inputs.split(self.micro), targets.split(self.micro))]
+        losses = [self._loss(x, y).item() for x, y in self.microbatches(inputs, targets)]
         return sum(losses) / len(losses)
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -133,7 +137,7 @@ class ParallelRunner(DistributedRunner):
     """Tensor and/or data parallel, no pipeline: micro-batch accumulation, one gradient sync."""
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        chunks = list(zip(inputs.split(self.micro), targets.split(self.micro)))
+        chunks = self.microbatches(inputs, targets)
         total = 0.0
         with loss_context(self.layout.tp):
             for i, (x, y) in enumerate(chunks):
@@ -146,7 +150,7 @@ class ParallelRunner(DistributedRunner):
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         with loss_context(self.layout.tp):
-            losses = [_scalar(self._loss(x, y)) for x, y in zip(inputs.split(self.micro), targets.split(self.micro))]
+            losses = [_scalar(self._loss(x, y)) for x, y in self.microbatches(inputs, targets)]
         return self._global_mean(sum(losses) / len(losses))
 
 
