@@ -183,12 +183,13 @@ def split_dp(dp: int, shard: int | None, replicate: int | None) -> tuple[int, in
     """(dp_replicate, dp_shard) for `dp`: what one fixes, the other fills; both auto: all FSDP."""
     if shard is None and replicate is None:
         return 1, dp
+    given = f"dp_replicate={replicate or 'auto'} x dp_shard={shard or 'auto'}"
     if shard is None:
         shard = dp // replicate if dp % replicate == 0 else 0
     elif replicate is None:
         replicate = dp // shard if dp % shard == 0 else 0
     if not shard or not replicate or shard * replicate != dp:
-        raise LauncherError(f"dp_replicate={replicate} x dp_shard={shard} must equal dp={dp}: set one of them to auto")
+        raise LauncherError(f"{given} must equal dp={dp}: set one of them to auto")
     return replicate, shard
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.config import LauncherError
+from launcher.planner import resolve
 from launcher.slurm import emit_script, job_resources, preflight
 from launcher.slurm_job import expand_nodelist, rendezvous
 from tests.conftest import make_config, run_cli, tiny_args, tiny_config
@@ -79,12 +80,13 @@ def test_no_sbatch_on_path_is_one_line(tmp_path: Path, cache: str) -> None:
 
 def test_emitted_script(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "tp=2", "slurm.partition=debug", "slurm.time_min=5")
-    script = emit_script(cfg, tmp_path / "run")
+    script = emit_script(cfg, tmp_path / "run", resolve(cfg)[0])
     text = script.read_text()
     for line in ("--ntasks-per-node=2", "--cpus-per-task=1", "--partition=debug", "--time=5", "--signal=USR1@"):
         assert line in text
     assert "srun --kill-on-bad-exit=1" in text and "--config-name slurm_config" in text
-    assert "tp: 2" in (tmp_path / "run" / "slurm_config.yaml").read_text()
+    pinned = (tmp_path / "run" / "slurm_config.yaml").read_text()
+    assert "tp: 2" in pinned and "dp: 1" in pinned and "microbatches: 1" in pinned  # the resolved Layout
 
 
 # --- on the cluster -------------------------------------------------------------------------------------
