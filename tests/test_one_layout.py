@@ -83,6 +83,18 @@ def test_the_planned_step_is_the_step_that_runs(overrides: tuple[str, ...]) -> N
         assert sequences == cfg.batch["global"]
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_the_searched_step_is_the_step_that_runs(world: int) -> None:
+    """Keys left auto: the planner's best layout (inside torchrun of `world` ranks) runs as planned."""
+    auto = ("tp=auto", "pp=auto", "pp_schedule=auto", "recompute=auto", "batch.micro=auto", "batch.global=32")
+    cfg = compose_config(*MODEL, *auto)
+    lay, prediction = resolve(cfg, world)
+    sequences, per_microbatch, count = runtime_step(cfg, lay)
+    assert lay.world_size == world and sequences == 32
+    assert (prediction.tokens_per_step, prediction.tokens_per_microbatch) == (sequences * SEQ, per_microbatch * SEQ)
+    assert prediction.as_dict()["microbatches"] == count
+
+
 def test_the_issues_two_examples() -> None:
     """pp=2 batch.micro=8: 4 microbatches of 8; pp=2 batch.micro=4 batch.global=32: 8 of 4."""
     for overrides, expected in ((("batch.micro=8",), (32, 8, 4)), (("batch.micro=4", "batch.global=32"), (32, 4, 8))):
