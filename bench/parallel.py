@@ -32,7 +32,7 @@ import torch
 from launcher import flops
 from launcher.calibration import measure_gemm_flops
 from launcher.config import ModelConfig, TrainConfig
-from launcher.layout import build_mesh, from_config
+from launcher.layout import build_mesh, from_config, worker_threads
 from launcher.parallel import parallelize
 from launcher.train.loop import build_model
 from launcher.train.optim import build_optimizer
@@ -85,7 +85,7 @@ def train_step(runner: Any, optimizer: Any, tokens: torch.Tensor) -> None:
 def throughput_worker(rank: int, world: int, jobs: list[tuple[str, dict[str, int]]], opts: dict[str, Any]) -> Any:
     from torch.profiler import ProfilerActivity, profile
 
-    torch.set_num_threads(max((os.cpu_count() or 1) // world, 1))
+    torch.set_num_threads(worker_threads(None, world))
     out = []
     for model_name, lay in jobs:
         cfg = bench_config(model_config(model_name), lay, opts["seq_len"], opts["batch"])
@@ -118,11 +118,10 @@ def run_throughput(models: list[str], opts: dict[str, Any], peaks: dict[int, flo
     from tests.dist import run
 
     rows = []
-    cores = os.cpu_count() or 1
     for world in (1, 2, 4, 8):
         jobs = [(m, lay) for m in models for lay in LAYOUTS if lay["tp"] * lay["dp"] * lay["pp"] == world]
         per_rank = run(throughput_worker, world, jobs, opts, timeout=3600)
-        threads = max(cores // world, 1)
+        threads = worker_threads(None, world)
         peak = peaks[threads]
         for i, (model_name, lay) in enumerate(jobs):
             step_s = max(r[i]["step_s"] for r in per_rank)  # the step ends when the slowest rank ends
@@ -242,7 +241,7 @@ def main(argv: list[str]) -> None:
     cores = os.cpu_count() or 1
     if not args.skip_throughput:
         # measured now, on an idle machine (a calibration cached while other work ran would be low)
-        peaks = {t: measure_gemm_flops(t, seconds=1.0) for t in sorted({max(cores // w, 1) for w in (1, 2, 4, 8)})}
+        peaks = {t: measure_gemm_flops(t, seconds=1.0) for t in sorted({worker_threads(None, w) for w in (1, 2, 4, 8)})}
         t0 = time.perf_counter()
         rows = run_throughput(models, opts, peaks)
         print(f"\nthroughput: global batch {args.batch} x {args.seq_len} tokens, fp32, gloo, {cores} cores here")

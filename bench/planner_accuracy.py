@@ -62,7 +62,7 @@ def local_numel(module: torch.nn.Module) -> int:
 
 
 def timing_worker(rank: int, world: int, cfgs: list[TrainConfig], steps: int) -> list[float]:
-    torch.set_num_threads(max((os.cpu_count() or 1) // world, 1))  # what train() does with threads=None
+    torch.set_num_threads(worker_threads(None, world))  # what train() does with threads=None
     out = []
     for cfg in cfgs:
         layout = from_config(cfg, world)

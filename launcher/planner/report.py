@@ -6,6 +6,7 @@ import json
 import sys
 from typing import TextIO
 
+from launcher.flops import GIB
 from launcher.planner.search import Prediction
 
 
@@ -75,7 +76,7 @@ def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> 
             _schedule(p),
             lay.recompute,
             "y" if lay.sequence_parallel else "-",
-            f"{p.memory.total / 2**30:.1f}",
+            f"{p.memory.total / GIB:.1f}",
             f"{t.total:.3g}",
             f"{t.compute:.3g}",
             f"{t.tp_comm + t.tp_host:.2g}",
