@@ -50,7 +50,7 @@ CASES = {  # name: layout and parallelism keys
     "tp2-sp-dp2-fsdp": dict(tp=2, dp=2, sequence_parallel=True, recompute="full"),
     "dp2-pp2-fsdp": dict(dp=2, pp=2, batch={"micro": 2, "global": 8}),  # 2 microbatches per dp rank
     "dp2-pp2-ddp": dict(dp=2, dp_shard=1, pp=2, pp_schedule="gpipe", batch={"micro": 2, "global": 8}),
-    "hsdp2x2": dict(dp=4, dp_replicate=2, dp_shard=2),
+    "hsdp2x2": dict(dp=4, dp_replicate=2, dp_shard=2, batch={"micro": 2, "global": 8}),  # one microbatch of 2
 }
 # what runs where: two 2-rank worlds side by side, then one 4-rank world
 LAUNCHES = [
