@@ -117,7 +117,7 @@ BAD = [  # (tp, pp, dp), further overrides, the one line both print
     ((1, 2, 1), ("pp_schedule=interleaved_1f1b", "microbatches=3"), "microbatches=3 is not a multiple of pp=2"),
     ((1, 1, 1), ("batch.global=12",), "batch.global=12 is not a multiple of batch.micro x dp = 8 x 1"),
     ((1, 2, 2), ("microbatches=2", "batch.global=64"), "microbatches=2 but batch.global / (batch.micro x dp)"),
-    ((1, 1, 1), ("batch.micro=0",), "batch.micro=0: expected a positive integer or auto"),
+    ((1, 1, 1), ("batch.micro=0",), "batch.micro=0 is out of range: use an integer >= 1 or auto"),
     ((1, 1, 1), ("model.norm=batchnorm",), "model.norm=batchnorm: choose one of rmsnorm, layernorm"),
 ]
 GOOD = [((2, 2, 1), ()), ((1, 2, 2), ("batch.global=64",)), ((2, 1, 2), ("sequence_parallel=true",))]
