@@ -195,12 +195,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def dcp_file_extents(metadata: Metadata) -> dict[str, int]:
-    """Bytes each shard file must hold, by file name, from the index's storage records (`_StorageInfo`)."""
-    extents: dict[str, int] = {}
+# DCP writes every item of a shard file with torch.save, whose records are zip archives (torch >= 1.6).
+TORCH_SAVE_MAGIC = b"PK\x03\x04"
+
+
+def dcp_storage_items(metadata: Metadata) -> dict[str, list[tuple[int, int]]]:
+    """(offset, length) of every item in each shard file, by file name, from the index's `_StorageInfo`s."""
+    items: dict[str, list[tuple[int, int]]] = {}
     for info in (metadata.storage_data or {}).values():
-        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
-    return extents
+        items.setdefault(info.relative_path, []).append((info.offset, info.length))
+    return items
 
 
 # --- Hydra --------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.compat import failure_line
 from launcher.config import TrainConfig
-from launcher.errors import WorkerFailed
+from launcher.errors import LauncherError, WorkerFailed
 from launcher.layout import Layout, owner_rank
 from launcher.train.preemption import LOCAL_WORKER_ENV, STOP_SIGNALS, PreemptionFlag, local_worker_signals
 
@@ -98,7 +98,11 @@ def start_local_workers(
         # the first to fail names the cause; timestamps are whole seconds, so a tie goes to the lower rank
         # (not to whichever the agent noticed first: under load, a peer's "connection closed")
         rank, failure = min(result.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-        raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {failure_line(failure)}")
+        line = failure_line(failure)
+        kind, _, message = line.partition(": ")
+        if kind == LauncherError.__name__:  # bad input found by the workers (e.g. no checkpoint loads): exit 2
+            raise LauncherError(message)
+        raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {line}")
     return result.return_values[owner_rank(layout)]
 
 
@@ -125,7 +129,7 @@ def supervise(agent: LocalElasticAgent) -> RunResult:
     hangup = [sig for sig in (signal.SIGHUP, signal.SIGQUIT) if main and signal.getsignal(sig) != signal.SIG_IGN]
     hangup_before = {sig: signal.signal(sig, stop_at_once) for sig in hangup}
     forwarded: set[int] = set()
-    quiet_thread_warning()
+    quiet_agent_logs()
     try:
         threading.Thread(target=run_agent, name="elastic-agent", daemon=True).start()
         while True:
@@ -169,14 +173,17 @@ def local_agent(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dic
     return LocalElasticAgent(spec, DefaultLogsSpecs(), start_method="spawn")
 
 
-def quiet_thread_warning() -> None:
-    """Drop the agent's warning that, off the main thread, it cannot install its signal handlers: here
-    that is the point. A private detail of torch (the logger's name and the message): move to compat.py."""
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(not_the_thread_warning)
+def quiet_agent_logs() -> None:
+    """Drop two of the agent's log records: its warning that, off the main thread, it cannot install
+    its signal handlers (here that is the point), and its traceback of a worker that stopped on bad
+    input (LauncherError), which the CLI reports in one line. A private detail of torch (the logger's
+    name and the messages): move to compat.py."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(expected_records)
 
 
-def not_the_thread_warning(record: logging.LogRecord) -> bool:
-    return "running on a child thread" not in record.getMessage()
+def expected_records(record: logging.LogRecord) -> bool:
+    message = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+    return "running on a child thread" not in message and f"{LauncherError.__module__}.LauncherError:" not in message
 
 
 def signal_workers(agent: LocalElasticAgent, sig: int, done: set[int]) -> None:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from launcher.compat import TORCH_SAVE_MAGIC, dcp_storage_items
 from launcher.config import LauncherError
+from launcher.train.checkpoint import read_metadata
 from launcher.train.export import export
 from launcher.train.loop import train
 from tests.conftest import run_cli, tiny_args, tiny_config
@@ -62,7 +64,7 @@ def test_crafted_file_in_newest_runs_nothing_and_falls_back_exactly(
     assert not marker.exists(), "unpickling the checkpoint ran code"
     warnings = [line for line in out.splitlines() if "unreadable" in line]
     assert len(warnings) == 1 and "step_00000008" in warnings[0] and "Traceback" not in out, out
-    assert ("metadata" if kind == "metadata" else FILES[kind] if kind != "shard" else "shards") in warnings[0]
+    assert FILES[kind] in warnings[0]  # the file is named
     expected = losses(reference)
     assert losses(run) == {s: expected[s] for s in range(5, 9)}  # resumed from step 4, exactly
 
@@ -116,3 +118,22 @@ def test_file_damaged_for_one_rank_makes_every_rank_fall_back(tmp_path: Path) ->
     run_layout(tmp_path, "full", "tp=2", "checkpoint.every=0")  # resumes in place
     assert losses(full) == {s: expected[s] for s in range(4, 7)}
     assert "rng_rank1.pt: UnpicklingError" in (full / "rank0.log").read_text()
+
+
+def test_workers_finding_no_readable_checkpoint_exit_2_in_one_line(tmp_path: Path) -> None:
+    """Shards damaged past each record's first bytes pass the launcher's checks; the workers find them
+    unreadable, and the run stops as the launcher would have."""
+    args = [*tiny_args(tmp_path / "cache", steps=4), "tp=2", f"run_dir={tmp_path / 'run'}"]
+    assert run_cli("train", *args, "checkpoint.every=2", cwd=tmp_path).returncode == 0
+    for checkpoint in (tmp_path / "run" / "checkpoints").iterdir():
+        for name, items in dcp_storage_items(read_metadata(checkpoint)).items():
+            data = bytearray(len((checkpoint / name).read_bytes()))  # zeroed but each record's magic
+            for offset, _ in items:
+                data[offset : offset + len(TORCH_SAVE_MAGIC)] = TORCH_SAVE_MAGIC
+            (checkpoint / name).write_bytes(bytes(data))
+    result = run_cli("train", *args[:-1], "steps=6", args[-1], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no readable checkpoint under") and "(2 found, newest step_00000004: " in last
+    assert "Traceback" not in result.stderr, result.stderr
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]

@@ -22,7 +22,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError
 
 from launcher import compat
-from launcher.compat import SafeFileSystemReader, dcp_file_extents, load_dcp_metadata
+from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items, load_dcp_metadata
 from launcher.config import CONF_DIR
 from launcher.train.checkpoint import Checkpointer, Stateful
 from launcher.train.loop import build_model
@@ -138,9 +138,12 @@ def test_restricted_unpickler_refuses_other_objects() -> None:
         load_dcp_metadata(io.BytesIO(pickle.dumps({"a": 1})))
 
 
-def test_storage_extents_cover_the_shard_files(checkpoint: Path) -> None:
-    extents = dcp_file_extents(SafeFileSystemReader(str(checkpoint)).read_metadata())
-    assert extents and all((checkpoint / name).stat().st_size >= end > 0 for name, end in extents.items())
+def test_every_storage_item_is_a_torch_save_record_inside_its_file(checkpoint: Path) -> None:
+    items = dcp_storage_items(SafeFileSystemReader(str(checkpoint)).read_metadata())
+    assert items
+    for name, spans in items.items():
+        data = (checkpoint / name).read_bytes()
+        assert all(off + length <= len(data) and data[off : off + 4] == TORCH_SAVE_MAGIC for off, length in spans)
 
 
 # --- Hydra --------------------------------------------------------------------------------------------

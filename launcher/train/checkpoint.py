@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from launcher.compat import SafeFileSystemReader, SafeLoadPlanner, dcp_file_extents
+from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, SafeLoadPlanner, dcp_storage_items
 from launcher.config import CheckpointConfig, LauncherError
 from launcher.train.preemption import agree
 
@@ -72,8 +72,9 @@ class UnreadableCheckpoint(Exception):
 
 
 def why(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+    """`Type: first sentence` of an error (torch's unpickling errors run on for paragraphs)."""
+    text = str(err).strip().split("\n")[0].split(". ")[0]
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def read_metadata(path: Path) -> Any:
@@ -110,17 +111,23 @@ def read_rng(file: Path) -> torch.Tensor:
 
 def verify(path: Path) -> Any:
     """What can be checked without the model: the index, the extras, every RNG file, and that every
-    shard file holds the bytes the index points into. Returns the index; raises UnreadableCheckpoint."""
+    shard file holds the bytes the index points into, each item starting as a torch.save record.
+    Returns the index; raises UnreadableCheckpoint."""
     metadata = read_metadata(path)
     read_extras(path)
     for rng in sorted(path.glob("rng_rank*.pt")):
         read_rng(rng)
-    for name, needed in dcp_file_extents(metadata).items():
-        shard = path / name
+    for name, items in dcp_storage_items(metadata).items():
+        shard, needed = path / name, max(offset + length for offset, length in items)
         size = shard.stat().st_size if shard.is_file() else None
         if size is None or size < needed:
             what = "missing" if size is None else f"truncated ({size} of {needed} bytes)"
             raise UnreadableCheckpoint(f"{name}: {what}")
+        with shard.open("rb") as stream:  # each item a torch.save record: zeroed or foreign bytes fail here
+            for offset, _ in items:
+                stream.seek(offset)
+                if stream.read(len(TORCH_SAVE_MAGIC)) != TORCH_SAVE_MAGIC:
+                    raise UnreadableCheckpoint(f"{name}: no tensor record at byte {offset}")
     return metadata
 
 
