@@ -97,7 +97,7 @@ def _train_task(cfg: TrainConfig) -> None:
     from launcher.layout import check_environment
     from launcher.metrics.sinks import check_wandb_login
     from launcher.planner import resolve, too_big
-    from launcher.spawn import env_rank, launch
+    from launcher.spawn import cuda_env_defaults, env_rank, launch
     from launcher.train.checkpoint import preflight_resume
 
     env = env_rank()
@@ -111,6 +111,7 @@ def _train_task(cfg: TrainConfig) -> None:
         if not prediction.fits and not cfg.force:
             print(f"note: {too_big(cfg, prediction)}")
         return
+    cuda_env_defaults(cfg.hardware.kind)  # before check_environment's first torch.cuda call
     check_environment(cfg, layout, local=env is None)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
     make_dir(run_dir, "run_dir")

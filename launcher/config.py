@@ -248,8 +248,11 @@ class TrainConfig:
     virtual_stages: int = 1
     recompute: str = "none"  # none | selective | full | auto
 
-    compile: bool = False
-    dtype: str = "auto"  # auto (bf16 autocast on cuda, fp32 on cpu) | fp32 | bf16
+    compile: Any = "auto"  # torch.compile per block: true | false | auto (on for cuda, off for cpu)
+    # bf16 on cuda, fp32 on cpu; bf16 is FSDP2's mixed-precision policy where cuda shards with FSDP,
+    # autocast elsewhere (launcher/precision.py)
+    dtype: str = "auto"  # auto | fp32 | bf16
+    nccl_timeout_s: int = ranged(600, ge=1)  # cuda: a collective waiting longer fails the run instead of hanging
     # torch intra-op threads per worker; None: cores / local workers
     threads: int | None = ranged(None, ge=1, integer=True)
     max_local_workers: int = ranged(8, ge=1)
@@ -295,6 +298,12 @@ CHOICES = {
     "metrics.wandb.mode": ("offline", "online", "disabled"),
     "hardware.kind": ("cpu", "cuda", "tpu"),
 }
+
+
+def compile_enabled(cfg: TrainConfig) -> bool:
+    """`compile=auto`: on for cuda, where it fuses the blocks' elementwise work; off on a CPU, where
+    compiling costs more than it saves on short runs."""
+    return cfg.hardware.kind == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
@@ -346,6 +355,8 @@ def validate(cfg: TrainConfig) -> None:
     for key, allowed in CHOICES.items():
         if get_key(cfg, key) not in allowed:
             raise LauncherError(f"{key}={get_key(cfg, key)}: choose one of {', '.join(allowed)}")
+    if not (isinstance(cfg.compile, bool) or cfg.compile == "auto"):
+        raise LauncherError(f"compile={cfg.compile}: choose one of true, false, auto")
     m = cfg.model
     if m.dim % m.n_heads:
         raise LauncherError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: change either")

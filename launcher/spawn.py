@@ -16,9 +16,11 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import MutableMapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing import resource_tracker
 from pathlib import Path
 from types import FrameType
@@ -55,6 +57,23 @@ def env_rank() -> RankEnv | None:
     return None
 
 
+CUDA_ENV = {
+    # a NCCL error or timeout tears the process down (the agent or the scheduler sees a failed rank)
+    # instead of leaving it blocked in a collective
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # the allocator grows segments in place: less fragmentation as activation sizes vary
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+}
+
+
+def cuda_env_defaults(kind: str, environ: MutableMapping[str, str] = os.environ) -> None:
+    """The CUDA runtime settings a run starts with, unless the user set them; nothing off cuda. Read
+    when the CUDA allocator and NCCL start, so this runs before either (workers inherit it)."""
+    if kind == "cuda":
+        for key, value in CUDA_ENV.items():
+            environ.setdefault(key, value)
+
+
 def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None = None) -> dict[str, Any]:
     """Body of every rank when the world is larger than one: join the group, train, leave."""
     import torch
@@ -76,7 +95,8 @@ def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict |
         # read the dead workers' addresses and wait on them forever.
         base, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size))
         store = dist.PrefixStore(f"launcher/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base)
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size)
+    timeout = timedelta(seconds=cfg.nccl_timeout_s) if backend == "nccl" else None  # gloo: torch's default
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     try:
         return train(cfg, run_dir, env.rank, layout, prediction)
     finally:

@@ -20,12 +20,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from launcher.compat import foreach_mul_, foreach_norm
-from launcher.config import TrainConfig
+from launcher.config import TrainConfig, compile_enabled
 from launcher.layout import Layout, build_mesh, rank_stages
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
 from launcher.parallel.pipeline import build_schedule, stage_module
 from launcher.parallel.recompute import apply_recompute
 from launcher.parallel.tensor import apply_tensor_parallel, loss_context
+from launcher.precision import fsdp_policy
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -201,7 +202,7 @@ def parallelize(
     model: nn.Module, layout: Layout, cfg: TrainConfig, autocast: torch.autocast | None, mesh: Any = None
 ) -> Runner:
     """Cut `model` (the full model, the same on every rank) for this rank of `layout`; everything
-    about the cut comes from the layout, `cfg` only says whether to compile.
+    about the cut comes from the layout, `cfg` only says whether to compile and in which precision.
 
     `mesh`: the layout's DeviceMesh (`layout.build_mesh`); built here from the default process
     group when not given.
@@ -230,12 +231,13 @@ def shard_model(model: nn.Module, layout: Layout, cfg: TrainConfig, mesh: Any) -
             apply_tensor_parallel(part, mesh["tp"], layout.sequence_parallel, local_logits=pipelined)
         apply_recompute(part, layout.recompute)
         _compile(part, cfg)
-        apply_data_parallel(part, mesh, layout, pipelined=pipelined)
+        apply_data_parallel(part, mesh, layout, pipelined=pipelined, mp_policy=fsdp_policy(cfg, layout))
     return parts, stages
 
 
 def _compile(model: nn.Module, cfg: TrainConfig) -> None:
-    """torch.compile per block (in place: names unchanged), as torchtitan does."""
-    if cfg.compile:
+    """torch.compile per block (in place: names unchanged), as torchtitan does: after TP and
+    recompute (it traces the DTensor and checkpointed blocks), before FSDP (whose hooks stay outside)."""
+    if compile_enabled(cfg):
         for block in model.layers.values():
             block.compile()

@@ -19,29 +19,42 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from launcher.compat import replicate
 from launcher.layout import Layout
 
 
-def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, layout: Layout, pipelined: bool) -> None:
-    """Wrap `model` (a whole model or a pipeline stage) in FSDP / HSDP / DDP over the dp mesh dims."""
+def apply_data_parallel(
+    model: nn.Module, mesh: DeviceMesh, layout: Layout, pipelined: bool, mp_policy: MixedPrecisionPolicy | None = None
+) -> None:
+    """Wrap `model` (a whole model or a pipeline stage) in FSDP / HSDP / DDP over the dp mesh dims;
+    `mp_policy`: FSDP's mixed precision (launcher/precision.py), None for parameters' own dtype."""
     if layout.dp == 1:
         return
     if layout.dp_shard > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         # under pipelining every micro-batch would re-gather a resharded block: keep blocks gathered
         # from forward to backward (torchtitan does the same)
-        for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=not pipelined)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=not pipelined)
+        shard_blocks(model, dp_mesh, not pipelined, mp_policy)
     else:
         replicate(model, mesh=mesh["dp_replicate"])
     if dist.get_backend(mesh.get_group("dp_shard" if layout.dp_shard > 1 else "dp_replicate")) == "gloo":
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_blocks(
+    model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None
+) -> None:
+    """FSDP2 over `dp_mesh`: each block one unit, the rest the root unit."""
+    kw = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    for block in model.layers.values():
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

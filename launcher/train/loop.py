@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from launcher import flops
-from launcher.config import TrainConfig
+from launcher.config import TrainConfig, compile_enabled
 from launcher.data import BatchLoader, Splits, load_splits
 from launcher.hardware import peak_flops
 from launcher.layout import Layout, from_config, owner_rank, worker_threads, workers_per_node
@@ -22,8 +22,9 @@ from launcher.metrics.meter import Meter
 from launcher.metrics.sinks import JsonlSink, WandbSink, write_json
 from launcher.model import Transformer
 from launcher.parallel import Runner, parallelize
+from launcher.precision import autocast_for, precision_mode
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
-from launcher.train.optim import build_optimizer
+from launcher.train.optim import build_optimizer, optimizer_impl
 from launcher.train.preemption import PreemptionFlag
 
 log = logging.getLogger("launcher")
@@ -33,12 +34,6 @@ def pick_device(cfg: TrainConfig) -> torch.device:
     if cfg.hardware.kind == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
-
-
-def autocast_for(cfg: TrainConfig, device: torch.device) -> torch.autocast | None:
-    """bf16 autocast on CUDA (dtype=auto|bf16); fp32 on CPU, where bf16 is slower without AMX."""
-    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else None
 
 
 def rank_logger(run_dir: Path, rank: int) -> None:
@@ -97,7 +92,7 @@ def train(
     global_batch = layout.global_batch
 
     model = build_model(cfg, device)
-    runner = parallelize(model, layout, cfg, autocast_for(cfg, device))
+    runner = parallelize(model, layout, cfg, autocast_for(cfg, layout, device))
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
 
     flops_per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
@@ -183,6 +178,9 @@ def train(
         "flops_per_token": flops_per_token,
         "peak_flops_per_device": peak,
         "threads_per_worker": threads,
+        "precision": precision_mode(cfg, layout),
+        "optimizer_impl": optimizer_impl(optimizer),
+        "compile": compile_enabled(cfg),
         "wall_time_s": time.perf_counter() - t_start,
     }
     if prediction is not None:

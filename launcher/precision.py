@@ -1,0 +1,42 @@
+"""Which numbers a run computes in: one decision, from the config and the layout.
+
+- fp32: dtype=fp32, or dtype=auto on a CPU (bf16 is slower than fp32 there without AMX).
+- FSDP2 mixed precision on cuda where the layout shards with FSDP (dp_shard > 1, HSDP included):
+  `fully_shard` keeps the sharded fp32 parameters as the optimizer's master weights, all-gathers
+  them in bf16 for compute and reduce-scatters gradients in fp32. Autocast around FSDP would gather
+  fp32 (twice the traffic) and cast every weight again in every matmul.
+- bf16 autocast everywhere else (one process, pure TP, DDP, and bf16 on a CPU): parameters and
+  gradients stay fp32, matmuls run in bf16. No sharded gather to save there, and the same numbers
+  as before on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from launcher.config import TrainConfig
+from launcher.layout import Layout
+
+# bf16 compute, fp32 gradient reduction; the sharded parameters (the master weights) stay fp32
+BF16_FSDP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def precision_mode(cfg: TrainConfig, layout: Layout) -> str:
+    """fp32 | fsdp_bf16 (FSDP2's MixedPrecisionPolicy) | autocast_bf16."""
+    cuda = cfg.hardware.kind == "cuda"
+    if not (cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda)):
+        return "fp32"
+    return "fsdp_bf16" if cuda and layout.dp_shard > 1 else "autocast_bf16"
+
+
+def fsdp_policy(cfg: TrainConfig, layout: Layout) -> MixedPrecisionPolicy | None:
+    """The policy `fully_shard` gets (None: FSDP's default, parameters in their own dtype)."""
+    return BF16_FSDP if precision_mode(cfg, layout) == "fsdp_bf16" else None
+
+
+def autocast_for(cfg: TrainConfig, layout: Layout, device: torch.device) -> torch.autocast | None:
+    """The autocast context the runner enters around forward (None: none)."""
+    if precision_mode(cfg, layout) != "autocast_bf16":
+        return None
+    return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -1,0 +1,132 @@
+"""The CUDA path's decisions, exercised on a CPU: precision (FSDP2 mixed precision vs autocast),
+the optimizer's implementation, compile=auto, the CUDA environment defaults and the NCCL timeout.
+The FSDP2 bf16 policy and fused AdamW also run for real here: FSDP2 and fused AdamW accept CPU
+tensors, so a 2-process gloo run with the cuda profile's choices is compared with one process."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from launcher.config import HardwareConfig, ModelConfig, OptimConfig, TrainConfig, compile_enabled, validate
+from launcher.errors import LauncherError
+from launcher.layout import build_mesh, from_config
+from launcher.parallel import parallelize
+from launcher.precision import BF16_FSDP, autocast_for, fsdp_policy, precision_mode
+from launcher.spawn import CUDA_ENV, cuda_env_defaults
+from launcher.train.loop import build_model
+from launcher.train.optim import adamw_impl, build_optimizer, optimizer_impl
+from tests.dist import run
+
+CUDA = HardwareConfig(name="h100_sxm", kind="cuda", peak_tflops=989.0)
+CPU = HardwareConfig()
+STEPS, SEQ, BATCH = 4, 16, 8
+
+
+def make_cfg(hardware: HardwareConfig = CPU, **keys: object) -> TrainConfig:
+    model = ModelConfig(name="test", dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=64)
+    optim = OptimConfig(lr=1e-2, warmup_steps=1)
+    cfg = TrainConfig(model=model, optim=optim, hardware=hardware, steps=STEPS, seq_len=SEQ, seed=3)
+    return replace(cfg, batch={"micro": 2, "global": BATCH}, **keys)
+
+
+@pytest.mark.parametrize(
+    ("hardware", "keys", "world", "mode"),
+    [
+        (CUDA, {}, 2, "fsdp_bf16"),  # FSDP on cuda: the policy, no autocast
+        (CUDA, {"dp_replicate": 2, "dp_shard": 2}, 4, "fsdp_bf16"),  # HSDP too
+        (CUDA, {"dp_shard": 1}, 2, "autocast_bf16"),  # DDP
+        (CUDA, {"tp": 2}, 2, "autocast_bf16"),  # pure TP
+        (CUDA, {}, 1, "autocast_bf16"),  # one process
+        (CUDA, {"dtype": "fp32"}, 2, "fp32"),
+        (CPU, {}, 2, "fp32"),  # cpu, auto: unchanged
+        (CPU, {"dtype": "bf16"}, 2, "autocast_bf16"),  # cpu, bf16: autocast as before
+    ],
+)
+def test_precision_follows_hardware_and_layout(hardware: HardwareConfig, keys: dict, world: int, mode: str) -> None:
+    cfg = make_cfg(hardware, **keys)
+    layout = from_config(cfg, world)
+    assert precision_mode(cfg, layout) == mode
+    policy = fsdp_policy(cfg, layout)
+    assert (policy is BF16_FSDP) == (mode == "fsdp_bf16")
+    if policy is not None:
+        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    if hardware.kind == "cpu":  # a CUDA autocast cannot be built on this machine
+        autocast = autocast_for(cfg, layout, torch.device("cpu"))
+        assert (autocast is not None) == (mode == "autocast_bf16")
+
+
+def test_fused_adamw_only_when_every_parameter_can_take_it() -> None:
+    params = [torch.zeros(2), torch.zeros(3)]
+    assert adamw_impl(params) == "foreach"  # CPU tensors: CPU runs unchanged
+    assert adamw_impl(params, fusable=lambda p: True) == "fused"
+    assert adamw_impl(params, fusable=lambda p: p.numel() == 2) == "foreach"  # torch refuses a mix
+    optimizer, _ = build_optimizer([torch.nn.Linear(2, 2)], OptimConfig(), 10, fusable=lambda p: True)
+    assert optimizer_impl(optimizer) == "fused"
+    optimizer, _ = build_optimizer([torch.nn.Linear(2, 2)], OptimConfig(), 10)
+    assert optimizer_impl(optimizer) == "foreach"
+
+
+@pytest.mark.parametrize(("hardware", "value", "on"), [(CPU, "auto", False), (CUDA, "auto", True)])
+def test_compile_auto_follows_hardware(hardware: HardwareConfig, value: str, on: bool) -> None:
+    assert compile_enabled(make_cfg(hardware, compile=value)) is on
+    assert compile_enabled(make_cfg(hardware, compile=not on)) is (not on)  # an explicit value wins
+
+
+def test_compile_refuses_other_values() -> None:
+    with pytest.raises(LauncherError, match="compile=yes: choose one of true, false, auto"):
+        validate(make_cfg(compile="yes"))
+
+
+def test_cuda_env_defaults_only_on_cuda_and_never_override() -> None:
+    environ: dict[str, str] = {}
+    cuda_env_defaults("cpu", environ)
+    assert environ == {}
+    cuda_env_defaults("cuda", environ)
+    assert environ == CUDA_ENV
+    assert environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    mine = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    environ = dict(mine)
+    cuda_env_defaults("cuda", environ)
+    assert environ == mine
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(50 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_losses(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, object]:
+    """STEPS steps of `cfg` on this rank (world_size 1: the single-process reference)."""
+    layout = from_config(cfg, world_size)
+    device = torch.device("cpu")
+    mesh = build_mesh(layout, "cpu") if world_size > 1 else None
+    runner = parallelize(build_model(cfg, device), layout, cfg, autocast_for(cfg, layout, device), mesh)
+    fused = cfg.hardware.kind == "cuda"  # what a cuda run picks, forced onto these CPU tensors
+    optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps, fusable=lambda p: fused)
+    local = BATCH // layout.dp
+    losses = []
+    for step in range(1, STEPS + 1):
+        x, y = (t[rank * local : (rank + 1) * local] for t in batch(step))
+        losses.append(runner.forward_backward(x, y))
+        runner.clip_grad_norm(cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+    param = next(runner.parts[0].parameters())
+    return {"losses": losses, "impl": optimizer_impl(optimizer), "master_dtype": param.dtype}
+
+
+def test_fsdp_bf16_policy_and_fused_adamw_match_autocast_within_bf16() -> None:
+    """The cuda profile's FSDP path (bf16 policy, fp32 master weights, fused AdamW over DTensor
+    shards), run on CPU tensors over gloo, against one process with bf16 autocast and foreach."""
+    reference = train_losses(0, 1, make_cfg(dtype="bf16"))
+    results = run(train_losses, 2, make_cfg(CUDA, compile=False))
+    for result in results:
+        assert result["impl"] == "fused" and result["master_dtype"] == torch.float32
+        assert result["losses"] == pytest.approx(
+            reference["losses"], rel=1e-3
+        )  # bf16 rounding, not a different computation
+    assert reference["impl"] == "foreach"
