@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 ARGS    ?=
 LINTED  := launcher tests bench $(wildcard hydra_plugins scripts/*.py)
 
-.PHONY: setup train test bench lint clean
+.PHONY: setup train test bench gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)
+
+# the prepared one-GPU check of the CUDA path (bench/gpu_check.py); ARGS: --hardware=NAME --out=DIR
+gpu-check: $(STAMP)
+	$(BIN)/python -m bench gpu_check $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)

@@ -1,0 +1,62 @@
+"""`python -m bench.gpu_fsdp RUN_DIR OVERRIDES...`: the FSDP2 half of gpu_check's loss comparison.
+
+`train` shards with FSDP only over two or more ranks, and one GPU holds one NCCL rank, so this runs
+the launcher's own pieces (model, FSDP2 wrapping with the cuda bf16 policy, runner, optimizer, data)
+on a one-rank mesh, step by step as the loop does, and writes each step's loss to RUN_DIR/result.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from launcher.config import compose_config
+from launcher.data import load_splits
+from launcher.layout import build_mesh, from_config
+from launcher.metrics.meter import memory_gib
+from launcher.parallel import ParallelRunner
+from launcher.parallel.data import shard_blocks
+from launcher.precision import BF16_FSDP
+from launcher.spawn import cuda_env_defaults
+from launcher.train.loop import build_model, loaders, pick_device
+from launcher.train.optim import build_optimizer, optimizer_impl
+
+
+def main(run_dir: Path, overrides: list[str]) -> None:
+    cfg = compose_config(*overrides)
+    cuda_env_defaults(cfg.hardware.kind)
+    device = pick_device(cfg)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    layout = from_config(cfg, 1)
+    mesh = build_mesh(layout, "cuda")
+    model = build_model(cfg, device)
+    shard_blocks(model, mesh["dp_shard"], reshard_after_forward=True, mp_policy=BF16_FSDP)
+    runner = ParallelRunner([model], layout.micro, autocast=None, mesh=mesh, layout=layout)
+    optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
+    train_loader, _ = loaders(cfg, layout, load_splits(cfg.data), 0)
+    losses = {}
+    for step in range(1, cfg.steps + 1):
+        inputs, targets = train_loader.next_batch()
+        losses[step] = runner.forward_backward(inputs.to(device), targets.to(device))
+        runner.clip_grad_norm(cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+    result = {
+        "losses": losses,
+        "precision": "fsdp_bf16",
+        "optimizer": optimizer_impl(optimizer),
+        "peak_mem_gib": memory_gib(device),
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
