@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from launcher.config import compose_config
@@ -29,8 +28,7 @@ from launcher.train.optim import build_optimizer, optimizer_impl
 def main(run_dir: Path, overrides: list[str]) -> None:
     cfg = compose_config(*overrides)
     cuda_env_defaults(cfg.hardware.kind)
-    device = pick_device(cfg)
-    torch.cuda.set_device(device)
+    device = pick_device(cfg)  # cuda:0
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     layout = from_config(cfg, 1)
     mesh = build_mesh(layout, "cuda")

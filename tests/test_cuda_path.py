@@ -16,7 +16,7 @@ from launcher.layout import build_mesh, from_config
 from launcher.parallel import parallelize
 from launcher.precision import BF16_FSDP, autocast_for, fsdp_policy, precision_mode
 from launcher.spawn import CUDA_ENV, cuda_env_defaults
-from launcher.train.loop import build_model
+from launcher.train.loop import build_model, pick_device
 from launcher.train.optim import adamw_impl, build_optimizer, optimizer_impl
 from tests.dist import run
 
@@ -93,6 +93,13 @@ def test_cuda_env_defaults_only_on_cuda_and_never_override() -> None:
     assert environ == mine
 
 
+def test_each_rank_computes_on_the_gpu_its_local_rank_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_rank sets the device from the local rank (SLURM sets SLURM_LOCALID, not LOCAL_RANK)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert pick_device(make_cfg(CUDA)) == torch.device("cuda", 3)
+    assert pick_device(make_cfg()) == torch.device("cpu")
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(50 + step))
     return tokens[:, :-1], tokens[:, 1:]
@@ -107,9 +114,10 @@ def train_losses(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, obje
     fused = cfg.hardware.kind == "cuda"  # what a cuda run picks, forced onto these CPU tensors
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps, fusable=lambda p: fused)
     local = BATCH // layout.dp
+    dp_rank = layout.coordinates(rank)["dp"]
     losses = []
     for step in range(1, STEPS + 1):
-        x, y = (t[rank * local : (rank + 1) * local] for t in batch(step))
+        x, y = (t[dp_rank * local : (dp_rank + 1) * local] for t in batch(step))
         losses.append(runner.forward_backward(x, y))
         runner.clip_grad_norm(cfg.optim.grad_clip)
         optimizer.step()
@@ -119,14 +127,22 @@ def train_losses(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, obje
     return {"losses": losses, "impl": optimizer_impl(optimizer), "master_dtype": param.dtype}
 
 
-def test_fsdp_bf16_policy_and_fused_adamw_match_autocast_within_bf16() -> None:
+@pytest.fixture(scope="module")
+def reference() -> dict[str, object]:
+    return train_losses(0, 1, make_cfg(dtype="bf16"))
+
+
+@pytest.mark.parametrize(
+    ("keys", "world"), [({}, 2), ({"tp": 2, "dp": 2}, 4), ({"pp": 2, "dp": 2}, 4)], ids=["dp2", "tp2-dp2", "pp2-dp2"]
+)
+def test_fsdp_bf16_policy_and_fused_adamw_match_autocast_within_bf16(
+    reference: dict[str, object], keys: dict, world: int
+) -> None:
     """The cuda profile's FSDP path (bf16 policy, fp32 master weights, fused AdamW over DTensor
-    shards), run on CPU tensors over gloo, against one process with bf16 autocast and foreach."""
-    reference = train_losses(0, 1, make_cfg(dtype="bf16"))
-    results = run(train_losses, 2, make_cfg(CUDA, compile=False))
-    for result in results:
-        assert result["impl"] == "fused" and result["master_dtype"] == torch.float32
-        assert result["losses"] == pytest.approx(
-            reference["losses"], rel=1e-3
-        )  # bf16 rounding, not a different computation
+    shards), alone, under TP and under pipelining, run on CPU tensors over gloo, against one process
+    with bf16 autocast and foreach."""
     assert reference["impl"] == "foreach"
+    for result in run(train_losses, world, make_cfg(CUDA, compile=False, **keys)):
+        assert result["impl"] == "fused" and result["master_dtype"] == torch.float32
+        # bf16 rounding apart (measured: ~1e-4), the same computation
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-3)

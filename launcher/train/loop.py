@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from dataclasses import asdict
@@ -31,8 +30,10 @@ log = logging.getLogger("launcher")
 
 
 def pick_device(cfg: TrainConfig) -> torch.device:
+    """cuda: the GPU `spawn.run_rank` set from the local rank (torchrun's LOCAL_RANK or SLURM_LOCALID;
+    SLURM sets no LOCAL_RANK), cuda:0 for a world of one."""
     if cfg.hardware.kind == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
