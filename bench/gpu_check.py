@@ -1,7 +1,7 @@
 """`make gpu-check` (`python -m bench gpu_check [--hardware=NAME] [--out=DIR]`): the CUDA path on one GPU.
 
 In a few minutes, through the `train` command a user runs (each run's summary.json and metrics.jsonl):
-1. `1b`, 30 steps, bf16 + compile: tokens/s, TFLOP/s and MFU against the profile's peak (goal on an
+1. `1b`, 30 steps of 8 x 2048 tokens, bf16 + compile: tokens/s, TFLOP/s and MFU against the profile's peak (goal on an
    H100/H200: MFU >= 55%);
 2. `125m` with FSDP2 (its bf16 MixedPrecisionPolicy, fused AdamW over DTensor shards) against the
    same steps without FSDP (bf16 autocast): losses equal within bf16 tolerance. `train` never shards
@@ -42,6 +42,11 @@ def profile_for(device_name: str) -> str:
     return next((profile for key, profile in PROFILES if key in device_name.upper()), "h100_sxm")
 
 
+def on_one_gpu(hw: str) -> tuple[str, str]:
+    """The profile, on one of its devices (a GPU profile's world is otherwise its whole node)."""
+    return f"hardware={hw}", "hardware.devices_per_node=1"
+
+
 def train_cli(run_dir: Path, *overrides: str, timeout: float = 300) -> tuple[int, dict[str, Any], str]:
     """`train` as a user runs it: (exit code, summary.json or {}, the last line it printed)."""
     cmd = [str(Path(sys.executable).with_name("train")), f"run_dir={run_dir}", *QUIET, *overrides]
@@ -70,7 +75,7 @@ def close(a: dict[int, float], b: dict[int, float], rtol: float) -> tuple[bool, 
 
 def throughput(out: Path, hw: str) -> Check:
     rc, summary, last = train_cli(
-        out / "1b", "+model=1b", f"hardware={hw}", "steps=30", "seq_len=2048", "batch.micro=auto",
+        out / "1b", "+model=1b", *on_one_gpu(hw), "steps=30", "seq_len=2048", "batch.micro=8",
         "compile=true", "dtype=bf16", "checkpoint.every=0",
     )  # fmt: skip
     if rc:
@@ -82,12 +87,12 @@ def throughput(out: Path, hw: str) -> Check:
 def fsdp_equality(out: Path, hw: str) -> tuple[Check, Check]:
     """125m without FSDP (checkpoints at 5 and 10), with FSDP, and resumed from step 5."""
     ref_dir = out / "125m"
-    rc, reference, last = train_cli(ref_dir, *SMALL, f"hardware={hw}", "checkpoint.every=5")
+    rc, reference, last = train_cli(ref_dir, *SMALL, *on_one_gpu(hw), "checkpoint.every=5")
     if rc:
         failed = Check("125m reference", False, f"exit {rc}: {last}")
         return failed, failed
     fsdp_dir = out / "125m_fsdp"
-    worker = [sys.executable, "-m", "bench.gpu_fsdp", str(fsdp_dir), *SMALL, f"hardware={hw}"]
+    worker = [sys.executable, "-m", "bench.gpu_fsdp", str(fsdp_dir), *SMALL, *on_one_gpu(hw)]
     proc = subprocess.run(worker, capture_output=True, text=True, timeout=300)
     if proc.returncode:
         fsdp = Check("125m FSDP2 = no FSDP", False, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}")
@@ -98,7 +103,7 @@ def fsdp_equality(out: Path, hw: str) -> tuple[Check, Check]:
         fsdp = Check("125m FSDP2 = no FSDP", ok, note, {"peak_mem_gib": result["peak_mem_gib"]})
     resumed_dir = out / "125m_resumed"
     checkpoint = ref_dir / "checkpoints" / "step_00000005"
-    rc, resumed, last = train_cli(resumed_dir, *SMALL, f"hardware={hw}", f"resume={checkpoint}", "checkpoint.every=0")
+    rc, resumed, last = train_cli(resumed_dir, *SMALL, *on_one_gpu(hw), f"resume={checkpoint}", "checkpoint.every=0")
     if rc:
         return fsdp, Check("checkpoint save + resume", False, f"exit {rc}: {last}")
     ok, worst = close(step_losses(resumed_dir), step_losses(ref_dir), RESUME_RTOL)
@@ -108,7 +113,7 @@ def fsdp_equality(out: Path, hw: str) -> tuple[Check, Check]:
 
 def build_only(out: Path, hw: str) -> Check:
     """8b, steps=0: the real build of every shard (force: one GPU cannot train 8b, it can hold it)."""
-    rc, summary, last = train_cli(out / "8b", "+model=8b", f"hardware={hw}", "steps=0", "force=true")
+    rc, summary, last = train_cli(out / "8b", "+model=8b", *on_one_gpu(hw), "steps=0", "force=true")
     if rc:
         return Check("8b steps=0", False, f"exit {rc}: {last}")
     return Check("8b steps=0", True, last, summary)
