@@ -16,14 +16,13 @@ import torch.nn.functional as F
 
 from launcher.config import DataConfig, ModelConfig
 from launcher.data import BatchLoader, load_splits
-from launcher.model import Transformer
+from launcher.model.init import initialized_model
 
 
 def main(steps: int, micro: int, seq_len: int, threads: int, cache_dir: str) -> None:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = Transformer(ModelConfig())
-    model.init_weights(0)
+    model = initialized_model(ModelConfig(), 0, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     loader = BatchLoader(load_splits(DataConfig(cache_dir=cache_dir)).train, seq_len, micro, seed=0)
     rates = []

@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher.config import compose_config as make_config
+from launcher.model.init import initialized_model
 from launcher.train.checkpoint import Checkpointer, Stateful, complete_checkpoints
-from launcher.train.loop import build_model, train
+from launcher.train.loop import train
 from launcher.train.optim import build_optimizer
 
 
@@ -26,7 +27,7 @@ def size_mib(path: Path) -> float:
 
 def save_load(model_name: str, tmp: Path) -> tuple[float, float, float]:
     cfg = make_config(f"+model={model_name}", "checkpoint.every=1")
-    model = build_model(cfg, torch.device("cpu"))
+    model = initialized_model(cfg.model, cfg.seed, torch.device("cpu"))
     optimizer, _ = build_optimizer([model], cfg.optim, 10)
     model(torch.randint(0, 256, (1, 8))).sum().backward()
     optimizer.step()  # Adam moments exist, as in a real checkpoint

@@ -17,11 +17,12 @@ from launcher.config import compose_config
 from launcher.data import load_splits
 from launcher.layout import build_mesh, from_config
 from launcher.metrics.meter import memory_gib
+from launcher.model.init import materialize, meta_model
 from launcher.parallel import ParallelRunner
 from launcher.parallel.data import shard_blocks
 from launcher.precision import BF16_FSDP
 from launcher.spawn import cuda_env_defaults
-from launcher.train.loop import build_model, loaders, pick_device
+from launcher.train.loop import loaders, pick_device
 from launcher.train.optim import build_optimizer, optimizer_impl
 
 
@@ -32,8 +33,9 @@ def main(run_dir: Path, overrides: list[str]) -> None:
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     layout = from_config(cfg, 1)
     mesh = build_mesh(layout, "cuda")
-    model = build_model(cfg, device)
+    model = meta_model(cfg.model)
     shard_blocks(model, mesh["dp_shard"], reshard_after_forward=True, mp_policy=BF16_FSDP)
+    materialize([model], cfg.seed, device)
     runner = ParallelRunner([model], layout.micro, autocast=None, mesh=mesh, layout=layout)
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
     train_loader, _ = loaders(cfg, layout, load_splits(cfg.data), 0)

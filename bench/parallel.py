@@ -33,8 +33,8 @@ from launcher import flops
 from launcher.calibration import measure_gemm_flops
 from launcher.config import ModelConfig, TrainConfig
 from launcher.layout import build_mesh, from_config, worker_threads
+from launcher.model.init import initialized_model, meta_model
 from launcher.parallel import parallelize
-from launcher.train.loop import build_model
 from launcher.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ def throughput_worker(rank: int, world: int, jobs: list[tuple[str, dict[str, int
     for model_name, lay in jobs:
         cfg = bench_config(model_config(model_name), lay, opts["seq_len"], opts["batch"])
         layout = from_config(cfg, world)
-        runner = parallelize(build_model(cfg, torch.device("cpu")), layout, cfg, None, build_mesh(layout))
+        runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), build_mesh(layout))
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         dp_rank, local = layout.coordinates(rank)["dp"], opts["batch"] // layout.dp
         gen = torch.Generator().manual_seed(0)
@@ -202,7 +202,7 @@ def activation_worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, 
         cfg = replace(bench_config(model_config("small"), dict(tp=1, dp=1, pp=2), opts["seq_len"], 8), **keys)
         cfg = replace(cfg, batch={"micro": 1, "global": 8})  # 8 microbatches of 1
         layout = from_config(cfg, world)
-        runner = parallelize(build_model(cfg, torch.device("cpu")), layout, cfg, None, build_mesh(layout))
+        runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), build_mesh(layout))
         tokens = torch.randint(0, 256, (8, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
         runner.forward_backward(tokens[:, :-1], tokens[:, 1:])  # shape inference happens on the first step
         params = {p.untyped_storage().data_ptr() for part in runner.parts for p in part.parameters()}
@@ -215,7 +215,7 @@ def activation_worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, 
 def single_microbatch_bytes(seq_len: int) -> int:
     """Saved bytes of one sequence through the whole model in one process: the unit of the table."""
     cfg = bench_config(model_config("small"), dict(tp=1, dp=1, pp=1), seq_len, 1)
-    model = build_model(cfg, torch.device("cpu"))
+    model = initialized_model(cfg.model, cfg.seed, torch.device("cpu"))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     tokens = torch.randint(0, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
     with SavedTensorMeter(params) as meter:

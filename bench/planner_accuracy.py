@@ -27,12 +27,12 @@ import torch
 from bench.parallel import LAYOUTS, SavedTensorMeter, train_step
 from launcher.config import TrainConfig, compose_config
 from launcher.layout import build_mesh, from_config, worker_threads
+from launcher.model.init import meta_model
 from launcher.model.transformer import Block, rope_tables
 from launcher.parallel import parallelize
 from launcher.parallel.pipeline import stage_module
 from launcher.planner import resolve
 from launcher.planner.memory import layer_activation_bytes, rank_memory, rank_params
-from launcher.train.loop import build_model
 from launcher.train.optim import build_optimizer
 
 TOLERANCE = 0.25  # step time
@@ -66,7 +66,7 @@ def timing_worker(rank: int, world: int, cfgs: list[TrainConfig], steps: int) ->
     out = []
     for cfg in cfgs:
         layout = from_config(cfg, world)
-        runner = parallelize(build_model(cfg, torch.device("cpu")), layout, cfg, None, build_mesh(layout))
+        runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), build_mesh(layout))
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         glob = layout.global_batch
         local = glob // layout.dp
@@ -152,11 +152,11 @@ def single_process_memory(seq_len: int) -> dict[str, Any]:
             "case": "tp=1",
             "rank": 0,
             "predicted": rank_params(m, lay, 0),
-            "held": local_numel(build_model(cfg, torch.device("cpu"))),
+            "held": local_numel(meta_model(cfg.model)),
         }
     ]
     pcfg = resolved_config(1, 2, 1, seq_len, 4)  # (tied embeddings are refused with pp > 1)
-    model = build_model(pcfg, torch.device("cpu"))
+    model = meta_model(pcfg.model)
     play = from_config(pcfg, 2)
     for stage in range(2):
         held = local_numel(stage_module(model, stage, 2))
@@ -170,7 +170,7 @@ def two_rank_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:
     cfg = resolved_config(2, 1, 1, seq_len, 1)
     m = cfg.model
     lay = from_config(cfg, world)
-    runner = parallelize(build_model(cfg, torch.device("cpu")), lay, cfg, None, build_mesh(lay))
+    runner = parallelize(meta_model(cfg.model), lay, cfg, None, torch.device("cpu"), build_mesh(lay))
     model = runner.parts[0]
     torch.manual_seed(0)
     x = torch.randn(1, seq_len, m.dim, requires_grad=True)
@@ -182,7 +182,7 @@ def two_rank_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:
     }  # fmt: skip
     fcfg = resolved_config(1, 1, 2, seq_len, 2)
     flay = from_config(fcfg, world)
-    frunner = parallelize(build_model(fcfg, torch.device("cpu")), flay, fcfg, None, build_mesh(flay))
+    frunner = parallelize(meta_model(fcfg.model), flay, fcfg, None, torch.device("cpu"), build_mesh(flay))
     shard = rank_memory(m, seq_len, flay, 4, "cpu", 0).params / 4  # fp32 master bytes / 4 = elements
     out["params"].append({"case": "fsdp dp=2", "rank": rank, "predicted": shard, "held": local_numel(frunner.parts[0])})
     return out

@@ -49,17 +49,15 @@ def fake_store() -> Store:
     return FakeStore()
 
 
-def local_shard_shape(
+def local_shard_extent(
     shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]
-) -> tuple[int, ...]:
-    """The local shape of a DTensor of global `shape` at mesh `coordinate`, by DTensor's own rule
-    (uneven splits, FSDP's strided shards), without building it."""
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The local shape of a DTensor of global `shape` at mesh `coordinate`, and its offset in the
+    global tensor, by DTensor's own rule (uneven splits, FSDP's strided shards), without building it."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    local, _ = _compute_local_shape_and_global_offset(
-        shape, mesh_shape, list(coordinate), list(placements), skip_offset=True
-    )
-    return tuple(local)
+    local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), list(placements))
+    return tuple(local), tuple(offset)
 
 
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

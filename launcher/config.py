@@ -225,7 +225,8 @@ class TrainConfig:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
-    steps: int = ranged(200, ge=1)
+    steps: int = ranged(200, ge=0)  # 0: build every rank's shards for real, report memory, stop
+    smoke: bool = False  # with steps=0: also run one forward/backward on one microbatch
     seq_len: int = ranged(256, ge=1)
     seed: int = ranged(1234, ge=0, le=2**64 - 1)  # torch.manual_seed's range
     run_dir: str | None = None  # None: Hydra's output directory

@@ -46,12 +46,9 @@ class Param:
 def meta_model(cfg: TrainConfig) -> Any:
     """The model on the meta device (shapes, no storage), with a single block: every block has the
     same shapes, so a rank's blocks are copies of it (building 126 meta blocks takes seconds)."""
-    import torch
+    from launcher.model.init import meta_model as build_meta
 
-    from launcher.model import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(replace(cfg.model, n_layers=1))
+    model = build_meta(replace(cfg.model, n_layers=1))
     model.cfg = cfg.model
     return model
 
@@ -102,9 +99,9 @@ def build_rank(cfg: TrainConfig, layout: Layout, rank: int, template: Any = None
 
 @functools.cache
 def _shard_shape(shape: tuple, placements: tuple, mesh_shape: tuple, coordinate: tuple) -> tuple:
-    from launcher.compat import local_shard_shape
+    from launcher.compat import local_shard_extent
 
-    return local_shard_shape(shape, mesh_shape, coordinate, placements)
+    return local_shard_extent(shape, mesh_shape, coordinate, placements)[0]
 
 
 def _local_shape(shape: tuple, placements: tuple, mesh_dims: tuple, mesh_shape: tuple, coords: dict) -> tuple:

@@ -25,3 +25,10 @@ class WorkerFailed(LauncherError):
     """A worker died; the message names its rank and error."""
 
     exit_code = FAILED
+
+
+class OutOfMemory(LauncherError):
+    """A rank could not allocate its part of the model; the message names the rank, the bytes it tried
+    to allocate and the planner's estimate."""
+
+    exit_code = FAILED

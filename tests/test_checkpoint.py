@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from launcher.config import LauncherError
 from launcher.errors import PREEMPTED
 from launcher.model import Transformer
+from launcher.model.init import initialized_model
 from launcher.train.checkpoint import complete_checkpoints, resolve_resume
-from launcher.train.loop import build_model, train
+from launcher.train.loop import train
 from tests.conftest import losses, run_cli, tiny_config
 
 
@@ -135,13 +136,15 @@ def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
     from launcher.train.checkpoint import Checkpointer
     from launcher.train.optim import build_optimizer
 
-    reference = build_model(cfg, torch.device("cpu"))
+    reference = initialized_model(cfg.model, cfg.seed, torch.device("cpu"))
     optimizer, _ = build_optimizer([reference], cfg.optim, cfg.steps)
     Checkpointer(cfg.checkpoint, tmp_path / "r" / "checkpoints", 0).load(
         complete_checkpoints(tmp_path / "r" / "checkpoints"), [reference], optimizer
     )
     tokens = torch.randint(0, 256, (2, 16))
-    assert not torch.equal(reference(tokens), build_model(cfg, torch.device("cpu"))(tokens))  # trained
+    assert not torch.equal(
+        reference(tokens), initialized_model(cfg.model, cfg.seed, torch.device("cpu"))(tokens)
+    )  # trained
     torch.testing.assert_close(exported(tokens), reference(tokens), rtol=0, atol=0)
 
 

@@ -24,8 +24,8 @@ from omegaconf.errors import ConfigAttributeError
 from launcher import compat
 from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items, load_dcp_metadata
 from launcher.config import CONF_DIR
+from launcher.model.init import initialized_model
 from launcher.train.checkpoint import Checkpointer, Stateful
-from launcher.train.loop import build_model
 from launcher.train.optim import build_optimizer
 from tests.conftest import tiny_config
 
@@ -50,13 +50,14 @@ def test_fake_store_runs_collectives_without_peers() -> None:
         dist.destroy_process_group()
 
 
-def test_local_shard_shape_follows_dtensor_chunking() -> None:
+def test_local_shard_extent_follows_dtensor_chunking() -> None:
     from torch.distributed.tensor import Replicate, Shard
 
-    # torch.chunk: 10 rows over 4 ranks -> 3, 3, 3, 1
-    assert [compat.local_shard_shape((10, 4), (4,), (c,), [Shard(0)]) for c in range(4)] == [(3, 4)] * 3 + [(1, 4)]
-    assert compat.local_shard_shape((8, 6), (2, 2), (1, 1), [Shard(0), Shard(1)]) == (4, 3)
-    assert compat.local_shard_shape((8, 6), (2, 2), (1, 0), [Replicate(), Shard(1)]) == (8, 3)
+    # torch.chunk: 10 rows over 4 ranks -> 3, 3, 3, 1 at rows 0, 3, 6, 9
+    extents = [compat.local_shard_extent((10, 4), (4,), (c,), [Shard(0)]) for c in range(4)]
+    assert extents == [((3, 4), (0, 0)), ((3, 4), (3, 0)), ((3, 4), (6, 0)), ((1, 4), (9, 0))]
+    assert compat.local_shard_extent((8, 6), (2, 2), (1, 1), [Shard(0), Shard(1)]) == ((4, 3), (4, 3))
+    assert compat.local_shard_extent((8, 6), (2, 2), (1, 0), [Replicate(), Shard(1)]) == ((8, 3), (0, 0))
 
 
 def test_foreach_norm_and_mul() -> None:
@@ -111,7 +112,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real checkpoint of the tiny model and its AdamW state (tensors and non-tensor values)."""
     tmp = tmp_path_factory.mktemp("compat")
     cfg = tiny_config(tmp)
-    model = build_model(cfg, torch.device("cpu"))
+    model = initialized_model(cfg.model, cfg.seed, torch.device("cpu"))
     optimizer, _ = build_optimizer([model], cfg.optim, 4)
     model(torch.randint(0, 256, (1, 8))).sum().backward()
     optimizer.step()

@@ -13,10 +13,11 @@ import torch
 from launcher.config import HardwareConfig, ModelConfig, OptimConfig, TrainConfig, compile_enabled, validate
 from launcher.errors import LauncherError
 from launcher.layout import build_mesh, from_config
+from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.precision import BF16_FSDP, autocast_for, fsdp_policy, precision_mode
 from launcher.spawn import CUDA_ENV, cuda_env_defaults
-from launcher.train.loop import build_model, pick_device
+from launcher.train.loop import pick_device
 from launcher.train.optim import adamw_impl, build_optimizer, optimizer_impl
 from tests.dist import run
 
@@ -110,7 +111,7 @@ def train_losses(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, obje
     layout = from_config(cfg, world_size)
     device = torch.device("cpu")
     mesh = build_mesh(layout, "cpu") if world_size > 1 else None
-    runner = parallelize(build_model(cfg, device), layout, cfg, autocast_for(cfg, layout, device), mesh)
+    runner = parallelize(meta_model(cfg.model), layout, cfg, autocast_for(cfg, layout, device), device, mesh)
     fused = cfg.hardware.kind == "cuda"  # what a cuda run picks, forced onto these CPU tensors
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps, fusable=lambda p: fused)
     local = BATCH // layout.dp

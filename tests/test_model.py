@@ -12,12 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from launcher import flops
 from launcher.config import ModelConfig
 from launcher.model import Transformer
+from launcher.model.init import initialized_model, meta_model, name_seed
 from tests.conftest import make_config
-
-
-def meta_model(cfg: ModelConfig) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(cfg)
 
 
 def test_llama3_8b_has_exactly_8030261248_parameters_on_meta() -> None:
@@ -68,12 +64,27 @@ def test_post_norm_has_no_final_norm_and_runs() -> None:
     assert model(torch.randint(0, 256, (1, 16))).shape == (1, 16, 256)
 
 
-def test_init_is_deterministic_by_seed() -> None:
-    a, b, c = Transformer(ModelConfig()), Transformer(ModelConfig()), Transformer(ModelConfig())
-    a.init_weights(1)
-    b.init_weights(1)
-    c.init_weights(2)
+def initialized(cfg: ModelConfig, seed: int) -> Transformer:
+    return initialized_model(cfg, seed, torch.device("cpu"))
+
+
+def test_init_is_a_function_of_seed_and_name() -> None:
+    a, b, c = initialized(ModelConfig(), 1), initialized(ModelConfig(), 1), initialized(ModelConfig(), 2)
+    assert a.rope is not None and torch.equal(a.rope, Transformer(ModelConfig()).rope), "buffers are recomputed"
+    values: dict[str, torch.Tensor] = {}
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
         if pa.ndim == 2:
             assert not torch.equal(pa, pc), name
+            values[name] = pa
+    # one block more does not change the others' values (only the depth-scaled std of residual projections)
+    deeper = initialized(dataclasses.replace(ModelConfig(), n_layers=5), 1)
+    for name, p in deeper.named_parameters():
+        if name in values and not name.endswith(("wo.weight", "w2.weight")):
+            assert torch.equal(p, values[name]), name
+    assert name_seed(1, "output.weight") == 0xA6F49C65F17E59EB, "a stable hash: the same in every process"
+
+
+def test_tied_embeddings_stay_tied_after_materializing() -> None:
+    model = initialized(dataclasses.replace(ModelConfig(), tied_embeddings=True), 1)
+    assert model.output.weight is model.tok_embeddings.weight

@@ -14,7 +14,7 @@ from launcher.cli import _train_task, plan_task
 from launcher.config import LauncherError, compose_config
 from launcher.data import Splits
 from launcher.layout import build_mesh
-from launcher.model import Transformer
+from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.parallel.pipeline import SCHEDULES
 from launcher.planner import resolve
@@ -43,18 +43,17 @@ def cases() -> list[tuple[str, ...]]:
 
 def runtime_step(cfg, lay) -> tuple[int, int, int]:
     """(sequences per step, per microbatch, microbatches) as rank 0's loader and runner run them:
-    the model is cut on the meta device in a fake process group of the layout's world size."""
+    the model is cut on the meta device in a fake process group of the layout's world size, then allocated."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     tokens = np.arange(4096, dtype=np.uint16) % 256
     train_loader, _ = loaders(cfg, lay, Splits(tokens, tokens, 256), dp_rank=0)
     inputs, targets = train_loader.next_batch()
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
+    model = meta_model(cfg.model)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=lay.world_size)
     try:
-        runner = parallelize(model, lay, cfg, None, build_mesh(lay, "cpu"))
+        runner = parallelize(model, lay, cfg, None, torch.device("cpu"), build_mesh(lay, "cpu"))
         if lay.pp > 1:
             schedule = runner.schedule
             assert isinstance(schedule, SCHEDULES[lay.schedule])

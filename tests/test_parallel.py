@@ -1,6 +1,7 @@
-"""Parallel runs match the single-process run: the loss of each of 5 steps and the gradients after
-step 1 (fp32, rtol 1e-4), for every layout of the issue, with pre-norm + RMSNorm and post-norm +
-LayerNorm models. And under tensor parallelism the full logits never exist on one rank.
+"""Parallel runs match the single-process run: the initial weights bit for bit, the loss of each of
+5 steps and the gradients after step 1 (fp32, rtol 1e-4), for every layout of the issue, with
+pre-norm + RMSNorm and post-norm + LayerNorm models. And under tensor parallelism the full logits
+never exist on one rank.
 
 Process starts dominate on 2 cores, so all cases of both model variants run in two launches: first
 two 2-rank worlds side by side, then one 4-rank world, each running its cases one after another.
@@ -21,8 +22,8 @@ from torch.utils._pytree import tree_flatten
 
 from launcher.config import ModelConfig, OptimConfig, TrainConfig
 from launcher.layout import build_mesh, from_config
+from launcher.model.init import meta_model
 from launcher.parallel import parallelize
-from launcher.train.loop import build_model
 from launcher.train.optim import build_optimizer
 from tests.dist import run_many
 
@@ -108,13 +109,13 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def train_case(cfg: TrainConfig, world_size: int, probe: bool = False) -> dict[str, Any]:
     """The case on this rank (world_size 1: the reference): losses, gradients after step 1."""
     layout = from_config(cfg, world_size)
-    model = build_model(cfg, torch.device("cpu"))
     mesh = build_mesh(layout, "cpu") if world_size > 1 else None
-    runner = parallelize(model, layout, cfg, None, mesh)
+    runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), mesh)
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
     dp_rank = layout.coordinates(torch.distributed.get_rank())["dp"] if mesh is not None else 0
     local = GLOBAL_BATCH // layout.dp
     losses, norms, grads, recorder = [], [], {}, ShapeRecorder()
+    weights = {n: full(p) for part in runner.parts for n, p in part.named_parameters()}
     for step in range(1, cfg.steps + 1):
         x, y = (t[dp_rank * local : (dp_rank + 1) * local] for t in batch(step))
         if probe and step == 1:
@@ -132,6 +133,7 @@ def train_case(cfg: TrainConfig, world_size: int, probe: bool = False) -> dict[s
         "losses": losses,
         "norms": norms,
         "grads": grads,
+        "weights": weights,
         "shapes": recorder.shapes,
         "collectives": recorder.collectives,
     }
@@ -182,6 +184,8 @@ def test_matches_single_process(parallel_results: dict, references: dict, varian
     grads: dict[str, torch.Tensor] = {}
     for result in ranks:  # each rank reports its stage's parameters, gathered whole
         grads.update(result["grads"])
+        for name, weight in result["weights"].items():  # the same initial model, bit for bit
+            torch.testing.assert_close(weight, ref["weights"][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     assert sorted(grads) == sorted(ref["grads"])
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

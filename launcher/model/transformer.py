@@ -9,8 +9,6 @@ checkpoints load across layouts).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,8 +110,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg) if cfg.norm_position == "pre" else None
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tied_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         self.register_buffer("rope", self._rope_tables(), persistent=False)
 
     def _rope_tables(self) -> torch.Tensor | None:
@@ -122,17 +119,14 @@ class Transformer(nn.Module):
         device = next(self.parameters()).device
         return rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device)
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Deterministic init from `seed` (GPT-2 style: residual projections scaled by depth)."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self.named_parameters():
-            if p.ndim == 1:  # norm weights are 1, biases 0
-                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
-                continue
-            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else self.cfg.init_std
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p))
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection again, after anything that replaced parameters
+        (tensor parallelism, `to_empty`); a pipeline stage holding only one of them has nothing to tie."""
+        if self.cfg.tied_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE tables on the parameters' device (built on meta, they hold nothing)."""
         if self.rope is not None:
             self.rope = self._rope_tables()
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from launcher.compat import foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
 from launcher.layout import Layout, build_mesh, rank_stages
+from launcher.model.init import materialize
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
 from launcher.parallel.pipeline import build_schedule, stage_module
 from launcher.parallel.recompute import apply_recompute
@@ -199,10 +200,17 @@ class PipelineRunner(DistributedRunner):
 
 
 def parallelize(
-    model: nn.Module, layout: Layout, cfg: TrainConfig, autocast: torch.autocast | None, mesh: Any = None
+    model: nn.Module,
+    layout: Layout,
+    cfg: TrainConfig,
+    autocast: torch.autocast | None,
+    device: torch.device,
+    mesh: Any = None,
 ) -> Runner:
-    """Cut `model` (the full model, the same on every rank) for this rank of `layout`; everything
-    about the cut comes from the layout, `cfg` only says whether to compile and in which precision.
+    """Cut `model` (the full model on the meta device: shapes only) for this rank of `layout`, then
+    allocate this rank's shards on `device` and initialize them (launcher/model/init.py): no rank
+    ever holds the whole model. Everything about the cut comes from the layout; `cfg` says whether
+    to compile, in which precision, and the seed.
 
     `mesh`: the layout's DeviceMesh (`layout.build_mesh`); built here from the default process
     group when not given.
@@ -210,11 +218,12 @@ def parallelize(
     if layout.world_size == 1 and mesh is None:
         apply_recompute(model, layout.recompute)
         _compile(model, cfg)
+        materialize([model], cfg.seed, device)
         return Runner(model, layout.micro, autocast)
     if mesh is None:
-        device_type = next(model.parameters()).device.type
-        mesh = build_mesh(layout, "cuda" if device_type == "cuda" else "cpu")
+        mesh = build_mesh(layout, "cuda" if device.type == "cuda" else "cpu")
     parts, stages = shard_model(model, layout, cfg, mesh)
+    materialize(parts, cfg.seed, device)
     kw = {"autocast": autocast, "mesh": mesh}
     if layout.pp > 1:
         return PipelineRunner(parts, stages, layout, **kw)

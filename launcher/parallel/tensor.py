@@ -100,7 +100,7 @@ def plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) 
             input_layouts=stream, output_layouts=Shard(-1), use_local_output=local_logits
         )
     for style in styles.values():
-        style.src_data_rank = None  # every rank holds the same full weights: cut, do not scatter
+        style.src_data_rank = None  # meta tensors: cut, nothing to scatter (launcher/model/init.py fills them)
     return styles
 
 
@@ -108,14 +108,8 @@ def apply_tensor_parallel(
     model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, local_logits: bool = False
 ) -> None:
     """Shard `model` (a whole model or a pipeline stage) over the 1-D tensor-parallel mesh in place."""
-    tied = (
-        model.output is not None
-        and model.tok_embeddings is not None
-        and (model.output.weight is model.tok_embeddings.weight)
-    )
     parallelize_module(model, mesh, plan(model, sequence_parallel, local_logits))
-    if tied:  # both are Shard(0) over the vocabulary: share the one DTensor again
-        model.output.weight = model.tok_embeddings.weight
+    model.tie_weights()  # both are Shard(0) over the vocabulary: share the one DTensor again
 
 
 def loss_context(tp: int) -> contextlib.AbstractContextManager:

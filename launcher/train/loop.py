@@ -17,12 +17,13 @@ from launcher.data import BatchLoader, Splits, load_splits
 from launcher.hardware import peak_flops
 from launcher.layout import Layout, from_config, owner_rank, worker_threads, workers_per_node
 from launcher.metrics.console import ConsoleView
-from launcher.metrics.meter import Meter
+from launcher.metrics.meter import Meter, memory_gib
 from launcher.metrics.sinks import JsonlSink, WandbSink, write_json
-from launcher.model import Transformer
+from launcher.model.init import AllocationFailed, meta_model
 from launcher.parallel import Runner, parallelize
 from launcher.precision import autocast_for, precision_mode
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
+from launcher.train.fit import gather_ranks, memory_lines, memory_summary, out_of_memory, smoke_step
 from launcher.train.optim import build_optimizer, optimizer_impl
 from launcher.train.preemption import PreemptionFlag
 
@@ -43,14 +44,6 @@ def rank_logger(run_dir: Path, rank: int) -> None:
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)
     log.propagate = False
-
-
-def build_model(cfg: TrainConfig, device: torch.device) -> Transformer:
-    torch.manual_seed(cfg.seed)
-    with device:
-        model = Transformer(cfg.model)
-    model.init_weights(cfg.seed)
-    return model
 
 
 def run_eval(runner: Runner, loader: BatchLoader, batches: int) -> float:
@@ -92,8 +85,12 @@ def train(
     train_loader, val_loader = loaders(cfg, layout, load_splits(cfg.data), coords["dp"])
     global_batch = layout.global_batch
 
-    model = build_model(cfg, device)
-    runner = parallelize(model, layout, cfg, autocast_for(cfg, layout, device))
+    torch.manual_seed(cfg.seed)  # dropout
+    try:
+        runner = parallelize(meta_model(cfg.model), layout, cfg, autocast_for(cfg, layout, device), device)
+    except AllocationFailed as err:
+        raise out_of_memory(rank, err, prediction) from None
+    build_s = time.perf_counter() - t_start
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
 
     flops_per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
@@ -112,6 +109,20 @@ def train(
             sinks.append(WandbSink(cfg.metrics.wandb, run_dir, {"layout": asdict(layout), **asdict(cfg)}))
     log.info("rank %d coords %s threads %d device %s", rank, coords, threads, device)
 
+    def finish(summary: dict[str, Any]) -> dict[str, Any]:
+        """The run's summary (the same on every rank), written by the owner; the sinks closed."""
+        summary |= {"world_size": layout.world_size, "layout": asdict(layout), "model": cfg.model.name}
+        summary |= {"params": n_params, "precision": precision_mode(cfg, layout), "compile": compile_enabled(cfg)}
+        summary |= {"optimizer_impl": optimizer_impl(optimizer), "wall_time_s": time.perf_counter() - t_start}
+        if prediction is not None:
+            summary["prediction"] = prediction
+        if owner:
+            write_json(run_dir / "summary.json", summary)
+            for sink in sinks:
+                sink.close()
+        view.close(summary)
+        return summary
+
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     checkpointer = Checkpointer(cfg.checkpoint, ckpt_root, rank)
     start = 0
@@ -121,6 +132,13 @@ def train(
         schedule.load_state_dict(resumed.extras["schedule"])
         train_loader.load_state_dict(resumed.extras["loader"])
         view.note(f"resumed from step {start} ({ckpt_root})")
+    if cfg.steps == 0:  # built for real: measure, and stop
+        smoke_loss = smoke_step(runner, layout, train_loader.next_batch(), device) if cfg.smoke else None
+        per_rank = gather_ranks(memory_gib(device))
+        for line in memory_lines(per_rank, prediction):
+            view.note(line)
+        summary = {"steps": 0, "smoke_loss": smoke_loss, "build_time_s": build_s, **memory_summary(per_rank)}
+        return finish(summary)
 
     def save(step: int) -> None:
         extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict()}
@@ -144,7 +162,8 @@ def train(
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
             val_loss = row["val_loss"] = run_eval(runner, val_loader, cfg.eval.batches)
         rows.append(row)
-        if step % cfg.metrics.log_every == 0 or step == cfg.steps or "val_loss" in row:
+        if step % cfg.metrics.log_every == 0 or step == cfg.steps or "val_loss" in row:  # alike on every rank
+            row.update(memory_summary(gather_ranks(row["mem_gib"]), "mem_gib"))
             for sink in sinks:
                 sink.log(row)
             view.update(row)
@@ -171,24 +190,9 @@ def train(
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "median_tflops_per_device": statistics.median(r["tflops_per_device"] for r in timed),
         "median_mfu": statistics.median(r["mfu"] for r in timed),
-        "peak_mem_gib": max(r["mem_gib"] for r in rows),
-        "world_size": layout.world_size,
-        "layout": asdict(layout),
-        "model": cfg.model.name,
-        "params": n_params,
+        **memory_summary(gather_ranks(memory_gib(device))),  # a high-water mark: the run's peak
         "flops_per_token": flops_per_token,
         "peak_flops_per_device": peak,
         "threads_per_worker": threads,
-        "precision": precision_mode(cfg, layout),
-        "optimizer_impl": optimizer_impl(optimizer),
-        "compile": compile_enabled(cfg),
-        "wall_time_s": time.perf_counter() - t_start,
     }
-    if prediction is not None:
-        summary["prediction"] = prediction
-    if owner:
-        write_json(run_dir / "summary.json", summary)
-        for sink in sinks:
-            sink.close()
-    view.close(summary)
-    return summary
+    return finish(summary)
