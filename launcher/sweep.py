@@ -176,6 +176,7 @@ def print_table(rows: list[dict[str, Any]], title: str, file: Any = None) -> Non
         ("predicted", "right"),
         ("loss", "right"),
         ("mem GiB", "right"),
+        ("predicted", "right"),
         ("status", "left"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -190,6 +191,7 @@ def print_table(rows: list[dict[str, Any]], title: str, file: Any = None) -> Non
             _fmt(r["predicted_mfu"], "pct"),
             _fmt(r["final_loss"]),
             _fmt(r["peak_mem_gib"]),
+            _fmt(r["predicted_memory_gib"]),
             "[green]ok[/]" if r["status"] == "ok" else f"[red]{r['status']}[/]",
         )
     console = Console(file=file or sys.stdout, width=None if (file or sys.stdout).isatty() else 160)

@@ -38,7 +38,7 @@ class Meter:
         dt = time.perf_counter() - self._t0
         tokens_per_s = self.tokens_per_step / dt
         per_device = tokens_per_s / self.world_size
-        return {
+        row = {
             "step": step,
             "time": time.time(),
             "loss": loss,
@@ -50,3 +50,6 @@ class Meter:
             "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
             "mem_gib": memory_gib(self.device),
         }
+        if self.device.type == "cuda":  # what the caching allocator holds, beside what tensors use
+            row["mem_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GIB
+        return row

@@ -2,10 +2,11 @@
 (seed, parameter name), so one process, tp=2, pp=2, FSDP, HSDP ... all start from the same model.
 
 A rank holds its parameters as meta tensors (shapes only, after `parallelize` cut them); `materialize`
-allocates its local shards (`to_empty`) and fills each from the full parameter, generated on the CPU
-from its own generator one parameter at a time and freed once the rank's slice is copied out: the
-extra memory is one parameter, never the model. Names are the full model's (`layers.5.wo.weight`,
-also on a pipeline stage), so the same name gives the same values wherever it lives.
+allocates its local shards (`to_empty`) and fills each from the parameter's values, generated on the
+CPU in blocks of rows, each block from its own generator seeded by (seed, name, block): a rank draws
+only the blocks its shard overlaps, one at a time, so initializing adds one block (`BLOCK`), neither a
+whole parameter nor the model. Names are the full model's (`layers.5.wo.weight`, also on a pipeline
+stage), so the same name gives the same values wherever it lives.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from launcher.config import ModelConfig
 from launcher.model.transformer import Transformer
 
 RESIDUAL = ("wo.weight", "w2.weight")  # projections into the residual stream (GPT-2: scaled by depth)
+BLOCK = 2**24  # elements of a parameter generated at once: 64 MiB of fp32, the most initializing adds
 
 
 def meta_model(cfg: ModelConfig) -> Transformer:
@@ -38,25 +40,41 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
 
 
-def full_value(cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The whole parameter `name` as every layout starts from it (fp32, CPU): norm weights 1, biases
-    0, matrices N(0, init_std), residual projections N(0, init_std / sqrt(2 n_layers))."""
+def block_rows(shape: tuple[int, ...]) -> int:
+    """Rows of a parameter generated together: BLOCK elements (one row at least)."""
+    return max(1, BLOCK // math.prod(shape[1:]))
+
+
+def fill_(local: torch.Tensor, cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...], offset: tuple) -> None:
+    """Write the box of parameter `name` (global `shape`) at `offset`, of `local`'s shape, into `local`.
+
+    Norm weights are 1, biases 0; matrices N(0, init_std), residual projections N(0, init_std /
+    sqrt(2 n_layers)) (GPT-2). A matrix is drawn in blocks of `block_rows` rows, block b from its own
+    generator seeded by (seed, name, b): a rank draws only the blocks its rows overlap, one at a time."""
     if len(shape) == 1:
-        return torch.full(shape, 1.0 if name.endswith("norm.weight") else 0.0)
+        local.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        return
     std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(RESIDUAL) else cfg.init_std
-    gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
-    return torch.randn(shape, generator=gen).mul_(std)
+    rows = block_rows(shape)
+    first, last = offset[0], offset[0] + local.shape[0]  # this rank's rows: [first, last)
+    for b in range(first // rows, -(-last // rows)):
+        lo, hi = b * rows, min((b + 1) * rows, shape[0])
+        gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, f"{name}/{b}"))
+        with allocating((hi - lo) * math.prod(shape[1:]) * 4, f"a block of {name} (fp32, to initialize)"):
+            block = torch.randn((hi - lo, *shape[1:]), generator=gen).mul_(std)
+        piece = block[max(lo, first) - lo : min(hi, last) - lo]
+        for dim in range(1, len(shape)):
+            piece = piece.narrow(dim, offset[dim], local.shape[dim])
+        local[max(lo, first) - first : min(hi, last) - first].copy_(piece)
+        del block, piece  # before the next block is drawn: one alive at a time
 
 
-def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `full`: the DTensor's local shard by its placements (the whole of a plain tensor)."""
-    if not isinstance(param, DTensor):
-        return full
-    mesh = param.device_mesh
-    shape, offset = local_shard_extent(full.shape, mesh.shape, mesh.get_coordinate(), param.placements)
-    for dim, (size, start) in enumerate(zip(shape, offset)):
-        full = full.narrow(dim, start, size)
-    return full
+def extent(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where this rank's part of `p` lies in the whole parameter: (shape, offset), by its placements."""
+    if not isinstance(p, DTensor):
+        return tuple(p.shape), (0,) * p.ndim
+    mesh = p.device_mesh
+    return local_shard_extent(p.shape, mesh.shape, mesh.get_coordinate(), p.placements)
 
 
 class AllocationFailed(Exception):
@@ -96,18 +114,19 @@ def materialize(parts: list[nn.Module], seed: int, device: torch.device) -> None
     `device` and initialize them; recompute their buffers (RoPE tables)."""
     done: set[int] = set()
     for part in parts:
+        if part.cfg.tied_embeddings and part.output is not None:  # to_empty would allocate it twice
+            part.output.weight = None
         with allocating(sum(local_bytes(p) for p in part.parameters()), "this rank's shards"):
             part.to_empty(device=device)
-        part.tie_weights()  # to_empty gave each name its own tensor
+        part.tie_weights()
         for name, p in part.named_parameters():
             if id(p) in done:  # tied embeddings: one parameter, filled once
                 continue
             done.add(id(p))
-            with allocating(p.numel() * 4, f"the full parameter {name} (fp32, to initialize)"):
-                full = full_value(part.cfg, seed, name, tuple(p.shape))
             local = p.to_local() if isinstance(p, DTensor) else p
-            local.copy_(local_slice(full, p))
-            del full
+            shape, offset = extent(p)
+            assert tuple(local.shape) == shape, f"{name}: local shard {tuple(local.shape)}, placements say {shape}"
+            fill_(local, part.cfg, seed, name, tuple(p.shape), offset)
         part.reset_buffers()
 
 
