@@ -40,7 +40,7 @@ RUNS = {  # 3 training steps of 125m
     "125m 1 process": ["+model=125m"],
     "125m tp=2": ["+model=125m", "tp=2"],
     "125m dp=2 (FSDP)": ["+model=125m", "dp=2"],
-    "125m pp=2": ["+model=125m", "pp=2"],
+    "125m pp=2": ["+model=125m", "pp=2", "model.tied_embeddings=false"],
 }
 
 
