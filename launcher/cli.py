@@ -126,7 +126,7 @@ def _train_task(cfg: TrainConfig) -> None:
     if cfg.metrics.wandb.mode == "online":
         check_wandb_login()
     # a bad path, or checkpoints none of which is readable, fails here
-    preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
+    preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"), every_rank=env is not None)
     # a failed worker raises WorkerFailed (exit 1); the loop puts the prediction into summary.json
     summary = launch(cfg, run_dir, layout, prediction.as_dict())
     if "preempted_at_step" in summary:

@@ -308,7 +308,9 @@ def violations(lay: Layout, m: ModelConfig, seq_len: int) -> Iterator[str]:
 
 
 def check(lay: Layout, m: ModelConfig, seq_len: int) -> None:
-    for problem in violations(lay, m, seq_len):
+    """`train`'s refusal: the first violation, as a LauncherError."""
+    problem = next(violations(lay, m, seq_len), None)
+    if problem:
         raise LauncherError(problem)
 
 

@@ -49,12 +49,9 @@ def shard_blocks(
     model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None
 ) -> None:
     """FSDP2 over `dp_mesh`: each block one unit, the rest the root unit."""
-    kw = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kw["mp_policy"] = mp_policy
-    for block in model.layers.values():
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
+    policy = mp_policy or MixedPrecisionPolicy()  # FSDP's own default: parameters in their dtype
+    for module in (*model.layers.values(), model):
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -109,14 +109,25 @@ def read_rng(file: Path) -> torch.Tensor:
     return state
 
 
+def read_index(path: Path) -> tuple[Any, dict[str, Any]]:
+    """A checkpoint's index and extras: what every rank reads to load it. Raises UnreadableCheckpoint."""
+    return read_metadata(path), read_extras(path)
+
+
 def verify(path: Path) -> Any:
-    """What can be checked without the model: the index, the extras, every RNG file, and that every
-    shard file holds the bytes the index points into, each item starting as a torch.save record.
-    Returns the index; raises UnreadableCheckpoint."""
-    metadata = read_metadata(path)
-    read_extras(path)
+    """What can be checked without the model, by one process for all ranks: the index, the extras,
+    every RNG file, and that every shard file holds the bytes the index points into, each item
+    starting as a torch.save record. Returns the index; raises UnreadableCheckpoint."""
+    metadata, _ = read_index(path)
     for rng in sorted(path.glob("rng_rank*.pt")):
         read_rng(rng)
+    check_shards(path, metadata)
+    return metadata
+
+
+def check_shards(path: Path, metadata: Any) -> None:
+    """Every shard file holds the bytes the index points into, each item starting as a torch.save
+    record (zeroed or foreign bytes fail here, naming the file); raises UnreadableCheckpoint."""
     for name, items in dcp_storage_items(metadata).items():
         shard, needed = path / name, max(offset + length for offset, length in items)
         size = shard.stat().st_size if shard.is_file() else None
@@ -128,7 +139,6 @@ def verify(path: Path) -> Any:
                 stream.seek(offset)
                 if stream.read(len(TORCH_SAVE_MAGIC)) != TORCH_SAVE_MAGIC:
                     raise UnreadableCheckpoint(f"{name}: no tensor record at byte {offset}")
-    return metadata
 
 
 def no_readable(root: Path, failures: list[tuple[Path, str]], fix: str) -> LauncherError:
@@ -141,14 +151,15 @@ def no_readable(root: Path, failures: list[tuple[Path, str]], fix: str) -> Launc
 RESUME_FIX = "resume=never starts over, resume=PATH picks one"
 
 
-def preflight_resume(resume: str, default_root: Path) -> None:
+def preflight_resume(resume: str, default_root: Path, every_rank: bool = False) -> None:
     """Before any worker starts: a bad resume path, or checkpoints none of which passes `verify`,
-    is one line (exit 2); training from step 0 would prune them."""
+    is one line (exit 2); training from step 0 would prune them. `every_rank`: each rank runs this
+    (torchrun, SLURM), so each reads only the index and extras, not every rank's files."""
     candidates = resolve_resume(resume, default_root)
     failures = []
     for path in candidates:
         try:
-            verify(path)
+            read_index(path) if every_rank else verify(path)
             return
         except UnreadableCheckpoint as err:
             failures.append((path, str(err)))
@@ -297,15 +308,20 @@ class Checkpointer:
         for path in candidates:
             state = self.state(parts, optimizer)
             error, extras, rng = "", {}, None
-            try:
-                check_shapes(path, verify(path), state)  # another model: a LauncherError on every rank
-                load_shards(state, path)
-                extras = read_extras(path)
+            try:  # this rank's files only: the launcher verified the rest once (preflight_resume)
+                metadata, extras = read_index(path)
+                check_shapes(path, metadata, state)  # another model: a LauncherError on every rank
                 rng_file = path / f"rng_rank{self.rank}.pt"
                 rng = read_rng(rng_file) if rng_file.is_file() else None  # other world sizes have none
             except UnreadableCheckpoint as err:
                 error = str(err)
-            error = first_error(error)
+            error = first_error(error)  # agreed before DCP's collective load, which every rank must enter
+            if not error:
+                try:
+                    load_shards(state, path, metadata)
+                except UnreadableCheckpoint as err:
+                    error = str(err)
+                error = first_error(error)
             if error:
                 failures.append((path, error))
                 self.unreadable.add(path)
@@ -328,8 +344,9 @@ class Checkpointer:
         return None
 
 
-def load_shards(state: dict[str, Any], path: Path) -> None:
-    """Fill `state` from the checkpoint's shards (DCP, restricted reader); UnreadableCheckpoint if any fails."""
+def load_shards(state: dict[str, Any], path: Path, metadata: Any) -> None:
+    """Fill `state` from the checkpoint's shards (DCP, restricted reader); UnreadableCheckpoint if any
+    fails, naming the file when a scan of the shard files finds the damage."""
     try:
         dcp.load(
             state,
@@ -340,6 +357,7 @@ def load_shards(state: dict[str, Any], path: Path) -> None:
     except (Exception, CheckpointException) as err:  # a corrupt shard; DCP's own text is a traceback
         if isinstance(err, CheckpointException) and err.failures:
             err = next(iter(err.failures.values()))[0]
+        check_shards(path, metadata)  # only now, on failure: each rank reads just its items on success
         raise UnreadableCheckpoint(f"shards: {why(err)}") from None
 
 

@@ -29,13 +29,13 @@ from launcher.train.checkpoint import (
 def consolidated_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Full (unsharded) model tensors of a checkpoint folder, by parameter name; UnreadableCheckpoint
     when a file of it does not load."""
-    metadata = verify(checkpoint).state_dict_metadata
+    metadata = verify(checkpoint)
     tensors = {
         key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.items()
+        for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
-    load_shards({"model": tensors}, checkpoint)
+    load_shards({"model": tensors}, checkpoint, metadata)
     return tensors
 
 

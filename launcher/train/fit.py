@@ -13,17 +13,20 @@ from launcher.flops import GIB
 from launcher.layout import Layout
 from launcher.model.init import AllocationFailed
 from launcher.parallel import Runner
+from launcher.train.preemption import collective_device
 
 
 def gather_ranks(value: float) -> list[float]:
-    """`value` from every rank, in rank order (outside a process group: this process's alone)."""
+    """`value` from every rank, in rank order (outside a process group: this process's alone). A tensor
+    all-gather, not a pickled object: it runs on every logged step."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+    mine = torch.tensor([value], dtype=torch.float64, device=collective_device())
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.item() for t in out]
 
 
 def memory_summary(per_rank: list[float], key: str = "peak_mem_gib") -> dict[str, Any]:

@@ -29,12 +29,16 @@ def local_worker_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
+def collective_device() -> torch.device:
+    """Where a small tensor for a collective of the default group lives: NCCL needs this rank's GPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def agree(value: bool, op: dist.ReduceOp.RedOpType) -> bool:
     """Combine a flag over all ranks (MAX: any rank, MIN: every rank); the flag itself without a group."""
     if not dist.is_initialized():
         return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    flag = torch.tensor([1 if value else 0], device=device)
+    flag = torch.tensor([1 if value else 0], device=collective_device())
     dist.all_reduce(flag, op=op)
     return bool(flag.item())
 
