@@ -81,13 +81,16 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib"  # stdlib | tokens
-    path: str | None = None  # flat token file (data=tokens)
+    name: str = "stdlib"  # stdlib | tokens | text
+    path: str | None = None  # flat token file (data=tokens); text files or globs, comma-separated (data=text)
     dtype: str = "uint16"  # uint16 | uint32 for data=tokens
     val_path: str | None = None  # separate validation token file; None: hold out val_fraction
     val_fraction: float = ranged(0.02, gt=0, lt=1)
     max_bytes: int = ranged(16_000_000, ge=1)  # stdlib corpus size cap (bytes of source)
     cache_dir: str = "${cache_dir}"  # the tokenized corpus
+    tokenizer: str | None = None  # data=text: a Hugging Face tokenizer.json or a local model folder
+    text_key: str = "text"  # data=text: the field of a .jsonl/.parquet row that holds the document
+    workers: int | None = ranged(None, ge=1, integer=True)  # data=text: tokenizing processes (None: one per core)
 
 
 @dataclass
@@ -290,7 +293,7 @@ CHOICES = {
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("swiglu", "gelu"),
     "model.positions": ("rope", "learned"),
-    "data.name": ("stdlib", "tokens"),
+    "data.name": ("stdlib", "tokens", "text"),
     "data.dtype": ("uint16", "uint32"),
     "pp_schedule": (*SCHEDULES, "auto"),  # auto: the planner's choice
     "recompute": (*RECOMPUTE, "auto"),
@@ -369,6 +372,10 @@ def validate(cfg: TrainConfig) -> None:
         raise LauncherError(
             f"seq_len={cfg.seq_len} exceeds model.max_seq_len={m.max_seq_len} of model '{m.name}': "
             f"lower seq_len or raise model.max_seq_len"
+        )
+    if cfg.data.name == "text" and cfg.data.val_path:
+        raise LauncherError(
+            "data.val_path is a token file for data=tokens: data=text holds out whole documents (data.val_fraction)"
         )
     if cfg.data.name == "stdlib" and m.vocab_size < 256:
         raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")

@@ -89,8 +89,14 @@ def load_splits(cfg: DataConfig) -> Splits:
             raise LauncherError("data.path is missing: data=tokens needs data.path=FILE (a flat token file)")
         tokens = open_tokens(cfg.path, cfg.dtype, "data.path")
         vocab = 0  # checked lazily against the model: scanning a large file here would be slow
+    elif cfg.name == "text":
+        from launcher.data.text import open_text, split_documents
+
+        tokens, starts, vocab = open_text(cfg)
+        if not cfg.val_path:  # the held-out split is whole documents
+            return Splits(*split_documents(tokens, starts, cfg.val_fraction), vocab)
     else:
-        raise LauncherError(f"data.name={cfg.name}: use data=stdlib or data=tokens")
+        raise LauncherError(f"data.name={cfg.name}: use data=stdlib, data=tokens or data=text")
     if cfg.val_path:
         return Splits(tokens, open_tokens(cfg.val_path, cfg.dtype, "data.val_path"), vocab)
     n_val = max(int(tokens.size * cfg.val_fraction), 1)
@@ -112,9 +118,14 @@ def check_vocab(parts: list[np.ndarray], vocab_size: int, key: str, path: str) -
 
 def check_source(cfg: DataConfig, vocab_size: int, seq_len: int, evaluates: bool) -> None:
     """Fail before any worker starts when the configured data cannot be read, is too short for one
-    sequence (the validation split only matters when the run `evaluates`), or does not fit the model."""
+    sequence (the validation split only matters when the run `evaluates`), or does not fit the model.
+    data=text builds its token cache here, once, before any worker starts."""
+    if cfg.name == "text":
+        from launcher.data.text import ensure_cache
+
+        ensure_cache(cfg, vocab_size, announce=True)
     splits = load_splits(cfg)
-    train = ("data.path", cfg.path) if cfg.name == "tokens" else ("data.max_bytes", cfg.max_bytes)
+    train = ("data.path", cfg.path) if cfg.name in ("tokens", "text") else ("data.max_bytes", cfg.max_bytes)
     val = ("data.val_path", cfg.val_path) if cfg.val_path else train
     need = min_tokens(seq_len)
     for split, (key, value), what in ((splits.train, train, "training"), (splits.val, val, "validation")):

@@ -1,0 +1,119 @@
+"""Text corpora (data=text): local .txt/.jsonl/.parquet files, tokenized once into a cached token file.
+
+A .txt file is one document; a .jsonl or .parquet row is one, its `data.text_key` field. The cache
+under data.cache_dir holds the documents' tokens back to back, each as [BOS] tokens EOS, in one flat
+memory-mapped file, beside their start offsets (so the validation split is whole documents). Its name
+hashes the files' contents, the text key and the tokenizer's files: a changed corpus or tokenizer
+builds a new cache, anything else (a path, a timestamp, a copy) reuses it. The launcher builds it
+before any worker starts (`check_text`), so workers only open it (`open_text`).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from launcher.config import DataConfig
+from launcher.data import tokenizer as tok
+from launcher.errors import LauncherError
+
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets' loaders
+CACHE_VERSION = "text-v1"  # bump when the cache layout changes
+
+
+@dataclass(frozen=True)
+class TextCache:
+    tokens: Path  # flat token ids (uint16 or uint32 by vocabulary), written last: its presence means complete
+    docs: Path  # int64 start offset of every document, then the total
+    vocab_size: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
+
+
+def corpus_files(pattern: str | None) -> list[Path]:
+    """The files `data.path` names: paths or globs, comma-separated, each matching at least one file."""
+    if not pattern:
+        raise LauncherError("data.path is missing: data=text needs data.path='corpus/*.jsonl' (files or globs)")
+    files: set[Path] = set()
+    for part in (p.strip() for p in pattern.split(",") if p.strip()):
+        matched = [Path(m) for m in glob.glob(str(Path(part).expanduser()), recursive=True) if Path(m).is_file()]
+        if not matched:
+            raise LauncherError(f"data.path={part} matches no file: give existing .txt, .jsonl or .parquet files")
+        files.update(matched)
+    for f in files:
+        if f.suffix not in BUILDERS:
+            raise LauncherError(f"data.path: {f} is not .txt, .jsonl or .parquet: convert it, or leave it out")
+    return sorted(files)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError as err:
+        raise LauncherError(f"data.path: cannot read {path} ({err.strerror})") from None
+    return h.hexdigest()
+
+
+def cache_for(cfg: DataConfig, files: list[Path], tokenizer: tok.Tokenizer) -> TextCache:
+    """Where the cache of these files and this tokenizer lives: the name is a hash of their contents."""
+    h = hashlib.sha256(f"{CACHE_VERSION}|{cfg.text_key}|{tokenizer.eos_id}|{tokenizer.bos_id}".encode())
+    for f in files:  # contents (and kind: a .txt is one document), not names: a copied corpus hits the cache
+        h.update(f"|{BUILDERS[f.suffix]}:{file_digest(f)}".encode())
+    for f in tok.source_files(tokenizer.path):
+        h.update(f"|tok:{f.name}:{file_digest(f)}".encode())
+    root = Path(cfg.cache_dir).expanduser() / f"text-{h.hexdigest()[:16]}"
+    return TextCache(root.with_suffix(".tokens"), root.with_suffix(".docs.npy"), tokenizer.vocab_size)
+
+
+def check_vocab_fits(cfg: DataConfig, tokenizer: tok.Tokenizer, vocab_size: int) -> None:
+    if vocab_size < tokenizer.vocab_size:
+        raise LauncherError(
+            f"model.vocab_size={vocab_size} is smaller than the {tokenizer.vocab_size} tokens of "
+            f"data.tokenizer={cfg.tokenizer}: set model.vocab_size={tokenizer.vocab_size} (or larger)"
+        )
+
+
+def resolve(cfg: DataConfig) -> tuple[list[Path], tok.Tokenizer]:
+    if not cfg.tokenizer:
+        raise LauncherError("data.tokenizer is missing: data=text needs data.tokenizer=PATH (tokenizer.json or folder)")
+    return corpus_files(cfg.path), tok.load(cfg.tokenizer)
+
+
+def ensure_cache(cfg: DataConfig, vocab_size: int | None = None, announce: bool = False) -> TextCache:
+    """The cache of the configured corpus, built unless it exists. The launcher calls it before any
+    worker starts (checking the files, the tokenizer and `vocab_size` too), so workers only open it."""
+    files, tokenizer = resolve(cfg)
+    if vocab_size is not None:
+        check_vocab_fits(cfg, tokenizer, vocab_size)
+    cache = cache_for(cfg, files, tokenizer)
+    if not cache.tokens.exists():
+        from launcher.data.build import build_cache, check_text_key
+
+        check_text_key(files, cfg.text_key)
+        build_cache(files, cfg.text_key, tokenizer, cfg.workers, cache)
+    elif announce:
+        print(f"data=text: reusing the cached tokens {cache.tokens}", flush=True)
+    return cache
+
+
+def open_text(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens, document starts, vocabulary size) of the configured corpus's cache."""
+    cache = ensure_cache(cfg)
+    return np.memmap(cache.tokens, dtype=cache.dtype, mode="r"), np.load(cache.docs), cache.vocab_size
+
+
+def split_documents(tokens: np.ndarray, starts: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation): the last `val_fraction` of the documents (at least one) are held out whole."""
+    n_docs = starts.size - 1
+    n_val = min(max(round(n_docs * val_fraction), 1), n_docs)
+    cut = int(starts[n_docs - n_val])
+    return tokens[:cut], tokens[cut:]
