@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.conftest import ROOT, run_cli
+from tests.textdata import train_bpe, write_corpus
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLACEHOLDER = re.compile(r"\b(DATE|TIME|NAME|FILE)\b|\.\.\.")
@@ -68,6 +70,12 @@ def test_documented_command_runs(doc: str, command: str, tmp_path: Path) -> None
     if args is None:
         pytest.skip(COVERED.get(command, "placeholder path, or a SLURM submission (tests/test_slurm.py)"))
     (np.arange(4096, dtype=np.uint16) % 256).tofile(tmp_path / "train.bin")  # for `data=tokens data.path=train.bin`
+    if "data=text" in args:  # corpus/ (.jsonl, .txt, .parquet), tokenizer.json and a model folder my-model/
+        write_corpus(tmp_path / "corpus", max_chars=100_000)
+        train_bpe(tmp_path / "tokenizer.json", vocab_size=512)
+        (tmp_path / "my-model").mkdir()
+        shutil.copy(tmp_path / "tokenizer.json", tmp_path / "my-model" / "tokenizer.json")
+        (tmp_path / "my-model" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
     if "--shell-completion" in args:
         args = ["train", "--shell-completion", "install=bash"]
     result = run_cli(*args, cwd=tmp_path)

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,21 @@ import numpy as np
 
 from launcher.config import make_dir
 from launcher.data import tokenizer as tok
-from launcher.data.text import BUILDERS, TextCache
 from launcher.errors import LauncherError
+
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets' loaders
+
+
+@dataclass(frozen=True)
+class TextCache:
+    tokens: Path  # flat token ids (uint16 or uint32 by vocabulary), written last: its presence means complete
+    docs: Path  # int64 start offset of every document, then the total
+    vocab_size: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
+
 
 READ_ROWS = 64  # rows per read from a file
 CHUNK_CHARS = 1 << 18  # characters per encoding task: large enough to amortize a call, small enough to balance

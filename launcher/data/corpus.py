@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from launcher.config import DataConfig, LauncherError, make_dir
+from launcher.data.build import TextCache
 from launcher.data.loader import min_tokens
 
 
@@ -77,7 +78,13 @@ def open_tokens(path: str, dtype: str, key: str) -> np.ndarray:
         raise LauncherError(f"{key}={path}: cannot read it ({err.strerror})") from None
 
 
-def load_splits(cfg: DataConfig) -> Splits:
+def load_splits(cfg: DataConfig, text: TextCache | None = None) -> Splits:
+    """The configured source's tokens, split; `text`: the data=text cache when the caller has it."""
+    if cfg.name == "text":  # the held-out split is whole documents (data.val_path is refused)
+        from launcher.data.text import ensure_cache, open_splits
+
+        cache = text or ensure_cache(cfg)
+        return Splits(*open_splits(cache, cfg.val_fraction), cache.vocab_size)
     if cfg.name == "stdlib":
         cache = stdlib_cache_path(cfg)
         if not cache.exists():
@@ -89,12 +96,6 @@ def load_splits(cfg: DataConfig) -> Splits:
             raise LauncherError("data.path is missing: data=tokens needs data.path=FILE (a flat token file)")
         tokens = open_tokens(cfg.path, cfg.dtype, "data.path")
         vocab = 0  # checked lazily against the model: scanning a large file here would be slow
-    elif cfg.name == "text":
-        from launcher.data.text import open_text, split_documents
-
-        tokens, starts, vocab = open_text(cfg)
-        if not cfg.val_path:  # the held-out split is whole documents
-            return Splits(*split_documents(tokens, starts, cfg.val_fraction), vocab)
     else:
         raise LauncherError(f"data.name={cfg.name}: use data=stdlib, data=tokens or data=text")
     if cfg.val_path:
@@ -120,11 +121,12 @@ def check_source(cfg: DataConfig, vocab_size: int, seq_len: int, evaluates: bool
     """Fail before any worker starts when the configured data cannot be read, is too short for one
     sequence (the validation split only matters when the run `evaluates`), or does not fit the model.
     data=text builds its token cache here, once, before any worker starts."""
+    text = None
     if cfg.name == "text":
         from launcher.data.text import ensure_cache
 
-        ensure_cache(cfg, vocab_size, announce=True)
-    splits = load_splits(cfg)
+        text = ensure_cache(cfg, vocab_size, announce=True)
+    splits = load_splits(cfg, text)
     train = ("data.path", cfg.path) if cfg.name in ("tokens", "text") else ("data.max_bytes", cfg.max_bytes)
     val = ("data.val_path", cfg.val_path) if cfg.val_path else train
     need = min_tokens(seq_len)

@@ -5,35 +5,23 @@ under data.cache_dir holds the documents' tokens back to back, each as [BOS] tok
 memory-mapped file, beside their start offsets (so the validation split is whole documents). Its name
 hashes the files' contents, the text key and the tokenizer's files: a changed corpus or tokenizer
 builds a new cache, anything else (a path, a timestamp, a copy) reuses it. The launcher builds it
-before any worker starts (`check_text`), so workers only open it (`open_text`).
+before any worker starts (`ensure_cache`, from data.corpus.check_source), so workers only open it.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from launcher.config import DataConfig
 from launcher.data import tokenizer as tok
+from launcher.data.build import BUILDERS, TextCache, build_cache, check_text_key
 from launcher.errors import LauncherError
 
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets' loaders
 CACHE_VERSION = "text-v1"  # bump when the cache layout changes
-
-
-@dataclass(frozen=True)
-class TextCache:
-    tokens: Path  # flat token ids (uint16 or uint32 by vocabulary), written last: its presence means complete
-    docs: Path  # int64 start offset of every document, then the total
-    vocab_size: int
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
 
 
 def corpus_files(pattern: str | None) -> list[Path]:
@@ -48,7 +36,7 @@ def corpus_files(pattern: str | None) -> list[Path]:
         files.update(matched)
     for f in files:
         if f.suffix not in BUILDERS:
-            raise LauncherError(f"data.path: {f} is not .txt, .jsonl or .parquet: convert it, or leave it out")
+            raise LauncherError(f"data.path: {f} is not .txt, .jsonl (.json) or .parquet: convert it, or leave it out")
     return sorted(files)
 
 
@@ -96,8 +84,6 @@ def ensure_cache(cfg: DataConfig, vocab_size: int | None = None, announce: bool 
         check_vocab_fits(cfg, tokenizer, vocab_size)
     cache = cache_for(cfg, files, tokenizer)
     if not cache.tokens.exists():
-        from launcher.data.build import build_cache, check_text_key
-
         check_text_key(files, cfg.text_key)
         build_cache(files, cfg.text_key, tokenizer, cfg.workers, cache)
     elif announce:
@@ -105,14 +91,10 @@ def ensure_cache(cfg: DataConfig, vocab_size: int | None = None, announce: bool 
     return cache
 
 
-def open_text(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens, document starts, vocabulary size) of the configured corpus's cache."""
-    cache = ensure_cache(cfg)
-    return np.memmap(cache.tokens, dtype=cache.dtype, mode="r"), np.load(cache.docs), cache.vocab_size
-
-
-def split_documents(tokens: np.ndarray, starts: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation): the last `val_fraction` of the documents (at least one) are held out whole."""
+def open_splits(cache: TextCache, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) tokens of a built cache: the last `val_fraction` of the documents (at least
+    one) are held out whole."""
+    tokens, starts = np.memmap(cache.tokens, dtype=cache.dtype, mode="r"), np.load(cache.docs)
     n_docs = starts.size - 1
     n_val = min(max(round(n_docs * val_fraction), 1), n_docs)
     cut = int(starts[n_docs - n_val])
