@@ -38,7 +38,7 @@ class TextCache:
 
 
 READ_ROWS = 64  # rows per read from a file
-CHUNK_CHARS = 1 << 18  # characters per encoding task: large enough to amortize a call, small enough to balance
+CHUNK_CHARS = 1 << 16  # characters per encoding task: large enough to amortize a call, small enough to balance
 
 
 def read_file(path: Path) -> Any:
@@ -87,14 +87,16 @@ def documents(files: list[Path], text_key: str) -> Iterator[list[str]]:
         key = column(path, text_key)
         try:
             for batch in read_file(path).select_columns([key]).iter(batch_size=READ_ROWS):
-                texts = [t for t in batch[key] if t]
-                if any(not isinstance(t, str) for t in texts):
-                    raise LauncherError(f"data.text_key={text_key}: {path} has a '{key}' that is not text")
-                chunk += texts
-                size += sum(map(len, texts))
-                if size >= CHUNK_CHARS:
-                    yield chunk
-                    chunk, size = [], 0
+                for text in batch[key]:
+                    if not text:
+                        continue
+                    if not isinstance(text, str):
+                        raise LauncherError(f"data.text_key={text_key}: {path} has a '{key}' that is not text")
+                    chunk.append(text)
+                    size += len(text)
+                    if size >= CHUNK_CHARS:
+                        yield chunk
+                        chunk, size = [], 0
         except LauncherError:
             raise
         except Exception as err:
