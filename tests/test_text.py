@@ -6,12 +6,16 @@ The tokenizer is a small BPE trained here from the standard library (tests/textd
 from __future__ import annotations
 
 import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from launcher.data import text, tokenizer
+from launcher.data.build import encode
 from launcher.data.corpus import load_splits
 from launcher.data.text import corpus_files, ensure_cache
 from tests.conftest import assert_bad_input, losses, make_config, run_cli, tiny_args
@@ -60,6 +64,44 @@ def test_cache_holds_whole_documents_and_is_the_same_for_any_worker_count(corpus
     # the validation split is whole documents: it starts where a document starts
     assert splits.train.size in set(starts.tolist()) and splits.train.size + splits.val.size == tokens.size
     assert splits.vocab_size == tok.get_vocab_size()
+
+
+def test_cache_is_keyed_by_content_and_built_once_by_concurrent_processes(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(corpus / "corpus", copy)
+    cfg = make_config(*text_args(corpus, tmp_path / "cache"), f"data.path={copy}/*.jsonl", "data.workers=1")
+    with ThreadPoolExecutor(2) as pool:  # two builders at once (each opens the lock on its own, as processes do)
+        built = list(pool.map(lambda _: ensure_cache(cfg.data, VOCAB), range(2)))
+    assert built[0] == built[1] and capsys.readouterr().out.count("data=text: tokenized") == 1
+    hashed, real = [], text.file_digest
+    monkeypatch.setattr(text, "file_digest", lambda path: hashed.append(path) or real(path))
+    assert ensure_cache(cfg.data) == built[0]  # a worker opening it does not read the corpus again
+    assert all(p.suffix != ".jsonl" for p in hashed), hashed
+    with (copy / "part-0.jsonl").open("a") as f:  # an edit makes another cache
+        f.write(json.dumps({"text": "one more document"}) + "\n")
+    assert ensure_cache(cfg.data).tokens != built[0].tokens
+    assert [p.name for p in hashed if p.suffix == ".jsonl"] == ["part-0.jsonl"]
+
+
+def test_bos_and_eos_come_from_the_model_folder(tmp_path: Path) -> None:
+    """A folder's tokenizer_config.json names the special tokens: each document is BOS tokens EOS."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.train_from_iterator(["some text", "more text"], trainers.BpeTrainer(special_tokens=["<s>", "</s>"]))
+    (tmp_path / "model").mkdir()
+    backend.save(str(tmp_path / "model" / "tokenizer.json"))
+    (tmp_path / "model" / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}})
+    )
+    loaded = tokenizer.load(str(tmp_path / "model"))
+    assert (loaded.bos_id, loaded.eos_id) == (backend.token_to_id("<s>"), backend.token_to_id("</s>"))
+    tokens, lengths = encode(loaded, ["some text", "more"])
+    ids = backend.encode("some text", add_special_tokens=False).ids
+    assert tokens[: len(ids) + 2].tolist() == [loaded.bos_id, *ids, loaded.eos_id] and lengths[0] == len(ids) + 2
 
 
 def test_trains_from_a_fresh_cache_reuses_it_and_resumes_exactly(corpus: Path, tmp_path: Path) -> None:

@@ -10,18 +10,24 @@ before any worker starts (`ensure_cache`, from data.corpus.check_source), so wor
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from launcher.config import DataConfig
+from launcher.config import DataConfig, make_dir
 from launcher.data import tokenizer as tok
 from launcher.data.build import BUILDERS, TextCache, build_cache, check_text_key
 from launcher.errors import LauncherError
 
 CACHE_VERSION = "text-v1"  # bump when the cache layout changes
+MEMO = "file-digests.json"  # content hashes of corpus files by (path, size, mtime), beside the caches
 
 
 def corpus_files(pattern: str | None) -> list[Path]:
@@ -53,13 +59,40 @@ def file_digest(path: Path) -> str:
 
 def cache_for(cfg: DataConfig, files: list[Path], tokenizer: tok.Tokenizer) -> TextCache:
     """Where the cache of these files and this tokenizer lives: the name is a hash of their contents."""
+    root = Path(cfg.cache_dir).expanduser()
     h = hashlib.sha256(f"{CACHE_VERSION}|{cfg.text_key}|{tokenizer.eos_id}|{tokenizer.bos_id}".encode())
-    for f in files:  # contents (and kind: a .txt is one document), not names: a copied corpus hits the cache
-        h.update(f"|{BUILDERS[f.suffix]}:{file_digest(f)}".encode())
+    # contents (and kind: a .txt is one document), not names: a copied corpus hits the cache
+    for f, digest in zip(files, digests(files, root)):
+        h.update(f"|{BUILDERS[f.suffix]}:{digest}".encode())
     for f in tok.source_files(tokenizer.path):
         h.update(f"|tok:{f.name}:{file_digest(f)}".encode())
-    root = Path(cfg.cache_dir).expanduser() / f"text-{h.hexdigest()[:16]}"
-    return TextCache(root.with_suffix(".tokens"), root.with_suffix(".docs.npy"), tokenizer.vocab_size)
+    base = root / f"text-{h.hexdigest()[:16]}"
+    return TextCache(base.with_suffix(".tokens"), base.with_suffix(".docs.npy"), tokenizer.vocab_size)
+
+
+def digests(files: list[Path], cache_dir: Path) -> list[str]:
+    """The files' content hashes, remembered in cache_dir by (path, size, mtime) as make and git do, so
+    that each worker and each later run does not read the whole corpus again; an edited file's size or
+    mtime changes, and it is hashed anew."""
+    memo_file = cache_dir / MEMO
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    found, fresh = [], {}
+    for f in files:
+        st = f.stat()
+        key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        digest = memo.get(key) or fresh.get(key) or file_digest(f)
+        if key not in memo:
+            fresh[key] = digest
+        found.append(digest)
+    if fresh:  # a lost race between two writers only costs a later run one more hash
+        make_dir(cache_dir, "data.cache_dir")
+        tmp = memo_file.with_name(f"{MEMO}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo | fresh))
+        tmp.replace(memo_file)
+    return found
 
 
 def check_vocab_fits(cfg: DataConfig, tokenizer: tok.Tokenizer, vocab_size: int) -> None:
@@ -85,10 +118,26 @@ def ensure_cache(cfg: DataConfig, vocab_size: int | None = None, announce: bool 
     cache = cache_for(cfg, files, tokenizer)
     if not cache.tokens.exists():
         check_text_key(files, cfg.text_key)
-        build_cache(files, cfg.text_key, tokenizer, cfg.workers, cache)
-    elif announce:
+        with build_lock(cache):  # processes that start together (torchrun ranks, runs sharing a cache) build it once
+            if not cache.tokens.exists():
+                build_cache(files, cfg.text_key, tokenizer, cfg.workers, cache)
+                return cache
+    if announce:
         print(f"data=text: reusing the cached tokens {cache.tokens}", flush=True)
     return cache
+
+
+@contextmanager
+def build_lock(cache: TextCache) -> Iterator[None]:
+    """An exclusive lock beside the cache, held while one process builds it (the rename alone keeps a
+    reader from half a file; the lock keeps a second process from tokenizing the corpus again)."""
+    make_dir(cache.tokens.parent, "data.cache_dir")
+    with cache.tokens.with_suffix(".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def open_splits(cache: TextCache, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
