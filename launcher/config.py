@@ -90,7 +90,7 @@ class DataConfig:
     cache_dir: str = "${cache_dir}"  # the tokenized corpus
     tokenizer: str | None = None  # data=text: a Hugging Face tokenizer.json or a local model folder
     text_key: str = "text"  # data=text: the field of a .jsonl/.parquet row that holds the document
-    workers: int | None = ranged(None, ge=1, integer=True)  # data=text: tokenizing processes (None: one per core)
+    workers: int | None = ranged(None, ge=1, integer=True)  # data=text: tokenizing threads (None: one per core)
 
 
 @dataclass
