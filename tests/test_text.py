@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from launcher.data import text, tokenizer
-from launcher.data.build import encode
+from launcher.data.build import TextCache, encode
 from launcher.data.corpus import load_splits
 from launcher.data.text import corpus_files, ensure_cache
 from tests.conftest import assert_bad_input, losses, make_config, run_cli, tiny_args
@@ -156,3 +156,9 @@ def test_bad_text_input_is_one_line_before_any_worker(
     result = run_cli("train", *text_args(corpus, tmp_path / "cache", "corpus/*"), *args, cwd=tmp_path)
     assert_bad_input(result, expected, tmp_path)
     assert not list((tmp_path / "cache").glob("text-*")), "bad input builds no cache"
+
+
+def test_token_width_follows_the_vocabulary() -> None:
+    """uint16 holds ids up to 65535: a larger vocabulary (Llama 3's 128256) is stored as uint32."""
+    widths = {v: TextCache(Path("t"), Path("d"), v).dtype for v in (512, 65536, 65537, 128256)}
+    assert widths == {512: np.uint16, 65536: np.uint16, 65537: np.uint32, 128256: np.uint32}
