@@ -245,11 +245,11 @@ class TrainConfig:
     dp_shard: Any = "auto"  # FSDP degree inside dp; auto: all of dp (1 = plain DDP)
     dp_replicate: Any = "auto"  # DDP degree inside dp (HSDP when both > 1)
     sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | auto
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv | dualpipev | auto
     # per step per dp rank (pipeline microbatches, or accumulation steps without pipelining);
     # None: batch.global / (batch.micro x dp), or 2 x pp without batch.global (1 without pipelining)
     microbatches: int | None = None
-    virtual_stages: int = 1
+    virtual_stages: int = 1  # zbv and dualpipev: always 2 (a V of two stages per rank)
     recompute: str = "none"  # none | selective | full | auto
 
     compile: Any = "auto"  # torch.compile per block: true | false | auto (on for cuda, off for cpu)
@@ -286,7 +286,8 @@ def register() -> None:
 register()
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # pipeline schedules (launcher/parallel/pipeline.py)
+# pipeline schedules (launcher/parallel/pipeline.py); the last three are zero-bubble schedules
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")  # activation checkpointing (launcher/parallel/recompute.py)
 CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),

@@ -26,7 +26,7 @@ from typing import Any
 
 from launcher.config import TrainConfig
 from launcher.flops import GIB
-from launcher.layout import Layout, build_mesh, rank_of, rank_stages, stage_layers
+from launcher.layout import Layout, build_mesh, rank_of, stage_layers
 
 PER_RANK_LINES = 64  # above this many ranks, memory is printed per group of identical ranks
 
@@ -57,7 +57,7 @@ def rank_model(template: Any, cfg: TrainConfig, layout: Layout, rank: int) -> An
     """A fresh meta model holding the blocks of this rank's pipeline stages, under their global names."""
     from torch import nn
 
-    stages = rank_stages(layout.coordinates(rank)["pp"], layout.pp, layout.chunks) if layout.pp > 1 else [0]
+    stages = layout.pp_stages(layout.coordinates(rank)["pp"]) if layout.pp > 1 else [0]
     per_stage = stage_layers(cfg.model.n_layers, layout.stages)
     model = copy.deepcopy(template)
     block = model.layers["0"]

@@ -25,6 +25,9 @@ from typing import Any
 
 from launcher.config import LauncherError, ModelConfig, TrainConfig
 
+MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")  # schedules with virtual stages
+V_SHAPED = ("zbv", "dualpipev")  # exactly two stages per rank, in a V: rank r holds r and 2 pp - 1 - r
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # backward split into input and weight gradients
 DEGREES = ("tp", "pp", "dp", "dp_shard", "dp_replicate")  # the config keys of the parallel degrees
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the rank order above
 
@@ -38,7 +41,7 @@ class Layout:
     micro: int = 1  # sequences per microbatch per data-parallel rank
     microbatches: int = 1  # per step per dp rank: pipeline microbatches, or accumulation steps
     schedule: str = "1f1b"  # pipeline schedule (config.SCHEDULES), read when pp > 1
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+    virtual_stages: int = 1  # model chunks per pipeline rank (MULTI_STAGE schedules; V_SHAPED: 2)
     recompute: str = "none"  # config.RECOMPUTE
     sequence_parallel: bool = False
     # expert (ep) and context (cp) parallel degrees join here, and in MESH_DIMS, when they arrive
@@ -70,6 +73,19 @@ class Layout:
     def chunks(self) -> int:
         """Model chunks per pipeline rank: the virtual stages when pipelined, else 1."""
         return self.virtual_stages if self.pp > 1 else 1
+
+    @property
+    def v_shape(self) -> bool:
+        """Stages placed in a V (zbv, dualpipev): the first and the last stage share pipeline rank 0."""
+        return self.pp > 1 and self.schedule in V_SHAPED
+
+    @property
+    def zero_bubble(self) -> bool:
+        return self.pp > 1 and self.schedule in ZERO_BUBBLE
+
+    def pp_stages(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` holds (`rank_stages` with this layout's placement)."""
+        return rank_stages(pp_rank, self.pp, self.chunks, self.v_shape)
 
     @property
     def sharding(self) -> str:
@@ -234,8 +250,12 @@ def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
 
 
-def rank_stages(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """The stages one pipeline rank holds: r, r + pp, ... (the looped placement of interleaved 1F1B)."""
+def rank_stages(pp_rank: int, pp: int, virtual_stages: int, v_shape: bool = False) -> list[int]:
+    """The stages one pipeline rank holds: r, r + pp, ... (the looped placement of interleaved 1F1B),
+    or r and 2 pp - 1 - r in a V (zbv, dualpipev: torch's `generate_stage_to_rank_mapping(style="v")`,
+    so rank 0 holds both the embedding and the loss)."""
+    if v_shape:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(virtual_stages)]
 
 
@@ -263,11 +283,22 @@ def _sequence_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
 
 
 def _stages(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
-    if lay.virtual_stages > 1 and lay.schedule != "interleaved_1f1b":
-        return f"virtual_stages={lay.virtual_stages} needs pp_schedule=interleaved_1f1b (got {lay.schedule})"
-    if lay.pp * lay.virtual_stages > m.n_layers:
+    if lay.virtual_stages > 1 and lay.schedule not in MULTI_STAGE:
         return (
-            f"pp x virtual_stages = {lay.pp} x {lay.virtual_stages} = {lay.pp * lay.virtual_stages} stages exceed "
+            f"virtual_stages={lay.virtual_stages} needs pp_schedule=interleaved_1f1b or interleaved_zb "
+            f"(got {lay.schedule})"
+        )
+    if lay.schedule in V_SHAPED and lay.virtual_stages != 2:
+        return f"pp_schedule={lay.schedule} holds exactly 2 stages per rank (a V): set virtual_stages=2"
+    stages = lay.pp * lay.virtual_stages
+    if stages > m.n_layers and lay.schedule in V_SHAPED:
+        return (
+            f"pp_schedule={lay.schedule} needs 2 x pp = {stages} stages, more than model.n_layers={m.n_layers}: "
+            f"use pp <= {m.n_layers // 2} or pp_schedule=1f1b"
+        )
+    if stages > m.n_layers:
+        return (
+            f"pp x virtual_stages = {lay.pp} x {lay.virtual_stages} = {stages} stages exceed "
             f"model.n_layers={m.n_layers}: use at most {m.n_layers} stages (uneven splits are fine)"
         )
     if lay.pp > 1 and m.tied_embeddings:
@@ -286,10 +317,15 @@ def _microbatches(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
             f"{lay.microbatches} microbatches per step cannot fill pp={lay.pp} stages: set microbatches "
             f"(or batch.global / (batch.micro x dp)) to at least {lay.pp}"
         )
-    if lay.schedule == "interleaved_1f1b" and lay.microbatches % lay.pp:
+    if lay.schedule in ("interleaved_1f1b", "interleaved_zb") and lay.microbatches % lay.pp:
         return (
-            f"microbatches={lay.microbatches} is not a multiple of pp={lay.pp} (interleaved_1f1b): "
+            f"microbatches={lay.microbatches} is not a multiple of pp={lay.pp} ({lay.schedule}): "
             f"use {(lay.microbatches // lay.pp + 1) * lay.pp}"
+        )
+    if lay.schedule == "dualpipev" and lay.microbatches < 2 * lay.pp:
+        return (
+            f"{lay.microbatches} microbatches per step cannot fill the 2 x pp = {2 * lay.pp} stages of dualpipev: "
+            f"set microbatches (or batch.global / (batch.micro x dp)) to at least {2 * lay.pp}"
         )
     return None
 
@@ -326,8 +362,15 @@ def from_config(cfg: TrainConfig, world: int | None) -> Layout:
         micro, replicate * shard, pp, global_batch, int_or_auto("microbatches", cfg.microbatches, None)
     )
     v = int_or_auto("virtual_stages", cfg.virtual_stages, auto=None) or 1
+    if cfg.pp_schedule in V_SHAPED and v == 1:  # the default: a V is two stages per rank
+        v = 2
     lay = Layout(tp, pp, replicate, shard, micro, count, cfg.pp_schedule, v, cfg.recompute, bool(cfg.sequence_parallel))
     check(lay, cfg.model, cfg.seq_len)
+    if lay.zero_bubble and cfg.compile is True:
+        raise LauncherError(
+            f"pp_schedule={lay.schedule} splits the backward into input and weight gradients, which torch.compile'd "
+            "stages do not support: set compile=false (compile=auto leaves these stages eager)"
+        )
     return lay
 
 
@@ -338,8 +381,8 @@ def rank_of(layout: Layout, pp: int = 0, dp_replicate: int = 0, dp_shard: int = 
 
 
 def owner_rank(layout: Layout) -> int:
-    """Rank 0 of the last pipeline stage: it owns the user-facing output."""
-    return rank_of(layout, pp=layout.pp - 1)
+    """Rank 0 of the last pipeline stage: it owns the user-facing output (pipeline rank 0 in a V)."""
+    return rank_of(layout, pp=0 if layout.v_shape else layout.pp - 1)
 
 
 def build_mesh(layout: Layout, device_type: str = "cpu", copies: int = 1):  # -> DeviceMesh

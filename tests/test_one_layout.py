@@ -36,7 +36,7 @@ def cases() -> list[tuple[str, ...]]:
     for tp, pp, schedule, batch in itertools.product((1, 2, 4), (1, 2, 4), SCHEDULES, BATCHES.values()):
         if pp == 1 and schedule != "1f1b":
             continue  # no pipeline: the schedule is not read
-        v = ("virtual_stages=2",) if schedule == "interleaved_1f1b" else ()
+        v = ("virtual_stages=2",) if schedule in ("interleaved_1f1b", "interleaved_zb") else ()
         out.append((f"tp={tp}", f"pp={pp}", f"pp_schedule={schedule}", *v, *batch))
     return out
 

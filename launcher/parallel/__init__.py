@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from launcher.compat import foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
-from launcher.layout import Layout, build_mesh, rank_stages
+from launcher.layout import Layout, build_mesh
 from launcher.model.init import materialize
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
 from launcher.parallel.pipeline import build_schedule, stage_module
@@ -233,13 +233,14 @@ def parallelize(
 def shard_model(model: nn.Module, layout: Layout, cfg: TrainConfig, mesh: Any) -> tuple[list[nn.Module], list[int]]:
     """This rank's model parts, cut and wrapped in the fixed order, and the pipeline stage of each."""
     pipelined = layout.pp > 1
-    stages = rank_stages(mesh["pp"].get_local_rank(), layout.pp, layout.chunks) if pipelined else [0]
+    stages = layout.pp_stages(mesh["pp"].get_local_rank()) if pipelined else [0]
     parts = [stage_module(model, s, layout.stages) for s in stages] if pipelined else [model]
     for part in parts:
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"], layout.sequence_parallel, local_logits=pipelined)
         apply_recompute(part, layout.recompute)
-        _compile(part, cfg)
+        if not layout.zero_bubble:  # torch splits no compiled backward into input and weight parts
+            _compile(part, cfg)
         apply_data_parallel(part, mesh, layout, pipelined=pipelined, mp_policy=fsdp_policy(cfg, layout))
     return parts, stages
 

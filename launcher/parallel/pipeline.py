@@ -16,20 +16,45 @@ Schedules: gpipe (all forwards, then all backwards: every micro-batch's activati
 once), 1f1b (after a warm-up of pp - stage forwards, one forward then one backward: at most pp
 micro-batches in flight per stage) and interleaved_1f1b (1F1B over v smaller stages per rank: the
 bubble shrinks by v). Gradients are the mean over micro-batches (`scale_grads`).
+
+Zero-bubble schedules (Qi et al. 2024) split each backward into the input gradient (I, which the
+previous stage waits for) and the weight gradient (W, which nobody waits for) and move the W's into
+the bubbles: interleaved_zb (ZB1P: looped placement, any v), zbv (ZB-V) and dualpipev (DeepSeek's
+DualPipe folded into a V), the last two with exactly two stages per rank placed in a V
+(`layout.rank_stages`: rank r holds stages r and 2 pp - 1 - r, so rank 0 holds the embedding and
+the loss). torch runs I as `autograd.grad` over the stage's inputs with the graph retained, so a
+microbatch's saved activations live until its W: the planner counts them in flight until then.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from launcher.layout import stage_layers
+from launcher.layout import ZERO_BUBBLE, stage_layers
 from launcher.model import Transformer
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 
 
 def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
@@ -48,6 +73,17 @@ def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
     return part
 
 
+def _owned(out: Any) -> Any:
+    """`out`, copied if it is a view: a zero-bubble input backward detaches each stage output (and
+    the loss) in place, which autograd refuses for views, and under TP those are `DTensor.to_local`
+    views. A copy of one activation per microbatch; no copy where the output already owns its storage."""
+    return out.clone() if isinstance(out, torch.Tensor) and out._is_view() else out
+
+
+def _owned_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
+    return lambda logits, targets: _owned(loss_fn(logits, targets))
+
+
 def build_schedule(
     modules: list[nn.Module],
     stages: list[int],
@@ -59,8 +95,12 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ):
     """The schedule object driving this rank's stages (step(x, target=, losses=) / eval(...))."""
-    pipe_stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(modules, stages)]
     cls = SCHEDULES[schedule]
-    if cls is ScheduleInterleaved1F1B:
+    if schedule in ZERO_BUBBLE:
+        for m in modules:
+            m.register_forward_hook(lambda _module, _args, out: _owned(out))
+        loss_fn = _owned_loss(loss_fn)
+    pipe_stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(modules, stages)]
+    if issubclass(cls, PipelineScheduleMulti):  # several stages per rank (the V ones place them themselves)
         return cls(pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn)
     return cls(pipe_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)

@@ -1,0 +1,106 @@
+"""Zero-bubble pipeline schedules (interleaved_zb, zbv, dualpipev) match one process: the losses and
+gradient norms of 5 steps and the gradients after step 1 (fp32, rtol 1e-4), at pp=2 and at pp=2
+with tp=2, on gloo; and a checkpoint written under one schedule resumes under another.
+
+Cases run in one launch: two 2-rank worlds (pp=2) side by side would need 4 processes already, so
+the pp=2 cases share one 2-rank world and the tp=2 x pp=2 cases one 4-rank world, one after the
+other. 2 sequences per microbatch: 4 microbatches per step (dualpipev needs 2 x pp).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from launcher.layout import Layout, owner_rank, rank_stages
+from tests.conftest import losses
+from tests.test_layout import error
+from tests.dist import run
+from tests.test_parallel import make_cfg, train_case
+
+SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+VARIANT = "pre-rmsnorm"  # SwiGLU, GQA, RoPE: the shapes the planner's memory model is exact for
+BATCH = {"micro": 2, "global": 8}
+
+
+def case(schedule: str, tp: int) -> dict[str, Any]:
+    v = {"virtual_stages": 2} if schedule == "interleaved_zb" else {}
+    return dict(tp=tp, pp=2, pp_schedule=schedule, batch=BATCH, **v)
+
+
+def run_schedules(rank: int, world_size: int, tp: int) -> dict[str, Any]:
+    return {s: train_case(make_cfg(VARIANT, case(s, tp)), world_size) for s in SCHEDULES}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    return train_case(make_cfg(VARIANT, {"batch": BATCH}), 1)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "tp2-pp2"])
+def test_zero_bubble_schedules_match_single_process(reference: dict[str, Any], tp: int) -> None:
+    per_rank = run(run_schedules, 2 * tp, tp, timeout=600)
+    for schedule in SCHEDULES:
+        grads: dict[str, torch.Tensor] = {}
+        for rank, ranks in enumerate(per_rank):
+            got = ranks[schedule]
+            msg = f"{schedule} rank {rank}"
+            torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-4, atol=0, msg=msg)
+            torch.testing.assert_close(got["norms"], reference["norms"], rtol=1e-4, atol=0, msg=msg)
+            grads.update(got["grads"])
+        assert sorted(grads) == sorted(reference["grads"]), schedule
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-4, atol=1e-6, msg=f"{schedule} {name}")
+
+
+def test_checkpoint_resumes_across_schedules(tmp_path: Path) -> None:
+    """Saved under zbv (V placement: rank 0 holds stages 0 and 3), resumed under interleaved_zb
+    (looped: rank 0 holds 0 and 2): parameter names are global, so the checkpoint does not care."""
+    from tests.test_reshard import run as run_layout
+
+    common = ("model.n_layers=4", "batch.micro=2")
+    reference = losses(run_layout(tmp_path / "ref", "single", "checkpoint.every=0", *common))
+    saved = run_layout(tmp_path, "saved", "checkpoint.every=3", "pp=2", "pp_schedule=zbv", *common)
+    checkpoint = saved / "checkpoints" / "step_00000003"
+    resumed = run_layout(
+        tmp_path, "resumed", f"resume={checkpoint}", "checkpoint.every=0", "pp=2", "pp_schedule=interleaved_zb",
+        "virtual_stages=2", *common,
+    )  # fmt: skip
+    got = losses(resumed)
+    assert sorted(got) == [4, 5, 6]
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([reference[s] for s in (4, 5, 6)], rel=1e-4)
+
+
+def test_v_placement_matches_torch_and_puts_the_loss_on_pipeline_rank_0() -> None:
+    from torch.distributed.pipelining.schedules import generate_rank_to_stage_mapping
+
+    for pp in (2, 3, 4):
+        v = generate_rank_to_stage_mapping(pp, 2 * pp, style="v")
+        loop = generate_rank_to_stage_mapping(pp, 2 * pp, style="loop")
+        for r in range(pp):
+            assert rank_stages(r, pp, 2, v_shape=True) == v[r]
+            assert rank_stages(r, pp, 2) == loop[r]
+    lay = Layout(tp=2, pp=2, microbatches=4, schedule="zbv", virtual_stages=2)
+    assert lay.pp_stages(0) == [0, 3] and owner_rank(lay) == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (("pp=4", "pp_schedule=zbv"), r"^pp_schedule=zbv needs 2 x pp = 8 stages, more than model.n_layers=4: use pp <= 2"),
+        (("pp=3", "pp_schedule=dualpipev", "microbatches=6"), r"^pp_schedule=dualpipev needs 2 x pp = 6 stages, more than"),
+        (("pp=2", "pp_schedule=interleaved_zb", "virtual_stages=4"), r"^pp x virtual_stages = 2 x 4 = 8 stages exceed"),
+        (("pp=2", "pp_schedule=zbv", "virtual_stages=3"), r"^pp_schedule=zbv holds exactly 2 stages per rank"),
+        (("pp=2", "pp_schedule=dualpipev", "microbatches=3"), r"^3 microbatches per step cannot fill the 2 x pp = 4"),
+        (("pp=2", "pp_schedule=interleaved_zb", "microbatches=3"), r"^microbatches=3 is not a multiple of pp=2 \(interleaved_zb\)"),
+        (("pp=2", "pp_schedule=zbv", "compile=true"), r"^pp_schedule=zbv splits the backward .* set compile=false"),
+        (("virtual_stages=2", "pp_schedule=1f1b"), r"^virtual_stages=2 needs pp_schedule=interleaved_1f1b or interleaved_zb"),
+    ],
+)
+def test_bad_schedule_layouts_fail_with_one_line(overrides: tuple[str, ...], expected: str) -> None:
+    import re
+
+    assert re.search(expected, error(*overrides)), error(*overrides)
