@@ -17,8 +17,8 @@ import torch
 
 from launcher.layout import Layout, owner_rank, rank_stages
 from tests.conftest import losses
-from tests.test_layout import error
 from tests.dist import run
+from tests.test_layout import error
 from tests.test_parallel import make_cfg, train_case
 
 SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
@@ -90,14 +90,26 @@ def test_v_placement_matches_torch_and_puts_the_loss_on_pipeline_rank_0() -> Non
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (("pp=4", "pp_schedule=zbv"), r"^pp_schedule=zbv needs 2 x pp = 8 stages, more than model.n_layers=4: use pp <= 2"),
-        (("pp=3", "pp_schedule=dualpipev", "microbatches=6"), r"^pp_schedule=dualpipev needs 2 x pp = 6 stages, more than"),
+        (
+            ("pp=4", "pp_schedule=zbv"),
+            r"^pp_schedule=zbv needs 2 x pp = 8 stages, more than model.n_layers=4: use pp <= 2",
+        ),
+        (
+            ("pp=3", "pp_schedule=dualpipev", "microbatches=6"),
+            r"^pp_schedule=dualpipev needs 2 x pp = 6 stages, more than",
+        ),
         (("pp=2", "pp_schedule=interleaved_zb", "virtual_stages=4"), r"^pp x virtual_stages = 2 x 4 = 8 stages exceed"),
         (("pp=2", "pp_schedule=zbv", "virtual_stages=3"), r"^pp_schedule=zbv holds exactly 2 stages per rank"),
         (("pp=2", "pp_schedule=dualpipev", "microbatches=3"), r"^3 microbatches per step cannot fill the 2 x pp = 4"),
-        (("pp=2", "pp_schedule=interleaved_zb", "microbatches=3"), r"^microbatches=3 is not a multiple of pp=2 \(interleaved_zb\)"),
+        (
+            ("pp=2", "pp_schedule=interleaved_zb", "microbatches=3"),
+            r"^microbatches=3 is not a multiple of pp=2 \(interleaved_zb\)",
+        ),
         (("pp=2", "pp_schedule=zbv", "compile=true"), r"^pp_schedule=zbv splits the backward .* set compile=false"),
-        (("virtual_stages=2", "pp_schedule=1f1b"), r"^virtual_stages=2 needs pp_schedule=interleaved_1f1b or interleaved_zb"),
+        (
+            ("virtual_stages=2", "pp_schedule=1f1b"),
+            r"^virtual_stages=2 needs pp_schedule=interleaved_1f1b or interleaved_zb",
+        ),
     ],
 )
 def test_bad_schedule_layouts_fail_with_one_line(overrides: tuple[str, ...], expected: str) -> None:
