@@ -49,6 +49,32 @@ def fake_store() -> Store:
     return FakeStore()
 
 
+def schedule_actions(schedule: type, pp: int, stages: list[list[int]], microbatches: int) -> dict[int, list]:
+    """The compute actions torch's `schedule` (a PipelineScheduleMulti class) runs on each pipeline
+    rank, in order, as plain (kind, microbatch, stage) tuples: kind F, B, I or W; an overlapped
+    forward-backward pair (DualPipeV) as its two parts. `pipeline_order` and `_Action` are private;
+    the schedule is built (not run) for rank 0 of a fake process group, every rank's order being
+    computed on each rank. `stages[r]`: the stages rank r holds."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=pp)
+    try:
+        n = sum(map(len, stages))
+        parts = [PipelineStage(nn.Identity(), s, n, torch.device("cpu")) for s in stages[0]]
+        built = schedule(parts, n_microbatches=microbatches, loss_fn=lambda out, target: out.sum())
+        kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+        out: dict[int, list] = {}
+        for rank, actions in built.pipeline_order.items():
+            flat = [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))]
+            out[rank] = [(kinds[a.computation_type.name], a.microbatch_index, a.stage_index) for a in flat]
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def local_shard_extent(
     shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:

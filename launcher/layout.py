@@ -83,6 +83,11 @@ class Layout:
     def zero_bubble(self) -> bool:
         return self.pp > 1 and self.schedule in ZERO_BUBBLE
 
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank holding the last stage (the output projection and the loss)."""
+        return 0 if self.v_shape else self.pp - 1
+
     def pp_stages(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank `pp_rank` holds (`rank_stages` with this layout's placement)."""
         return rank_stages(pp_rank, self.pp, self.chunks, self.v_shape)
@@ -288,7 +293,7 @@ def _stages(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
             f"virtual_stages={lay.virtual_stages} needs pp_schedule=interleaved_1f1b or interleaved_zb "
             f"(got {lay.schedule})"
         )
-    if lay.schedule in V_SHAPED and lay.virtual_stages != 2:
+    if lay.pp > 1 and lay.schedule in V_SHAPED and lay.virtual_stages != 2:
         return f"pp_schedule={lay.schedule} holds exactly 2 stages per rank (a V): set virtual_stages=2"
     stages = lay.pp * lay.virtual_stages
     if stages > m.n_layers and lay.schedule in V_SHAPED:
@@ -382,7 +387,7 @@ def rank_of(layout: Layout, pp: int = 0, dp_replicate: int = 0, dp_shard: int = 
 
 def owner_rank(layout: Layout) -> int:
     """Rank 0 of the last pipeline stage: it owns the user-facing output (pipeline rank 0 in a V)."""
-    return rank_of(layout, pp=0 if layout.v_shape else layout.pp - 1)
+    return rank_of(layout, pp=layout.last_rank)
 
 
 def build_mesh(layout: Layout, device_type: str = "cpu", copies: int = 1):  # -> DeviceMesh

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from launcher import planner
 from launcher.config import LauncherError, TrainConfig
 from launcher.flops import GIB, num_params
-from launcher.layout import Layout
+from launcher.layout import ZERO_BUBBLE, Layout
 from launcher.planner import comm, memory
 from launcher.planner.device import Level
 from launcher.planner.request import problem
@@ -95,9 +95,11 @@ def plan_405b(hardware: str, devices_per_node: int):
     [("h100_sxm", 8, False), ("gb200_nvl72", 4, True), ("tpu_v5p", 4, True)],
 )
 def test_405b_on_16k_devices_needs_pipelining_only_on_8_gpu_nodes(hardware, per_node, pp1_within_5pct):
-    """16M-token batch (2048 x 8192): is the best layout without pipelining within 5% of the best?"""
+    """16M-token batch (2048 x 8192): is the best layout without pipelining within 5% of the best
+    1F1B-family layout? (Zero-bubble schedules shrink the bubble 3x and make pipelining win on
+    NVL72 too: test_zero_bubble_narrows_the_pipeline_bubble.)"""
     res = plan_405b(hardware, per_node)
-    best = res.ranked[0].time.total
+    best = min(p.time.total for p in res.ranked if p.layout.schedule not in ZERO_BUBBLE or p.layout.pp == 1)
     best_pp1 = min(p.time.total for p in res.ranked if p.layout.pp == 1)
     assert (best_pp1 <= 1.05 * best) is pp1_within_5pct, (hardware, best_pp1 / best)
 

@@ -116,3 +116,34 @@ def test_bad_schedule_layouts_fail_with_one_line(overrides: tuple[str, ...], exp
     import re
 
     assert re.search(expected, error(*overrides)), error(*overrides)
+
+
+def grid() -> list[tuple[str, int, int, int]]:
+    """(schedule, pp, virtual stages, microbatches) that torch accepts and the layout rules allow."""
+    out = []
+    for p in (2, 3, 4, 5):
+        for m in range(p, 4 * p + 1):
+            out += [("interleaved_1f1b", p, v, m) for v in (2, 3) if m % p == 0]
+            out += [("interleaved_zb", p, v, m) for v in (1, 2, 3) if m % p == 0]
+            out += [("zbv", p, 2, m)]
+            out += [("dualpipev", p, 2, m)] if m >= 2 * p else []
+    return out
+
+
+def test_planner_bubble_and_in_flight_match_torchs_action_orders() -> None:
+    """The planner's closed forms against the timeline of the orders torch runs (forward, input and
+    weight gradient equally long): the busiest rank's idle time, and each rank's peak of microbatch
+    activations held (in units of all its layers)."""
+    from launcher.compat import schedule_actions
+    from launcher.parallel.pipeline import SCHEDULES as CLASSES
+    from launcher.planner.cost import bubble_slots
+    from launcher.planner.memory import in_flight
+    from launcher.planner.timeline import peak_in_flight, simulate
+
+    for schedule, p, v, m in grid():
+        lay = Layout(pp=p, microbatches=m, schedule=schedule, virtual_stages=v)
+        orders = schedule_actions(CLASSES[schedule], p, [lay.pp_stages(r) for r in range(p)], m)
+        case = (schedule, p, v, m)
+        assert bubble_slots(lay) == pytest.approx(simulate(orders).bubble() / (3 * v)), case
+        for r in range(p):
+            assert in_flight(lay, r) == pytest.approx(peak_in_flight(orders[r]) / v), (*case, r)

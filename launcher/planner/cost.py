@@ -94,19 +94,20 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
     f_hw = hardware_flops_per_token(m, seq, layout.recompute)
     f_out = 6.0 * counts(m).output_matmul
     f_layer = (f_hw - f_out) / m.n_layers
-    layers = rank_layers(m.n_layers, p, v)
-    work = [n * f_layer + (f_out if r == p - 1 else 0.0) for r, n in enumerate(layers)]
+    layers = rank_layers(m.n_layers, p, v, layout.v_shape)
+    last = layout.last_rank
+    work = [n * f_layer + (f_out if r == last else 0.0) for r, n in enumerate(layers)]
     busiest = max(range(p), key=lambda r: work[r])
     flop_rate = machine.peak_flops * compute_efficiency(machine, m, layout)
     t_comp = tokens * work[busiest] / (t * flop_rate)
 
     act_bytes = tokens * m.dim * elem
     per_layer = 4 + (2 if layout.recompute == "full" else 0)
-    ends = (busiest == 0) + (busiest == p - 1)  # embedding forward, output backward
+    ends = (busiest == 0) + (busiest == last)  # embedding forward, output backward
     t_tp = t_host = 0.0
     if t > 1:
         t_tp = (per_layer * layers[busiest] + ends) * comm.all_reduce(lv, act_bytes, 1, t)
-        t_tp += 3 * comm.all_reduce(lv, tokens * 4.0, 1, t) if busiest == p - 1 else 0.0
+        t_tp += 3 * comm.all_reduce(lv, tokens * 4.0, 1, t) if busiest == last else 0.0
         t_host = machine.host_overhead * (layers[busiest] + ends / 2)  # both ends weigh one block
     t_p2p = 2 * v * comm.send(lv, act_bytes / t, t * layout.dp) if p > 1 else 0.0
     slot = t_comp + t_tp + t_host + t_p2p
@@ -140,13 +141,30 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
         tp_comm=mb * t_tp,
         tp_host=mb * t_host,
         pp_p2p=mb * t_p2p,
-        pp_bubble=(p - 1) / v * slot if p > 1 else 0.0,
+        pp_bubble=bubble_slots(layout) * slot,
         dp_exposed=dp_exposed,
         dp_total=dp_total,
         tp_level=_outer(machine, 1, t),
         dp_level=_outer(machine, t, layout.dp),
         pp_level=comm.level_of(lv, 2 * t * layout.dp).name if p > 1 else "",
     )
+
+
+def bubble_slots(layout: Layout) -> float:
+    """Idle time of the busiest pipeline rank, in slots (one microbatch's forward and backward of all
+    its layers), as `planner.timeline` measures it on torch's action orders: (p - 1)/v for GPipe and
+    the 1F1B family; a zero-bubble schedule fills all but one forward chunk per hop with weight
+    gradients, (p - 1) chunk forwards = (p - 1)/(3v) slots with forward, input and weight gradient
+    equally long (each one GEMM per weight); zbv with fewer than 2p - 1 microbatches cannot fill its
+    warm-up, 2(2p - 1 - m) chunk forwards."""
+    p, v, m = layout.pp, layout.chunks, layout.microbatches
+    if p == 1:
+        return 0.0
+    if layout.schedule in ("interleaved_zb", "dualpipev"):
+        return (p - 1) / (3 * v)
+    if layout.schedule == "zbv":
+        return max(p - 1, 2 * (2 * p - 1 - m)) / (3 * v)
+    return (p - 1) / v
 
 
 def _outer(machine: Machine, stride: int, size: int) -> str:

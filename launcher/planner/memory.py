@@ -78,10 +78,10 @@ def counts(m: ModelConfig) -> ParamCounts:
 
 
 @cache
-def rank_layers(n_layers: int, pp: int, chunks: int) -> tuple[int, ...]:
+def rank_layers(n_layers: int, pp: int, chunks: int, v_shape: bool = False) -> tuple[int, ...]:
     """Layers held by each pipeline rank: the runtime's stage split and placement."""
     split = stage_layers(n_layers, pp * chunks)
-    return tuple(sum(len(split[s]) for s in rank_stages(r, pp, chunks)) for r in range(pp))
+    return tuple(sum(len(split[s]) for s in rank_stages(r, pp, chunks, v_shape)) for r in range(pp))
 
 
 def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
@@ -92,12 +92,12 @@ def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
     need pp = 1: `layout.violations`).
     """
     pc, t = counts(m), layout.tp
-    n = rank_layers(m.n_layers, layout.pp, layout.chunks)[rank]
+    n = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
     total = n * (pc.per_layer_matmul // t + pc.per_layer - pc.per_layer_matmul)
     if rank == 0:
         positions = m.max_seq_len * m.dim if m.positions == "learned" else 0
         total += (pc.embedding - positions) // t + positions
-    if rank == layout.pp - 1:
+    if rank == layout.last_rank:
         total += pc.final_norm
         if not m.tied_embeddings:
             total += pc.output // t
@@ -139,6 +139,12 @@ def in_flight(layout: Layout, rank: int) -> float:
         return 1.0
     if layout.schedule == "gpipe":
         return float(m)
+    if layout.schedule == "interleaved_zb":  # ZB1P: warm-up of (v - 1) p + p - r - 1 chunks, W's lag I's
+        return float(min(m, p))
+    if layout.schedule == "zbv":  # chunk 0's warm-up 2(p - r) - 1, then r pairs and p - r chunk-1 forwards
+        return min(2 * p, m + rank + 1) / 2
+    if layout.schedule == "dualpipev":  # 2p + 1 chunks on every rank (m >= 2p)
+        return (2 * p + 1) / 2
     if layout.chunks > 1:
         v = layout.chunks
         return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v  # Megatron's warm-up depth
@@ -154,7 +160,7 @@ def memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str) -> Me
 def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int) -> Memory:
     params = rank_params(m, layout, rank)
     s = layout.dp_shard
-    layers = rank_layers(m.n_layers, layout.pp, layout.chunks)[rank]
+    layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
     pc = counts(m)
     layer_params = pc.per_layer_matmul // layout.tp + pc.per_layer - pc.per_layer_matmul
     if s > 1 and layout.pp > 1:  # gathered for the whole step, gradients unsharded until the end
@@ -170,7 +176,7 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     if layout.recompute == "full":
         acts += working * tokens
     logits = 0.0
-    if rank == layout.pp - 1:
+    if rank == layout.last_rank:
         held = layout.microbatches if (layout.schedule == "gpipe" and layout.pp > 1) else 1
         logits = tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * held
     return Memory(

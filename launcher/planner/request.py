@@ -48,7 +48,7 @@ def space(cfg: TrainConfig, world: int, explore: bool) -> Space:
     degrees = given_degrees(cfg)
     check_world(world, degrees)
     schedule = None if cfg.pp_schedule == "auto" else cfg.pp_schedule
-    interleaved = schedule == "interleaved_1f1b"
+    interleaved = schedule in ("interleaved_1f1b", "interleaved_zb")
     virtual = int_or_auto("virtual_stages", cfg.virtual_stages, auto=None) or 1
     searched_v = virtual == 1 and (schedule is None or (explore and interleaved))
     return Space(

@@ -6,8 +6,9 @@ What is searched (a key given an int or a name in the config constrains it; `aut
 - batch.micro: divisors of the per-rank batch (global / dp) up to MAX_MICRO. Without batch.global:
   micro in (1, 2, 4, 8), so each layout trains its own global batch. The microbatch count follows
   from the runtime's rule (`layout.microbatch_count`).
-- pp_schedule `auto`: 1f1b, and interleaved_1f1b with virtual_stages in (2, 4, 8). gpipe is only
-  taken when asked for: it has 1F1B's bubble and holds all microbatches.
+- pp_schedule `auto`: 1f1b; interleaved_1f1b with virtual_stages in (2, 4, 8); the zero-bubble
+  schedules: interleaved_zb with virtual_stages in (1, 2, 4, 8), zbv and dualpipev (2, in a V). gpipe
+  is only taken when asked for: it has 1F1B's bubble and holds all microbatches.
 Every candidate then passes the runtime's own rules (`layout.violations`: tp divides the model,
 stages fit the layers, microbatches fill the pipeline, ...) or is skipped; the first rule broken is
 kept for the error when nothing is valid.
@@ -25,7 +26,7 @@ from typing import Any
 
 from launcher.config import RECOMPUTE, LauncherError, ModelConfig
 from launcher.flops import GIB, flops_per_token, hardware_flops_per_token, mfu
-from launcher.layout import Layout, divisors, microbatch_count, split_dp, violations
+from launcher.layout import V_SHAPED, ZERO_BUBBLE, Layout, divisors, microbatch_count, split_dp, violations
 from launcher.planner.cost import StepTime, compute_efficiency, step_time
 from launcher.planner.device import Machine
 from launcher.planner.memory import FUSED_ATTENTION, Memory, memory
@@ -205,13 +206,16 @@ def _micro_options(space: Space, dp: int) -> list[int]:
 
 
 def _schedules(space: Space, pp: int) -> Iterator[tuple[str, int]]:
-    if pp == 1 or (space.schedule and space.schedule != "interleaved_1f1b"):
+    if pp == 1:
         yield space.schedule or "1f1b", space.virtual_stages or 1
         return
-    if space.schedule is None:
-        yield "1f1b", 1
-    for v in [space.virtual_stages] if space.virtual_stages else AUTO_VIRTUAL:
-        yield "interleaved_1f1b", v
+    for name in [space.schedule] if space.schedule else ["1f1b", "interleaved_1f1b", *ZERO_BUBBLE]:
+        if name in V_SHAPED:
+            yield name, 2
+        elif name in ("interleaved_1f1b", "interleaved_zb") and not space.virtual_stages:
+            yield from ((name, v) for v in ((1,) if name == "interleaved_zb" else ()) + AUTO_VIRTUAL)
+        else:
+            yield name, space.virtual_stages or 1
 
 
 @dataclass
