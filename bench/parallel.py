@@ -158,7 +158,7 @@ class SavedTensorMeter:
             self.live += entry[1]
             self.peak = max(self.peak, self.live)
         entry[0] += 1
-        holder = _Saved(t)
+        holder = _Saved(t.detach())  # not `t`: an output saved with its grad_fn would form a cycle
         weakref.finalize(holder, self._release, key)
         return holder
 

@@ -60,6 +60,20 @@ def test_local_shard_extent_follows_dtensor_chunking() -> None:
     assert compat.local_shard_extent((8, 6), (2, 2), (1, 0), [Replicate(), Shard(1)]) == ((8, 3), (0, 0))
 
 
+def test_schedule_actions_reads_torchs_pipeline_order() -> None:
+    from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleaved1F1B
+
+    orders = compat.schedule_actions(ScheduleInterleaved1F1B, 2, [[0, 2], [1, 3]], 2)
+    assert orders[0][:4] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 2), ("F", 1, 2)]
+    assert sorted(orders[1]) == sorted([(k, mb, s) for k in "FB" for mb in (0, 1) for s in (1, 3)])
+    dual = compat.schedule_actions(ScheduleDualPipeV, 2, [[0, 3], [1, 2]], 4)  # overlapped pairs unfolded
+    for r, stages in enumerate([[0, 3], [1, 2]]):
+        for s in stages:
+            for mb in range(4):
+                done = [k for k, m, st in dual[r] if (m, st) == (mb, s)]
+                assert done in (["F", "B"], ["F", "I", "W"]), (r, s, mb, done)
+
+
 def test_foreach_norm_and_mul() -> None:
     tensors = [torch.tensor([3.0, 4.0]), torch.ones(4)]
     assert [n.item() for n in compat.foreach_norm(tensors)] == [5.0, 2.0]

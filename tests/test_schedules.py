@@ -147,3 +147,35 @@ def test_planner_bubble_and_in_flight_match_torchs_action_orders() -> None:
         assert bubble_slots(lay) == pytest.approx(simulate(orders).bubble() / (3 * v)), case
         for r in range(p):
             assert in_flight(lay, r) == pytest.approx(peak_in_flight(orders[r]) / v), (*case, r)
+
+
+def test_docs_timelines_are_the_planners() -> None:
+    """Each timeline picture in docs/parallelism.md is what `bench.schedules.timeline_text` draws now."""
+    import re
+
+    from bench.schedules import timeline_text
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "parallelism.md").read_text()
+    pattern = r"<!-- timeline: (\w+) pp=(\d+) microbatches=(\d+) virtual_stages=(\d+) -->\n```text\n(.*?)\n```"
+    pictures = re.findall(pattern, text, re.S)
+    assert {p[0] for p in pictures} == {"interleaved_1f1b", *SCHEDULES}
+    for schedule, pp, m, v, picture in pictures:
+        assert picture == timeline_text(schedule, int(pp), int(m), int(v)), schedule
+
+
+def test_timeline_of_a_hand_written_1f1b_order() -> None:
+    """Two stages, two microbatches, 1F1B by hand: the bubble is (p - 1) x (F + B) = 3, stage 0 holds
+    both microbatches; an order that waits on itself is reported, not hung on."""
+    from launcher.planner.timeline import peak_in_flight, render, simulate
+
+    orders = {
+        0: [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)],
+        1: [("F", 0, 1), ("B", 0, 1), ("F", 1, 1), ("B", 1, 1)],
+    }
+    t = simulate(orders)
+    assert (t.makespan, t.bubble()) == (9.0, 3.0)
+    assert [peak_in_flight(orders[r]) for r in (0, 1)] == [2.0, 1.0]
+    assert render(t).splitlines()[1] == "rank 1 |  ..  F0  B0  B0  F1  B1  B1  ..  .."
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate({0: [("B", 0, 0), ("F", 0, 0)]})
