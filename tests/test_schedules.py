@@ -137,7 +137,7 @@ def test_planner_bubble_and_in_flight_match_torchs_action_orders() -> None:
     from launcher.compat import schedule_actions
     from launcher.parallel.pipeline import SCHEDULES as CLASSES
     from launcher.planner.cost import bubble_slots
-    from launcher.planner.memory import in_flight
+    from launcher.planner.memory import in_flight, logits_in_flight
     from launcher.planner.timeline import peak_in_flight, simulate
 
     for schedule, p, v, m in grid():
@@ -147,6 +147,8 @@ def test_planner_bubble_and_in_flight_match_torchs_action_orders() -> None:
         assert bubble_slots(lay) == pytest.approx(simulate(orders).bubble() / (3 * v)), case
         for r in range(p):
             assert in_flight(lay, r) == pytest.approx(peak_in_flight(orders[r]) / v), (*case, r)
+        last = {s: float(s == p * v - 1) for s in range(p * v)}  # the loss's stage only
+        assert logits_in_flight(lay) == peak_in_flight(orders[lay.last_rank], last), case
 
 
 def test_docs_timelines_are_the_planners() -> None:

@@ -151,6 +151,15 @@ def in_flight(layout: Layout, rank: int) -> float:
     return float(min(m, p - rank))
 
 
+def logits_in_flight(layout: Layout) -> int:
+    """Microbatches whose logits (and the loss's fp32 log-softmax) the last stage holds at once:
+    GPipe all; interleaved_zb p (its loss's graph lives from the input to the weight backward,
+    which ZB1P runs p microbatches later); every other schedule one."""
+    if layout.pp == 1:
+        return 1
+    return {"gpipe": layout.microbatches, "interleaved_zb": layout.pp}.get(layout.schedule, 1)
+
+
 def memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str) -> Memory:
     """Memory of the busiest device (the first or the last pipeline rank)."""
     ranks = {0, layout.pp - 1}
@@ -177,7 +186,7 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
         acts += working * tokens
     logits = 0.0
     if rank == layout.last_rank:
-        held = layout.microbatches if (layout.schedule == "gpipe" and layout.pp > 1) else 1
+        held = logits_in_flight(layout)
         logits = tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * held
     return Memory(
         params=MASTER_BYTES * params / s,
