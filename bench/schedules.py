@@ -91,7 +91,8 @@ def worker(rank: int, world: int, names: list[str], steps: int) -> dict[str, dic
             train_step(runner, optimizer, tokens)
             out[name]["times"].append(time.perf_counter() - t0)
     for r in out.values():
-        r["time"] = statistics.median(r.pop("times"))
+        times = r.pop("times")
+        r["time"] = statistics.median(times) if times else float("nan")
     return out
 
 

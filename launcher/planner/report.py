@@ -27,7 +27,9 @@ def _schedule(p: Prediction) -> str:
     lay = p.layout
     if lay.pp == 1:
         return "-"
-    return f"interleaved x{lay.chunks}" if lay.chunks > 1 else lay.schedule
+    if lay.schedule == "interleaved_1f1b":
+        return f"interleaved x{lay.chunks}"
+    return f"{lay.schedule} x{lay.chunks}" if lay.schedule == "interleaved_zb" else lay.schedule
 
 
 def _fmt_rate(x: float) -> str:
