@@ -42,9 +42,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from launcher.layout import ZERO_BUBBLE, stage_layers
+from launcher.layout import MULTI_STAGE, ZERO_BUBBLE, stage_layers
 from launcher.model import Transformer
 
 SCHEDULES = {
@@ -101,6 +100,6 @@ def build_schedule(
             m.register_forward_hook(lambda _module, _args, out: _owned(out))
         loss_fn = _owned_loss(loss_fn)
     pipe_stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(modules, stages)]
-    if issubclass(cls, PipelineScheduleMulti):  # several stages per rank (the V ones place them themselves)
+    if schedule in MULTI_STAGE:  # a list of this rank's stages (the V schedules place them themselves)
         return cls(pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn)
     return cls(pipe_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)

@@ -27,7 +27,7 @@ its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from functools import cache
 
 from launcher.config import ModelConfig
@@ -66,12 +66,12 @@ class Memory:
         return out
 
 
-_COUNTS: dict[tuple, ParamCounts] = {}
+_COUNTS: dict[str, ParamCounts] = {}
 
 
 def counts(m: ModelConfig) -> ParamCounts:
     """flops.param_counts, memoised on the model's fields (the search asks thousands of times)."""
-    key = astuple(m)
+    key = repr(m)  # the fields, nested ones too, without astuple's deep copies (the search's hot path)
     if key not in _COUNTS:
         _COUNTS[key] = param_counts(m)
     return _COUNTS[key]
