@@ -100,19 +100,21 @@ def foreach_mul_(tensors: list[torch.Tensor], scale: float) -> None:
     torch._foreach_mul_(tensors, scale)
 
 
-def attention_and_reduce_scatter_ops() -> set[Any]:
-    """The ops selective recompute keeps the outputs of, under their private names: the attention
-    kernels `scaled_dot_product_attention` dispatches to (CPU, flash, efficient, cuDNN), and the
-    functional reduce-scatter that sequence parallelism issues."""
+def attention_and_collective_ops() -> set[Any]:
+    """The non-matmul ops selective recompute keeps the outputs of, under their private names: the
+    attention kernels `scaled_dot_product_attention` dispatches to (CPU, flash, efficient, cuDNN),
+    and the functional all-reduce / reduce-scatter that finish a row-parallel matmul under tensor
+    (and sequence) parallelism, so that recomputation never repeats a collective."""
     import torch
 
-    aten = torch.ops.aten
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     return {
         aten._scaled_dot_product_flash_attention_for_cpu.default,
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_flash_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,
-        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        c10d.all_reduce.default,
+        c10d.reduce_scatter_tensor.default,
     }
 
 

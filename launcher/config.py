@@ -215,6 +215,15 @@ class SlurmConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """FSDP2 (dp_shard > 1). reshard_after_forward: always (ZeRO-3: parameters re-gathered for
+    backward), never (ZeRO-2: kept gathered from forward to backward, gradients and optimizer state
+    still sharded), auto (torchtitan's default by stage: always without pipelining, never with it)."""
+
+    reshard_after_forward: str = "auto"
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -227,6 +236,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     steps: int = ranged(200, ge=0)  # 0: build every rank's shards for real, report memory, stop
     smoke: bool = False  # with steps=0: also run one forward/backward on one microbatch
@@ -251,6 +261,9 @@ class TrainConfig:
     microbatches: int | None = None
     virtual_stages: int = 1  # zbv and dualpipev: always 2 (a V of two stages per rank)
     recompute: str = "none"  # none | selective | full | auto
+    # blocks of each pipeline stage (each model chunk) recomputed in full, the rest per `recompute`;
+    # auto: the planner's smallest count that fits (launcher/parallel/recompute.py)
+    recompute_layers: Any = 0
 
     compile: Any = "auto"  # torch.compile per block: true | false | auto (on for cuda, off for cpu)
     # bf16 on cuda, fp32 on cpu; bf16 is FSDP2's mixed-precision policy where cuda shards with FSDP,
@@ -289,6 +302,7 @@ register()
 # pipeline schedules (launcher/parallel/pipeline.py); the last three are zero-bubble schedules
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")  # activation checkpointing (launcher/parallel/recompute.py)
+RESHARD = ("always", "never", "auto")  # fsdp.reshard_after_forward (launcher/parallel/data.py)
 CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.norm_position": ("pre", "post"),
@@ -298,6 +312,7 @@ CHOICES = {
     "data.dtype": ("uint16", "uint32"),
     "pp_schedule": (*SCHEDULES, "auto"),  # auto: the planner's choice
     "recompute": (*RECOMPUTE, "auto"),
+    "fsdp.reshard_after_forward": RESHARD,
     "dtype": ("auto", "fp32", "bf16"),
     "metrics.console": ("auto", "rich", "plain", "none"),
     "metrics.wandb.mode": ("offline", "online", "disabled"),

@@ -104,20 +104,20 @@ def flops_per_token(m: ModelShape, seq_len: int) -> float:
     return 6.0 * param_counts(m).matmul(m.n_layers) + attention_flops_per_token(m, seq_len)
 
 
-def hardware_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> float:
-    """FLOPs actually executed per token: model FLOPs plus the recomputed forward.
+def hardware_flops_per_token(m: ModelShape, seq_len: int, recomputed_layers: float = 0) -> float:
+    """FLOPs actually executed per token: model FLOPs plus the forward of the blocks recomputed in full
+    (`recomputed_layers` of the n_layers: all under recompute=full, N per stage under recompute_layers).
 
-    full recompute re-runs each block's forward (1/3 of the block FLOPs again). selective recompute
-    (launcher/parallel/recompute.py) keeps the outputs of matmuls and attention and re-runs only
-    norms and elementwise ops, which are not matmul FLOPs: it adds nothing here. (Megatron's
-    selective recompute of the attention core has no analogue with fused SDPA, which never stores
-    the score matrix and recomputes it inside its own backward.)
+    A fully recomputed block re-runs its forward: 1/3 of its FLOPs again. Selective recompute
+    (launcher/parallel/recompute.py) keeps the outputs of the matmuls and of attention and re-runs only
+    norms and elementwise ops, which are not matmul FLOPs: it adds nothing here (its time is the
+    planner's, launcher/planner/cost.py).
     """
     base = flops_per_token(m, seq_len)
-    if recompute == "full":
-        block = 6.0 * m.n_layers * param_counts(m).per_layer_matmul
-        return base + (block + attention_flops_per_token(m, seq_len)) / 3.0
-    return base
+    if not recomputed_layers:
+        return base
+    block = 6.0 * m.n_layers * param_counts(m).per_layer_matmul + attention_flops_per_token(m, seq_len)
+    return base + block / 3.0 * recomputed_layers / m.n_layers
 
 
 def mfu(tokens_per_s_per_device: float, model_flops_per_token: float, peak_flops: float) -> float:

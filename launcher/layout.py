@@ -42,8 +42,10 @@ class Layout:
     microbatches: int = 1  # per step per dp rank: pipeline microbatches, or accumulation steps
     schedule: str = "1f1b"  # pipeline schedule (config.SCHEDULES), read when pp > 1
     virtual_stages: int = 1  # model chunks per pipeline rank (MULTI_STAGE schedules; V_SHAPED: 2)
-    recompute: str = "none"  # config.RECOMPUTE
+    recompute: str = "none"  # config.RECOMPUTE: the policy of every block not in recompute_layers
     sequence_parallel: bool = False
+    recompute_layers: int = 0  # blocks of each stage (model chunk) recomputed in full, the first ones
+    reshard: str = "auto"  # fsdp.reshard_after_forward: always (ZeRO-3) | never (ZeRO-2) | auto (by stage)
     # expert (ep) and context (cp) parallel degrees join here, and in MESH_DIMS, when they arrive
 
     @property
@@ -93,6 +95,17 @@ class Layout:
         return rank_stages(pp_rank, self.pp, self.chunks, self.v_shape)
 
     @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP frees gathered parameters after forward (ZeRO-3) or keeps them for backward (ZeRO-2);
+        auto: torchtitan's default, ZeRO-3 without pipelining (where every microbatch would re-gather
+        a resharded stage), ZeRO-2 with it."""
+        return self.reshard == "always" or (self.reshard == "auto" and self.pp == 1)
+
+    def full_layers(self, stage_size: int) -> int:
+        """Blocks of a stage of `stage_size` blocks that keep only their input (full recompute)."""
+        return stage_size if self.recompute == "full" else min(self.recompute_layers, stage_size)
+
+    @property
     def sharding(self) -> str:
         if self.dp_shard > 1:
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
@@ -124,7 +137,9 @@ class Layout:
             "pp_schedule": self.schedule,
             "virtual_stages": self.virtual_stages,
             "recompute": self.recompute,
+            "recompute_layers": self.recompute_layers,
             "sequence_parallel": self.sequence_parallel,
+            "fsdp.reshard_after_forward": self.reshard,
         }
 
 
@@ -135,6 +150,15 @@ def int_or_auto(key: str, value: Any, auto: str | None = "auto") -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LauncherError(f"{key}={value!r}: expected a positive integer or {auto or 'null'}")
+    return value
+
+
+def recompute_layers_of(value: Any) -> int | None:
+    """`recompute_layers`: a count >= 0, or None for auto (the planner's choice)."""
+    if value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LauncherError(f"recompute_layers={value!r}: expected an integer >= 0 or auto")
     return value
 
 
@@ -335,8 +359,25 @@ def _microbatches(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
     return None
 
 
+def _recompute(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+    if lay.recompute_layers == 0:
+        return None
+    if lay.recompute == "full":
+        return (
+            f"recompute_layers={lay.recompute_layers} with recompute=full: every block is recomputed already; "
+            "set recompute_layers=0 or recompute=none|selective"
+        )
+    smallest = min(len(s) for s in stage_layers(m.n_layers, lay.stages))
+    if lay.recompute_layers > smallest:
+        return (
+            f"recompute_layers={lay.recompute_layers} exceeds the {smallest} blocks of the smallest pipeline stage "
+            f"(model.n_layers={m.n_layers} over {lay.stages} stages): use at most {smallest}, or recompute=full"
+        )
+    return None
+
+
 Rule = Callable[[Layout, ModelConfig, int], str | None]
-RULES: tuple[Rule, ...] = (_tensor_parallel, _sequence_parallel, _stages, _microbatches)
+RULES: tuple[Rule, ...] = (_tensor_parallel, _sequence_parallel, _stages, _microbatches, _recompute)
 
 
 def violations(lay: Layout, m: ModelConfig, seq_len: int) -> Iterator[str]:
@@ -369,7 +410,11 @@ def from_config(cfg: TrainConfig, world: int | None) -> Layout:
     v = int_or_auto("virtual_stages", cfg.virtual_stages, auto=None) or 1
     if cfg.pp_schedule in V_SHAPED and v == 1:  # the default: a V is two stages per rank
         v = 2
-    lay = Layout(tp, pp, replicate, shard, micro, count, cfg.pp_schedule, v, cfg.recompute, bool(cfg.sequence_parallel))
+    layers = recompute_layers_of(cfg.recompute_layers)
+    if layers is None:
+        raise LauncherError("recompute_layers=auto is the planner's choice: give a world size or a value")
+    sp, reshard = bool(cfg.sequence_parallel), cfg.fsdp.reshard_after_forward
+    lay = Layout(tp, pp, replicate, shard, micro, count, cfg.pp_schedule, v, cfg.recompute, sp, layers, reshard)
     check(lay, cfg.model, cfg.seq_len)
     if lay.zero_bubble and cfg.compile is True:
         raise LauncherError(

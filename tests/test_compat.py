@@ -85,8 +85,8 @@ def test_sdpa_on_cpu_dispatches_to_an_op_selective_recompute_saves() -> None:
     """Otherwise selective recompute would silently recompute attention (and save nothing)."""
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-    ops = compat.attention_and_reduce_scatter_ops()
-    assert all(isinstance(op, torch._ops.OpOverload) for op in ops) and len(ops) == 5
+    ops = compat.attention_and_collective_ops()
+    assert all(isinstance(op, torch._ops.OpOverload) for op in ops) and len(ops) == 6
     seen = set()
 
     def record(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:

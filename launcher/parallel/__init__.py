@@ -216,7 +216,7 @@ def parallelize(
     group when not given.
     """
     if layout.world_size == 1 and mesh is None:
-        apply_recompute(model, layout.recompute)
+        apply_recompute(model, layout)
         _compile(model, cfg)
         materialize([model], cfg.seed, device)
         return Runner(model, layout.micro, autocast)
@@ -238,10 +238,10 @@ def shard_model(model: nn.Module, layout: Layout, cfg: TrainConfig, mesh: Any) -
     for part in parts:
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"], layout.sequence_parallel, local_logits=pipelined)
-        apply_recompute(part, layout.recompute)
+        apply_recompute(part, layout)
         if not layout.zero_bubble:  # torch splits no compiled backward into input and weight parts
             _compile(part, cfg)
-        apply_data_parallel(part, mesh, layout, pipelined=pipelined, mp_policy=fsdp_policy(cfg, layout))
+        apply_data_parallel(part, mesh, layout, mp_policy=fsdp_policy(cfg, layout))
     return parts, stages
 
 

@@ -7,6 +7,12 @@
 - dp_shard = 1, dp_replicate > 1: DDP (the composable `replicate`: whole parameters on every rank,
   gradients all-reduced).
 
+`fsdp.reshard_after_forward` (`Layout.reshard_after_forward`): always frees each block's gathered
+parameters after its forward and re-gathers them for backward (ZeRO-3); never keeps them from
+forward to backward (ZeRO-2: one gather per microbatch instead of two, the stage's parameters held
+whole at the end of forward; gradients and optimizer state stay sharded); auto is torchtitan's
+default by stage: always without pipelining, never with it (every microbatch would re-gather).
+
 Each block is its own FSDP unit (one all-gather / reduce-scatter per block, overlapped by FSDP's
 prefetching), and the rest (embeddings, final norm, output) is the root unit. Under tensor
 parallelism the parameters are already DTensors on the tp mesh; FSDP adds the dp dimension (2-D
@@ -26,7 +32,7 @@ from launcher.layout import Layout
 
 
 def apply_data_parallel(
-    model: nn.Module, mesh: DeviceMesh, layout: Layout, pipelined: bool, mp_policy: MixedPrecisionPolicy | None = None
+    model: nn.Module, mesh: DeviceMesh, layout: Layout, mp_policy: MixedPrecisionPolicy | None = None
 ) -> None:
     """Wrap `model` (a whole model or a pipeline stage) in FSDP / HSDP / DDP over the dp mesh dims;
     `mp_policy`: FSDP's mixed precision (launcher/precision.py), None for parameters' own dtype."""
@@ -34,9 +40,7 @@ def apply_data_parallel(
         return
     if layout.dp_shard > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-        # under pipelining every micro-batch would re-gather a resharded block: keep blocks gathered
-        # from forward to backward (torchtitan does the same)
-        shard_blocks(model, dp_mesh, not pipelined, mp_policy)
+        shard_blocks(model, dp_mesh, layout.reshard_after_forward, mp_policy)
     else:
         replicate(model, mesh=mesh["dp_replicate"])
     if dist.get_backend(mesh.get_group("dp_shard" if layout.dp_shard > 1 else "dp_replicate")) == "gloo":

@@ -1,11 +1,23 @@
-"""Activation checkpointing, per transformer block: `recompute=none|selective|full`.
+"""Activation checkpointing, per transformer block: `recompute=none|selective|full` and
+`recompute_layers=N`.
 
-- full: a block keeps only its input; backward re-runs its forward (Chen et al. 2016). Saves
-  the most memory, costs one more forward of every block.
-- selective: a block keeps the outputs of its expensive ops (matmuls, attention, and the
-  reduce-scatter of sequence parallelism) and recomputes the cheap ones (norms, activations,
-  rotary embeddings, elementwise ops) - in the spirit of Korthikanti et al. 2022, as a
-  torch.utils.checkpoint selective-checkpoint policy.
+- full: a block keeps only its input; backward re-runs its forward (Chen et al. 2016). Saves the
+  most memory, costs one more forward of every block (+1/3 of its FLOPs).
+- selective: an op-level policy (torch.utils.checkpoint's selective checkpoint API, as torchtitan's
+  op-level SAC and Megatron's / MaxText's policies): a block keeps its input and the outputs of its
+  weight matmuls, and recomputes everything else in backward - norms, activations, RoPE, residual
+  adds, dropout (same RNG state). No matmul is repeated, so it costs no matmul FLOPs, only
+  elementwise work. Two choices beyond "save the matmuls":
+  * attention (SDPA): its output and log-sum-exp are saved. Recomputing them would repeat the
+    quadratic attention kernel (4 s h FLOPs per token forward, the block's costliest op at long
+    sequences) to free one h_q-wide tensor; and SDPA's backward needs that output anyway.
+  * tensor parallelism: a row-parallel matmul (input sharded on its contraction dimension) makes a
+    partial sum that a collective completes; its output is recomputed and the collective's output
+    (all-reduce, or sequence parallelism's reduce-scatter) saved instead, so recomputation never
+    repeats an all-reduce or reduce-scatter and the partial sum is not stored twice.
+- recompute_layers=N: the first N blocks of each stage (each model chunk under interleaving) are
+  recomputed in full, the rest follow `recompute` (none or selective): Megatron's partial recompute,
+  a step between no recompute and full recompute for a layout that needs a little memory.
 
 The block's `forward` is wrapped in place (no wrapper module), so parameter names do not change.
 """
@@ -17,24 +29,33 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from launcher.compat import attention_and_reduce_scatter_ops
+from launcher.compat import attention_and_collective_ops
+from launcher.layout import Layout
 
-SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    *attention_and_reduce_scatter_ops(),
-}
+aten = torch.ops.aten
+MATMULS = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0}  # op → index of its input
+SAVE_OPS = attention_and_collective_ops()
 
 
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def _partial_sum(op: Any, args: tuple) -> bool:
+    """A row-parallel matmul: its input is sharded on the contraction (last) dimension, so the output
+    is a partial sum that a collective finishes (and that collective's output is saved)."""
+    x = args[MATMULS[op]]
+    return isinstance(x, DTensor) and any(p.is_shard(x.ndim - 1) for p in x.placements)
+
+
+def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective recompute's policy over ops (see the module docstring)."""
+    if op in MATMULS and not _partial_sum(op, args):
+        return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts() -> Any:
-    return create_selective_checkpoint_contexts(_policy)
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _checkpointed(forward: Any, selective: bool, *args: Any) -> Any:
@@ -42,9 +63,15 @@ def _checkpointed(forward: Any, selective: bool, *args: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
 
-def apply_recompute(model: nn.Module, mode: str) -> None:
-    """Checkpoint every block of `model` (a whole model or a pipeline stage) in place."""
-    if mode == "none":
-        return
-    for block in model.layers.values():
-        block.forward = functools.partial(_checkpointed, block.forward, mode == "selective")
+def block_modes(n_blocks: int, layout: Layout) -> list[str]:
+    """The recompute of each block of a stage, in order: the first `recompute_layers` in full."""
+    full = layout.full_layers(n_blocks)
+    return ["full"] * full + [layout.recompute] * (n_blocks - full)
+
+
+def apply_recompute(model: nn.Module, layout: Layout) -> None:
+    """Checkpoint the blocks of `model` (a whole model or a pipeline stage) in place."""
+    blocks = list(model.layers.values())
+    for block, mode in zip(blocks, block_modes(len(blocks), layout)):
+        if mode != "none":
+            block.forward = functools.partial(_checkpointed, block.forward, mode == "selective")

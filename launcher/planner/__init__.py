@@ -24,7 +24,8 @@ from launcher.planner.search import Prediction, Problem, Result, predict, search
 
 __all__ = ["resolve", "run_plan", "plan", "Prediction", "Layout"]
 
-SEARCHED = ("tp", "pp", "pp_schedule", "recompute", "batch.micro")  # `auto` here: the planner chooses
+# `auto` here: the planner chooses
+SEARCHED = ("tp", "pp", "pp_schedule", "recompute", "recompute_layers", "batch.micro")
 
 
 def plan(cfg: TrainConfig, world: int, explore: bool = False) -> tuple[Problem, Result]:

@@ -8,9 +8,13 @@ width at which both would take equal time. Without sequence parallelism TP leave
 (REPLICATED) of that work undivided, so per device it weighs g = 1 + REPLICATED (t - 1) times more.
 FLOPs are the hardware FLOPs of `flops.py` (recompute included).
 
+Recompute: a block recomputed in full costs 4/3 of its FLOPs (flops.py); selective recompute
+repeats no matmul, only the block's forward non-matmul work (a third of its non-matmul time).
+
 Tensor parallelism: 4 all-reduces of b s h activations per layer and microbatch (2 forward, 2
-backward; with sequence parallelism the same bytes as all-gather + reduce-scatter), 2 more when full
-recompute repeats the forward, one for the vocabulary-parallel embedding (forward) and one for the
+backward; with sequence parallelism the same bytes as all-gather + reduce-scatter), 2 more in a
+block that full recompute repeats (1 under selective recompute with sequence parallelism: it
+re-gathers the two column-parallel inputs), one for the vocabulary-parallel embedding (forward) and one for the
 output projection (backward) on the stages that hold them, and 3 small ones of b s floats for the
 vocabulary-parallel loss (max, sum of exponentials, target logit); none of it overlaps compute. On a
 CPU the host is the device, so DTensor's dispatch (the machine's calibrated host_overhead per block
@@ -35,7 +39,7 @@ from launcher.flops import flops_per_token, hardware_flops_per_token
 from launcher.layout import Layout
 from launcher.planner import comm
 from launcher.planner.device import Machine
-from launcher.planner.memory import GRAD_BYTES, counts, rank_layers, rank_params
+from launcher.planner.memory import GRAD_BYTES, counts, full_layers, rank_layers, rank_params, recomputed_layers
 
 # Model width at which the non-matmul work takes as long as the matmuls. It scales with the device's
 # FLOP/byte ratio: accelerators (~150-300 FLOP per byte of memory traffic) share one value, set by the
@@ -76,11 +80,16 @@ class StepTime:
         return out
 
 
-def compute_efficiency(machine: Machine, m: ModelConfig, layout: Layout) -> float:
-    """Achieved share of peak for this model and layout (see the module docstring)."""
+def non_matmul_share(machine: Machine, m: ModelConfig, layout: Layout) -> float:
+    """Time of the non-matmul work relative to the matmul work (H0 g / h, the module docstring)."""
     t = layout.tp
     spread = 1.0 if layout.sequence_parallel or t == 1 else 1.0 + REPLICATED * (t - 1)
-    return machine.matmul_efficiency / (1.0 + H0.get(machine.kind, H0["cuda"]) * spread / m.dim)
+    return H0.get(machine.kind, H0["cuda"]) * spread / m.dim
+
+
+def compute_efficiency(machine: Machine, m: ModelConfig, layout: Layout) -> float:
+    """Achieved share of peak for this model and layout (see the module docstring)."""
+    return machine.matmul_efficiency / (1.0 + non_matmul_share(machine, m, layout))
 
 
 def _exposed(comm_s: float, window: float, buckets: int, contention: float) -> float:
@@ -95,12 +104,17 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
     t, p, v, mb = layout.tp, layout.pp, layout.chunks, layout.microbatches
     tokens = layout.micro * seq
     f_model = flops_per_token(m, seq)
-    f_hw = hardware_flops_per_token(m, seq, layout.recompute)
+    f_hw = hardware_flops_per_token(m, seq, recomputed_layers(m.n_layers, layout))
     f_out = 6.0 * counts(m).output_matmul
-    f_layer = (f_hw - f_out) / m.n_layers
+    f_layer = (f_model - f_out) / m.n_layers  # without recompute; a fully recomputed block: x 4/3
     layers = rank_layers(m.n_layers, p, v, layout.v_shape)
     last = layout.last_rank
-    work = [n * f_layer + (f_out if r == last else 0.0) for r, n in enumerate(layers)]
+    full = [full_layers(m.n_layers, layout, r) for r in range(p)]
+    work = [(n + full[r] / 3.0) * f_layer + (f_out if r == last else 0.0) for r, n in enumerate(layers)]
+    # selective recompute repeats a block's forward non-matmul work: a third of its non-matmul time
+    share = non_matmul_share(machine, m, layout)
+    sel = [(n - full[r]) * share / 3.0 if layout.recompute == "selective" else 0.0 for r, n in enumerate(layers)]
+    work = [w + sel[r] * f_layer / (1.0 + share) for r, w in enumerate(work)]
     busiest = max(range(p), key=lambda r: work[r])
     flop_rate = machine.peak_flops * compute_efficiency(machine, m, layout)
     t_comp = tokens * work[busiest] / (t * flop_rate)
@@ -108,11 +122,15 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
         t_comp *= 1 + (SPLIT_BACKWARD_CPU - 1) * (f_hw - f_model / 3.0) / f_hw
 
     act_bytes = tokens * m.dim * elem
-    per_layer = 4 + (2 if layout.recompute == "full" else 0)
+    # a fully recomputed block repeats its forward all-reduces; selective saves the collectives' outputs
+    # (sequence parallelism: it re-gathers the inputs of the two column-parallel groups, half the bytes)
+    sp_regather = 1.0 if layout.recompute == "selective" and layout.sequence_parallel else 0.0
     ends = (busiest == 0) + (busiest == last)  # embedding forward, output backward
+    n, k = layers[busiest], full[busiest]
+    all_reduces = 4 * n + 2 * k + sp_regather * (n - k) + ends
     t_tp = t_host = 0.0
     if t > 1:
-        t_tp = (per_layer * layers[busiest] + ends) * comm.all_reduce(lv, act_bytes, 1, t)
+        t_tp = all_reduces * comm.all_reduce(lv, act_bytes, 1, t)
         t_tp += 3 * comm.all_reduce(lv, tokens * 4.0, 1, t) if busiest == last else 0.0
         t_host = machine.host_overhead * (layers[busiest] + ends / 2)  # both ends weigh one block
     t_p2p = 2 * v * comm.send(lv, act_bytes / t, t * layout.dp) if p > 1 else 0.0
@@ -130,7 +148,11 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
         gather = comm.all_gather(lv, elem * params, t, s)
         scatter = comm.reduce_scatter(lv, GRAD_BYTES * params, t, s)
         cross = comm.all_reduce(lv, GRAD_BYTES * params / s, t * s, rep) if rep > 1 else 0.0
-        if p == 1:  # ZeRO-3: gather for forward and again for backward, reduce-scatter every microbatch
+        if p == 1 and not layout.reshard_after_forward:  # ZeRO-2: one gather per microbatch, kept for backward
+            dp_total = mb * (gather + scatter) + cross
+            dp_exposed = mb * _exposed(gather, fwd, buckets, c)
+            dp_exposed += (mb - 1) * _exposed(scatter, bwd, buckets, c) + _exposed(scatter + cross, bwd, buckets, c)
+        elif p == 1:  # ZeRO-3: gather for forward and again for backward, reduce-scatter every microbatch
             dp_total = mb * (2 * gather + scatter) + cross
             dp_exposed = mb * _exposed(gather, fwd, buckets, c)
             dp_exposed += (mb - 1) * _exposed(gather + scatter, bwd, buckets, c)

@@ -6,7 +6,9 @@ weight cache, or FSDP's gathered bf16 layers). Sharding: FSDP/ZeRO-3 divides the
 dp_shard; with pp = 1 it gathers two layers at a time (current + prefetched) and holds one layer's
 unsharded gradient; with pp > 1, torch.distributed.pipelining keeps the stage's parameters gathered
 and its gradients unsharded from the first microbatch to the last (one gather and one reduce-scatter
-per step), which costs compute-dtype + fp32 bytes for every parameter of the stage.
+per step), which costs compute-dtype + fp32 bytes for every parameter of the stage. ZeRO-2
+(fsdp.reshard_after_forward=never, pp = 1) keeps every gathered layer from its forward to its
+backward: the rank's parameters whole in the compute dtype at the end of forward.
 
 Activations per layer follow Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes for GPT with fp16
 activations and dropout), rebuilt term by term so that other shapes fit:
@@ -18,8 +20,13 @@ activations and dropout), rebuilt term by term so that other shapes fit:
   and output. With fused attention (SDPA flash / memory-efficient kernels, which the runtime uses)
   the a s-sized tensors are never stored, only a log-sum-exp per head (fp32).
 For GPT (f = 4h, h_q = h_kv = h, dropout, 2-byte activations) this gives exactly 10 + 24/t and
-5as/(ht). Selective recompute drops the attention core; full recompute keeps each layer's input
-(2sbh, /t with sequence parallelism) and needs one layer's full activations while it recomputes.
+5as/(ht). Full recompute keeps each layer's input (2sbh, /t with sequence parallelism) and needs one
+layer's full activations while it recomputes. Selective recompute (the op-level policy of
+launcher/parallel/recompute.py) keeps the layer's input and the outputs of its matmuls and of
+attention: Q, K, V, the attention output and its log-sum-exp (sharded), the MLP's up projections
+(SwiGLU: gate and up, 2f; GELU: f, sharded), and the two row-parallel results (the output and down
+projections, h each: the all-reduced, or with sequence parallelism the reduce-scattered, tensor).
+`recompute_layers=N` recomputes N blocks of each stage in full and the rest per the policy.
 The busiest pipeline rank holds activations for the microbatches in flight: GPipe all m, 1F1B up to
 p on the first rank (p - r on rank r), interleaved 1F1B 2(p - r - 1) + (v - 1)p + 1 chunks of 1/v of
 its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v)).
@@ -27,7 +34,7 @@ its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from launcher.config import ModelConfig
@@ -109,8 +116,18 @@ def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
 EAGER_NORM_STATS = True
 
 
+def selective_bytes(m: ModelConfig, layout: Layout, elem: int) -> float:
+    """Saved bytes per token of one layer under the selective policy (see the module docstring)."""
+    h, t, f = m.dim, layout.tp, m.ffn_dim
+    hq, hkv = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m)
+    replicated = 3 * elem * h  # the input and the two row-parallel results
+    sharded = elem * (2 * hq + 2 * hkv + (2 if m.mlp == "swiglu" else 1) * f) + 4.0 * m.n_heads
+    return (replicated / t if layout.sequence_parallel else replicated) + sharded / t
+
+
 def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) -> tuple[float, float]:
-    """(saved bytes per token of one layer, bytes per token of one layer's full working set)."""
+    """(saved bytes per token of one layer under `layout.recompute`, bytes per token of one layer's
+    full working set)."""
     h, t, f = m.dim, layout.tp, m.ffn_dim
     hq, hkv, a = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m), m.n_heads
     mask = 1 if m.dropout > 0 else 0
@@ -128,8 +145,19 @@ def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) 
     if layout.recompute == "full":
         return (elem * h / t if layout.sequence_parallel else elem * h), full
     if layout.recompute == "selective":
-        return full - core / t, full
+        return selective_bytes(m, layout, elem), full
     return full, full
+
+
+def full_layers(n_layers: int, layout: Layout, rank: int) -> int:
+    """Blocks of pipeline rank `rank` recomputed in full (`recompute_layers` of each of its stages)."""
+    split = stage_layers(n_layers, layout.stages)
+    return sum(layout.full_layers(len(split[s])) for s in layout.pp_stages(rank))
+
+
+def recomputed_layers(n_layers: int, layout: Layout) -> int:
+    """Blocks of the whole model recomputed in full (for flops.hardware_flops_per_token)."""
+    return sum(full_layers(n_layers, layout, r) for r in range(layout.pp))
 
 
 def in_flight(layout: Layout, rank: int) -> float:
@@ -174,15 +202,21 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     layer_params = pc.per_layer_matmul // layout.tp + pc.per_layer - pc.per_layer_matmul
     if s > 1 and layout.pp > 1:  # gathered for the whole step, gradients unsharded until the end
         grads, buffers = GRAD_BYTES * params, elem * params
-    elif s > 1:  # ZeRO-3 per layer: two gathered layers (or the big embedding/output) + one gradient
-        big = max(layer_params, pc.output_matmul // layout.tp)
+    elif s > 1 and layout.reshard_after_forward:  # ZeRO-3 per layer: two gathered layers (or the big
+        big = max(layer_params, pc.output_matmul // layout.tp)  # embedding/output) + one gradient
         grads, buffers = GRAD_BYTES * params / s, elem * 2 * big + GRAD_BYTES * layer_params
+    elif s > 1:  # ZeRO-2: every block stays gathered from its forward to its backward + one gradient
+        grads, buffers = GRAD_BYTES * params / s, elem * params + GRAD_BYTES * layer_params
     else:
         grads, buffers = GRAD_BYTES * params, (elem * params if elem < MASTER_BYTES else 0)
     saved, working = layer_activation_bytes(m, seq, layout, elem)
+    full = full_layers(m.n_layers, layout, rank)
+    if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
+        saved_full = layer_activation_bytes(m, seq, replace(layout, recompute="full"), elem)[0]
+        saved = (saved * (layers - full) + saved_full * full) / layers
     tokens = layout.micro * seq
     acts = saved * tokens * layers * in_flight(layout, rank)
-    if layout.recompute == "full":
+    if full:
         acts += working * tokens
     logits = 0.0
     if rank == layout.last_rank:

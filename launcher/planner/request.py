@@ -9,7 +9,14 @@ import dataclasses
 import os
 
 from launcher.config import TrainConfig
-from launcher.layout import check_world, given_degrees, int_or_auto, worker_threads, workers_per_node
+from launcher.layout import (
+    check_world,
+    given_degrees,
+    int_or_auto,
+    recompute_layers_of,
+    worker_threads,
+    workers_per_node,
+)
 from launcher.planner.device import Machine
 from launcher.planner.machine import machine
 from launcher.planner.search import Problem, Space
@@ -60,4 +67,6 @@ def space(cfg: TrainConfig, world: int, explore: bool) -> Space:
         virtual_stages=None if searched_v else virtual,
         recompute=None if cfg.recompute == "auto" else cfg.recompute,
         sequence_parallel=True if cfg.sequence_parallel else (None if explore else False),
+        recompute_layers=recompute_layers_of(cfg.recompute_layers),
+        reshard=None if explore and cfg.fsdp.reshard_after_forward == "auto" else cfg.fsdp.reshard_after_forward,
     )

@@ -12,24 +12,36 @@ What is searched (a key given an int or a name in the config constrains it; `aut
 Every candidate then passes the runtime's own rules (`layout.violations`: tp divides the model,
 stages fit the layers, microbatches fill the pipeline, ...) or is skipped; the first rule broken is
 kept for the error when nothing is valid.
-- recompute `auto`: the cheapest of none < selective < full that fits in memory (selective is
-  skipped while attention is fused: it then frees nothing).
+- recompute and recompute_layers `auto`: no recompute if it fits; else, for each policy (none,
+  selective), the smallest recompute_layers N (blocks per stage recomputed in full) that fits, and
+  of those the faster; full recompute only when neither fits with every block of a stage recomputed.
+- fsdp.reshard_after_forward: as given; `explore` tries ZeRO-3 (always) and ZeRO-2 (never) wherever
+  FSDP shards without pipelining (with pipelining `auto` already keeps the stage gathered).
 - sequence_parallel: as given; `explore` (the `plan` app) turns it on whenever tp > 1, where it
   always wins (the same bytes as the all-reduces it replaces, activations divided by t).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from launcher.config import RECOMPUTE, LauncherError, ModelConfig
+from launcher.config import LauncherError, ModelConfig
 from launcher.flops import GIB, flops_per_token, hardware_flops_per_token, mfu
-from launcher.layout import V_SHAPED, ZERO_BUBBLE, Layout, divisors, microbatch_count, split_dp, violations
+from launcher.layout import (
+    V_SHAPED,
+    ZERO_BUBBLE,
+    Layout,
+    divisors,
+    microbatch_count,
+    split_dp,
+    stage_layers,
+    violations,
+)
 from launcher.planner.cost import StepTime, compute_efficiency, step_time
 from launcher.planner.device import Machine
-from launcher.planner.memory import FUSED_ATTENTION, Memory, memory
+from launcher.planner.memory import Memory, memory, recomputed_layers
 
 MAX_MICRO = 32
 AUTO_VIRTUAL = (2, 4, 8)
@@ -78,7 +90,9 @@ class Prediction:
             "schedule": lay.schedule if lay.pp > 1 else "none",
             "virtual_stages": lay.chunks,
             "recompute": lay.recompute,
+            "recompute_layers": lay.recompute_layers,
             "sequence_parallel": lay.sequence_parallel,
+            "zero": (3 if lay.reshard_after_forward else 2) if lay.dp_shard > 1 else 0,
             "memory_gib": round(self.memory.total / GIB, 3),
             "memory": self.memory.as_gib(),
             "fits": self.fits,
@@ -114,6 +128,8 @@ class Space:
     virtual_stages: int | None
     recompute: str | None
     sequence_parallel: bool | None  # None: on whenever tp > 1
+    recompute_layers: int | None = 0
+    reshard: str | None = "auto"  # None: always and never where FSDP runs without pipelining
 
 
 def bottleneck(t: StepTime, efficiency: float) -> str:
@@ -136,14 +152,15 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
     mem = mem or memory(m, problem.seq, layout, problem.elem, mach.kind)
     t = step_time(m, problem.seq, layout, mach, problem.elem)
     tokens_per_s = layout.global_batch * problem.seq / t.total
+    peak = mach.peak_flops
     per_device = tokens_per_s / layout.world_size
     return Prediction(
         layout=layout,
         memory=mem,
         time=t,
         tokens_per_s=tokens_per_s,
-        mfu=mfu(per_device, flops_per_token(m, problem.seq), mach.peak_flops),
-        hfu=mfu(per_device, hardware_flops_per_token(m, problem.seq, layout.recompute), mach.peak_flops),
+        mfu=mfu(per_device, flops_per_token(m, problem.seq), peak),
+        hfu=mfu(per_device, hardware_flops_per_token(m, problem.seq, recomputed_layers(m.n_layers, layout)), peak),
         fits=mem.total <= mach.memory_bytes,
         bottleneck=bottleneck(t, compute_efficiency(mach, m, layout)),
         machine=mach.name,
@@ -227,26 +244,70 @@ class Result:
 
 
 def search(problem: Problem, space: Space) -> Result:
-    ranked, tried, smallest, small_mem, broken = [], 0, None, None, None
-    cap = problem.machine.memory_bytes
-    rec = (
-        (space.recompute,)
-        if space.recompute
-        else tuple(r for r in RECOMPUTE if not (r == "selective" and FUSED_ATTENTION))
-    )
+    ranked, tried, smallest, small_mem = [], 0, None, None
+    broken = None
     for lay in candidates(problem, space):
         if isinstance(lay, str):
             broken = broken or lay
             continue
         tried += 1
-        for r in rec:
-            cand = replace(lay, recompute=r)
-            mem = memory(problem.model, problem.seq, cand, problem.elem, problem.machine.kind)
-            if mem.total <= cap:
-                ranked.append(predict(problem, cand, mem))
-                break
-            if small_mem is None or mem.total < small_mem.total:
-                small_mem, smallest = mem, cand
+        for reshard in _reshards(space, lay):
+            fits, least = _fitting(problem, space, replace(lay, reshard=reshard))
+            ranked.extend(fits)
+            if not fits and (small_mem is None or least[1].total < small_mem.total):
+                smallest, small_mem = least
     ranked.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     best_small = predict(problem, smallest, small_mem) if smallest is not None and not ranked else None
     return Result(ranked=ranked, tried=tried, smallest=best_small, broken=broken)
+
+
+def _reshards(space: Space, lay: Layout) -> list[str]:
+    if space.reshard is not None:
+        return [space.reshard]
+    return ["always", "never"] if lay.dp_shard > 1 and lay.pp == 1 else ["auto"]
+
+
+def _fitting(problem: Problem, space: Space, lay: Layout) -> tuple[list[Prediction], tuple[Layout, Memory]]:
+    """`lay`'s recompute choice that fits, if any (as a one-item list), and the least-memory choice
+    tried (for the error when nothing fits). The order is none < selective < full; with
+    recompute_layers auto, each of none and selective takes the smallest N that fits, the faster wins."""
+    m, cap, fixed = problem.model, problem.machine.memory_bytes, space.recompute_layers
+    most = min(len(s) for s in stage_layers(m.n_layers, lay.stages))
+    fits: list[Prediction] = []
+    least: tuple[Layout, Memory] | None = None
+
+    def mem(recompute: str, layers: int) -> tuple[Layout, Memory]:
+        cand = replace(lay, recompute=recompute, recompute_layers=layers)
+        return cand, memory(m, problem.seq, cand, problem.elem, problem.machine.kind)
+
+    for policy in [space.recompute] if space.recompute else ["none", "selective", "full"]:
+        if policy == "full" and (fits or fixed):  # full only when nothing else fits
+            break
+        searched = fixed is None and policy != "full"
+        n = _smallest_fitting(lambda k, p=policy: mem(p, k)[1].total <= cap, most) if searched else fixed or 0
+        cand, used = mem(policy, most if n is None else n)
+        if least is None or used.total < least[1].total:
+            least = (cand, used)
+        if n is not None and used.total <= cap:
+            fits.append(predict(problem, cand, used))
+            if not searched or n == 0:
+                break  # the first that fits in the order, or nothing recomputed: nothing is faster
+    assert least is not None
+    return ([max(fits, key=lambda p: p.tokens_per_s)] if fits else []), least
+
+
+def _smallest_fitting(fits: Callable[[int], bool], most: int) -> int | None:
+    """The smallest n in 0..most with fits(n); None if none. From n = 1 on memory falls as n grows
+    (bisection); n = 0 is tried alone, as rebuilding one block in backward costs its working set."""
+    if fits(0):
+        return 0
+    if most == 0 or not fits(most):
+        return None
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
