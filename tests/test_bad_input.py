@@ -145,3 +145,17 @@ def test_wandb_server_out_of_reach_costs_the_run_nothing(tmp_path: Path) -> None
     assert warning.startswith("warning: wandb could not start online") and "`wandb sync " in warning
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["pp=2", "recompute_layers=2"], "recompute_layers=2 exceeds the 1 blocks of the smallest pipeline stage"),
+        (["recompute_layers=-1"], "recompute_layers=-1: expected an integer >= 0 or auto"),
+        (["recompute=full", "recompute_layers=1"], "recompute_layers=1 with recompute=full"),
+        (["fsdp.reshard_after_forward=sometimes"], "fsdp.reshard_after_forward=sometimes: choose one of always"),
+    ],
+)
+def test_recompute_and_zero_keys_refused_before_spawn(args: list[str], expected: str, tmp_path: Path) -> None:
+    """The tiny model has 2 blocks: pp=2 leaves 1 per stage."""
+    assert_bad_input(run_cli("train", *tiny_args(tmp_path / "cache"), *args, cwd=tmp_path), expected, tmp_path)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from launcher.config import ModelConfig, OptimConfig, TrainConfig
+from launcher.config import FSDPConfig, ModelConfig, OptimConfig, TrainConfig
 from launcher.layout import build_mesh, from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
@@ -52,17 +52,25 @@ CASES = {  # name: layout and parallelism keys
     "dp2-pp2-fsdp": dict(dp=2, pp=2, batch={"micro": 2, "global": 8}),  # 2 microbatches per dp rank
     "dp2-pp2-ddp": dict(dp=2, dp_shard=1, pp=2, pp_schedule="gpipe", batch={"micro": 2, "global": 8}),
     "hsdp2x2": dict(dp=4, dp_replicate=2, dp_shard=2, batch={"micro": 2, "global": 8}),  # one microbatch of 2
+    "dp2-zero2": dict(dp=2, fsdp=FSDPConfig(reshard_after_forward="never"), batch={"micro": 2, "global": 8}),
+    "tp2-selective-layers1": dict(tp=2, recompute="selective", recompute_layers=1),  # block 0 full, 1-3 selective
+    "pp2-layers1": dict(pp=2, recompute_layers=1),  # each stage: its first block full, the other none
+    "tp2-dp2-zero2": dict(tp=2, dp=2, fsdp=FSDPConfig(reshard_after_forward="never")),
 }
 # what runs where: two 2-rank worlds side by side, then one 4-rank world
 LAUNCHES = [
     [
-        (2, ["tp2", "tp2-sp", "pp2-gpipe", "pp2-interleaved", "tp2-tied"]),
-        (2, ["dp2-ddp", "dp2-fsdp", "pp2-1f1b", "tp2-recompute", "pp2-uneven"]),
+        (2, ["tp2", "tp2-sp", "pp2-gpipe", "pp2-interleaved", "tp2-tied", "dp2-zero2", "tp2-selective-layers1"]),
+        (2, ["dp2-ddp", "dp2-fsdp", "pp2-1f1b", "tp2-recompute", "pp2-uneven", "pp2-layers1"]),
     ],
-    [(4, ["tp2-dp2-ddp", "tp2-dp2-fsdp", "tp2-pp2", "tp2-sp-dp2-fsdp", "dp2-pp2-fsdp", "dp2-pp2-ddp", "hsdp2x2"])],
+    [
+        (4, ["tp2-dp2-ddp", "tp2-dp2-fsdp", "tp2-pp2", "tp2-sp-dp2-fsdp", "dp2-pp2-fsdp", "dp2-pp2-ddp", "hsdp2x2"]),
+        (4, ["tp2-dp2-zero2"]),
+    ],
 ]
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 PROBED = ("tp2", "tp2-sp")  # the cases whose materialized tensors and collectives are recorded
+RECORDED = (*PROBED, "dp2-fsdp", "dp2-zero2", "tp2-selective-layers1")  # recorded too
 
 
 def make_cfg(variant: str, case: dict[str, Any] | None = None) -> TrainConfig:
@@ -95,6 +103,8 @@ class ShapeRecorder(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         if func.namespace == "_c10d_functional" and name in COLLECTIVES:
             self.collectives.append((name, args[0].numel()))
+        if func.namespace == "c10d" and name == "_allgather_base_":  # FSDP2's parameter all-gather
+            self.collectives.append((name, args[1].numel()))
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -141,7 +151,7 @@ def train_case(cfg: TrainConfig, world_size: int, probe: bool = False) -> dict[s
 
 def run_cases(rank: int, world_size: int, names: list[str]) -> dict[tuple[str, str], Any]:
     return {
-        (variant, name): train_case(make_cfg(variant, CASES[name]), world_size, probe=name in PROBED)
+        (variant, name): train_case(make_cfg(variant, CASES[name]), world_size, probe=name in RECORDED)
         for variant in VARIANTS
         for name in names
     }
@@ -222,3 +232,29 @@ def test_tp_ranks_meet_once_per_half_block(parallel_results: dict, variant: str,
             assert counted == {"all_gather_into_tensor": expected, "reduce_scatter_tensor": expected}, (
                 f"rank {rank}: {counted}"
             )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_selective_recompute_repeats_no_collective(parallel_results: dict, variant: str) -> None:
+    """Op-level selective recompute saves the all-reduce that ends each row-parallel matmul: only the
+    block recomputed in full (recompute_layers=1) repeats its forward all-reduces in backward. Both
+    under post-norm; under pre-norm only the attention's: torch's (non-reentrant) checkpoint stops
+    recomputing once the last tensor backward needs is rebuilt, and the MLP's output projection and
+    its all-reduce only feed the residual add."""
+    cfg = make_cfg(variant, CASES["tp2-selective-layers1"])
+    full = cfg.batch["micro"] * SEQ * cfg.model.dim
+    repeated = 1 if cfg.model.norm_position == "pre" else 2
+    expected = (4 * cfg.model.n_layers + 2 + repeated) * cfg.batch["global"] // cfg.batch["micro"]
+    for rank, result in enumerate(parallel_results[variant, "tp2-selective-layers1"]):
+        ops = [name for name, numel in result["collectives"] if numel == full]
+        assert ops.count("all_reduce") == expected, f"rank {rank}: {ops.count('all_reduce')} all-reduces"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_zero2_gathers_once_per_microbatch(parallel_results: dict, variant: str) -> None:
+    """ZeRO-3 gathers each FSDP unit (every block and the root) for forward and again for backward;
+    ZeRO-2 keeps it from one to the other: one gather per unit and microbatch."""
+    units, microbatches = make_cfg(variant).model.n_layers + 1, 2
+    for zero3, zero2 in zip(parallel_results[variant, "dp2-fsdp"], parallel_results[variant, "dp2-zero2"]):
+        g3, g2 = (sum(name == "_allgather_base_" for name, _ in r["collectives"]) for r in (zero3, zero2))
+        assert (g3, g2) == (2 * units * microbatches, units * microbatches)

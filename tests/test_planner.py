@@ -332,3 +332,47 @@ def test_plan_yaml_composes_with_the_schema():
     assert cfg.tp == 4 and cfg.pp == "auto" and cfg.hardware.name == "h100_sxm" and cfg.plan.explore
     _, res = planner.plan(cfg, 16, explore=True)
     assert all(p.layout.tp == 4 and p.layout.sequence_parallel for p in res.ranked)
+
+
+# ---------------------------------------------------------------- recompute layers and ZeRO-2
+
+
+def test_partial_recompute_lies_between_none_and_full():
+    cfg = make_cfg("8b", seq_len=8192)
+    prob = problem(cfg, 8)
+    base = dict(tp=1, pp=1, dp_shard=8, dp_replicate=1, micro=1, microbatches=1)
+
+    def pred(**kw):
+        return predict(prob, Layout(**{**base, **kw}))
+
+    none, full = pred(), pred(recompute="full")
+    acts = [pred(recompute_layers=n).memory.activations for n in (8, 16, 31)]
+    times = [pred(recompute_layers=n).time.compute for n in (8, 16, 31)]
+    assert none.memory.activations > acts[0] > acts[1] > acts[2] > full.memory.activations
+    assert none.time.compute < times[0] < times[1] < times[2] < full.time.compute
+    # a full block costs 4/3 of its FLOPs: 16 of 32 blocks cost half of full recompute's extra
+    assert times[1] - none.time.compute == pytest.approx((full.time.compute - none.time.compute) / 2)
+    sel = pred(recompute="selective")  # no matmul repeated: a few percent, far less memory
+    assert sel.memory.activations < 0.6 * none.memory.activations
+    assert 1.0 < sel.time.compute / none.time.compute < 1.1
+
+
+def test_search_takes_the_smallest_recompute_layers_that_fit():
+    cfg = make_cfg("8b", seq_len=8192, **fixed(1, 1, 8, 8, 1, 8), recompute="none", recompute_layers="auto")
+    cfg.hardware.memory_gib = 48.0
+    lay = planner.resolve(cfg, 8)[0]
+    assert lay.recompute == "none" and 0 < lay.recompute_layers < 32
+    prob = problem(cfg, 8)
+    below = predict(prob, Layout(**{**lay.__dict__, "recompute_layers": lay.recompute_layers - 1}))
+    assert not below.fits and planner.resolve(cfg, 8)[1].fits
+
+
+def test_zero2_holds_gathered_parameters_and_gathers_once():
+    cfg = make_cfg("8b", seq_len=4096)
+    prob = problem(cfg, 64)
+    base = dict(tp=1, pp=1, dp_shard=64, dp_replicate=1, micro=1, microbatches=4)
+    zero3, zero2 = (predict(prob, Layout(**base, reshard=r)) for r in ("always", "never"))
+    assert zero2.memory.buffers > 5 * zero3.memory.buffers  # the whole model in bf16 vs two big layers
+    assert zero2.memory.optimizer == zero3.memory.optimizer and zero2.memory.grads == zero3.memory.grads
+    assert zero2.time.dp_total < zero3.time.dp_total  # one gather per microbatch instead of two
+    assert Layout(pp=2).reshard_after_forward is False and Layout().reshard_after_forward is True

@@ -10,6 +10,10 @@ How the `small` model's SwiGLU and GQA are counted: SwiGLU saves w1 x, w3 x, sil
 product (4 f, as the planner says). GQA: SDPA runs with enable_gqa, so K and V are saved n_kv_heads
 wide, as the planner counts them. nn.RMSNorm saves x * rstd (h) and rstd (1) besides its input, which
 the planner counts too. The tests ask for exact equality, so a change on either side shows up here.
+
+Recompute modes (selective, full, recompute_layers): saved-tensor hooks do not see what a checkpoint
+keeps (its input, the selective policy's cache), so bench/recompute.py counts the storages ops made in
+forward that are still alive after it; with recompute=none that count equals the hooks' (checked).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from bench.planner_accuracy import (
     single_process_memory,
     two_rank_worker,
 )
+from bench.recompute import held_bytes, memory_rows, tp2_memory_worker
 from launcher.flops import head_dim
 from launcher.layout import from_config
 from launcher.model.transformer import Block, rope_tables
@@ -59,3 +64,29 @@ def test_tp2_parameters_and_activations_exact():
     for r in ranks:
         act = r["act"]
         assert act["measured"] == act["predicted"], act["detail"]
+
+
+def test_held_bytes_equal_saved_tensor_hooks_without_recompute():
+    cfg = resolved_config(1, 1, 1, SEQ, 1)
+    m = cfg.model
+    rope = rope_tables(head_dim(m), m.max_seq_len, m.rope_theta, torch.device("cpu"))
+    counts = []
+    for count in (block_saved_bytes, held_bytes):
+        torch.manual_seed(0)
+        block = Block(m)
+        x = torch.randn(1, SEQ, m.dim, requires_grad=True)
+        counts.append(count(block, rope, x)[0] if count is block_saved_bytes else count([block], rope, x))
+    assert counts[0] == counts[1]
+
+
+def test_recompute_modes_saved_bytes_exact():
+    """none, selective, full, and recompute_layers=1 of a 2-block stage under none and selective."""
+    for row in memory_rows(SEQ):
+        assert row["predicted"] == row["held"], row
+
+
+def test_tp2_recompute_modes_saved_bytes_exact():
+    """Under tp=2 the selective policy saves each row-parallel matmul's all-reduced result, not its
+    partial sum: 3 h replicated, the rest sharded."""
+    for row in run(tp2_memory_worker, 2, SEQ, timeout=180)[0]:
+        assert row["predicted"] == row["held"], row
