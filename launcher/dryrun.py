@@ -192,6 +192,7 @@ def dry_run(cfg: TrainConfig, layout: Layout, out: Any = print) -> dict[int, int
         f"(dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}) · {layout.world_size} ranks · "
         f"sequence_parallel={layout.sequence_parallel} · pp_schedule={layout.schedule} · "
         f"virtual_stages={layout.virtual_stages} · recompute={layout.recompute} · "
+        f"recompute_layers={layout.recompute_layers} · reshard_after_forward={layout.reshard_after_forward} · "
         f"batch {layout.micro} x {layout.microbatches} x dp {layout.dp} = {layout.global_batch} sequences"
     )
     for held, ranks in groups.items():

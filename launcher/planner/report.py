@@ -18,9 +18,10 @@ def to_json(preds: list[Prediction], out: TextIO | None = None) -> None:
 
 def _dp(p: Prediction) -> str:
     lay = p.layout
+    zero2 = " zero2" if lay.dp_shard > 1 and not lay.reshard_after_forward else ""
     if lay.sharding == "hsdp":
-        return f"{lay.dp_replicate}x{lay.dp_shard} hsdp"
-    return f"{lay.dp} {lay.sharding}" if lay.dp > 1 else "1"
+        return f"{lay.dp_replicate}x{lay.dp_shard} hsdp{zero2}"
+    return f"{lay.dp} {lay.sharding}{zero2}" if lay.dp > 1 else "1"
 
 
 def _schedule(p: Prediction) -> str:
@@ -76,7 +77,7 @@ def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> 
             _dp(p),
             f"{lay.micro} x {lay.microbatches}",
             _schedule(p),
-            lay.recompute,
+            lay.recompute + (f" +{lay.recompute_layers} full" if lay.recompute_layers else ""),
             "y" if lay.sequence_parallel else "-",
             f"{p.memory.total / GIB:.1f}",
             f"{t.total:.3g}",
