@@ -9,9 +9,10 @@
    this process, tp=2 in two gloo processes.
 2. FLOP overhead: FLOPs of forward + backward of one block per mode (torch's FlopCounterMode: matmuls
    and attention), as a ratio to recompute=none, next to the planner's (flops.py).
-3. Step time: the `small` model in one process, recompute none / selective / full / recompute_layers=2
-   measured side by side in one run (ratios to none; this machine is shared, absolute times are noisy),
-   next to the planner's predicted ratio.
+3. Step time: the `small` model in one process on one thread, recompute none / selective / full /
+   recompute_layers=2, steps of each mode interleaved in one run (the same machine load), as ratios
+   to none next to the planner's. CPU seconds of this process per step (time.process_time) as well as
+   wall seconds: on a shared, oversubscribed machine wall time mostly measures the other tenants.
 """
 
 from __future__ import annotations
@@ -200,18 +201,22 @@ def step_rows(seq_len: int, batch: int, steps: int) -> list[dict[str, Any]]:
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         runs.append((name, runner, optimizer, prediction.step_time_s, []))
     gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     for step in range(steps + 1):
         tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=gen)
         for _, runner, optimizer, _, times in runs:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             train_step(runner, optimizer, tokens)
             if step:  # the first is warm-up
-                times.append(time.perf_counter() - t0)
-    base_meas, base_pred = statistics.median(runs[0][4]), runs[0][3]
+                times.append((time.perf_counter() - t0, time.process_time() - c0))
+    torch.set_num_threads(threads)
+    wall, cpu = ({name: statistics.median(t[i] for t in times) for name, *_, times in runs} for i in (0, 1))
+    base = runs[0][0]
     return [
-        {"mode": name, "measured": statistics.median(times), "predicted": pred,
-         "measured_ratio": statistics.median(times) / base_meas, "predicted_ratio": pred / base_pred}
-        for name, _, _, pred, times in runs
+        {"mode": name, "wall": wall[name], "cpu": cpu[name], "predicted": pred, "wall_ratio": wall[name] / wall[base],
+         "cpu_ratio": cpu[name] / cpu[base], "predicted_ratio": pred / runs[0][3]}
+        for name, _, _, pred, _ in runs
     ]  # fmt: skip
 
 
@@ -244,12 +249,12 @@ def main(argv: list[str]) -> None:
         )
     console.print(table)
 
-    table = Table(title=f"step time, small in one process, {args.batch} x {args.seq_len}, median of {args.steps}")
-    for col in ("mode", "measured s", "measured / none", "predicted s", "predicted / none"):
+    table = Table(title=f"step time, small, 1 process, 1 thread, {args.batch} x {args.seq_len}, median of {args.steps}")
+    for col in ("mode", "CPU s", "CPU / none", "wall s", "wall / none", "predicted s", "predicted / none"):
         table.add_column(col, justify="right")
     for r in step_rows(args.seq_len, args.batch, args.steps):
-        table.add_row(r["mode"], f"{r['measured']:.3f}", f"{r['measured_ratio']:.3f}", f"{r['predicted']:.3f}",
-                      f"{r['predicted_ratio']:.3f}")  # fmt: skip
+        keys = ("cpu", "cpu_ratio", "wall", "wall_ratio", "predicted", "predicted_ratio")
+        table.add_row(r["mode"], *(f"{r[k]:.3f}" for k in keys))
     console.print(table)
 
 
