@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from bench.parallel import train_step
+from launcher.compat import inner_tensors
 from launcher.config import TrainConfig, compose_config
 from launcher.layout import Layout, build_mesh, from_config
 from launcher.model.init import meta_model
@@ -50,12 +51,8 @@ MODES = (  # name, recompute, recompute_layers, blocks in the stage
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages behind `t`: a wrapper subclass's inner tensors (a DTensor's local shard, an
-    AsyncCollectiveTensor's result), else its own."""
-    if is_traceable_wrapper_subclass(t):
-        inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
-        return [s for i in inner if isinstance(i, torch.Tensor) for s in _storages(i)]
-    return [t.untyped_storage()]
+    """The storages behind `t` (a DTensor's: its local shard's)."""
+    return [i.untyped_storage() for i in inner_tensors(t)]
 
 
 def _ptrs(tensors: Any) -> set[int]:

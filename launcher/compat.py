@@ -118,6 +118,18 @@ def attention_and_collective_ops() -> set[Any]:
     }
 
 
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors behind `t`, whose storages hold its bytes: a tensor subclass's inner tensors
+    (a DTensor's local shard, an AsyncCollectiveTensor's result), recursively; else `t` itself."""
+    import torch
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+    return [x for i in inner if isinstance(i, torch.Tensor) for x in inner_tensors(i)]
+
+
 def failure_line(failure: ProcessFailure) -> str:
     """One line from the elastic agent's record of a failed worker: the exception (`Type: message`)
     from its error file, or the signal that ended it."""

@@ -50,6 +50,22 @@ def test_fake_store_runs_collectives_without_peers() -> None:
         dist.destroy_process_group()
 
 
+def test_inner_tensors_of_a_dtensor_is_its_local_shard() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    plain = torch.ones(2)
+    assert compat.inner_tensors(plain) == [plain]
+    dist.init_process_group("fake", store=compat.fake_store(), rank=1, world_size=2)
+    try:
+        d = distribute_tensor(torch.arange(8.0).reshape(4, 2), init_device_mesh("cpu", (2,)), [Shard(0)])
+        (local,) = compat.inner_tensors(d)
+        assert type(local) is torch.Tensor and local.shape == (2, 2)
+        assert local.untyped_storage().data_ptr() == d.to_local().untyped_storage().data_ptr()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_local_shard_extent_follows_dtensor_chunking() -> None:
     from torch.distributed.tensor import Replicate, Shard
 

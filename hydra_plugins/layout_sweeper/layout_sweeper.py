@@ -56,6 +56,8 @@ def ranked_layouts(cfg: TrainConfig, top: int, world: int | None = None) -> list
             overrides += [f"pp_schedule={lay.schedule}", f"virtual_stages={lay.chunks}"]
         if cfg.recompute == "auto":
             overrides.append(f"recompute={lay.recompute}")
+        if cfg.recompute_layers == "auto":
+            overrides.append(f"recompute_layers={lay.recompute_layers}")
         if tuple(overrides) in seen:
             continue
         seen.add(tuple(overrides))
