@@ -56,6 +56,7 @@ CASES = {  # name: layout and parallelism keys
     "tp2-selective-layers1": dict(tp=2, recompute="selective", recompute_layers=1),  # block 0 full, 1-3 selective
     "pp2-layers1": dict(pp=2, recompute_layers=1),  # each stage: its first block full, the other none
     "tp2-dp2-zero2": dict(tp=2, dp=2, fsdp=FSDPConfig(reshard_after_forward="never")),
+    "dp2-pp2-zero3": dict(dp=2, pp=2, fsdp=FSDPConfig(reshard_after_forward="always"), batch={"micro": 2, "global": 8}),
 }
 # what runs where: two 2-rank worlds side by side, then one 4-rank world
 LAUNCHES = [
@@ -64,8 +65,20 @@ LAUNCHES = [
         (2, ["dp2-ddp", "dp2-fsdp", "pp2-1f1b", "tp2-recompute", "pp2-uneven", "pp2-layers1"]),
     ],
     [
-        (4, ["tp2-dp2-ddp", "tp2-dp2-fsdp", "tp2-pp2", "tp2-sp-dp2-fsdp", "dp2-pp2-fsdp", "dp2-pp2-ddp", "hsdp2x2"]),
-        (4, ["tp2-dp2-zero2"]),
+        (
+            4,
+            [
+                "tp2-dp2-ddp",
+                "tp2-dp2-fsdp",
+                "tp2-pp2",
+                "tp2-sp-dp2-fsdp",
+                "dp2-pp2-fsdp",
+                "dp2-pp2-ddp",
+                "hsdp2x2",
+                "tp2-dp2-zero2",
+                "dp2-pp2-zero3",
+            ],
+        )
     ],
 ]
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
