@@ -90,3 +90,30 @@ def test_tp2_recompute_modes_saved_bytes_exact():
     partial sum: 3 h replicated, the rest sharded."""
     for row in run(tp2_memory_worker, 2, SEQ, timeout=180)[0]:
         assert row["predicted"] == row["held"], row
+
+
+def zero_worker(rank: int, world: int) -> dict[str, int]:
+    """Parameter elements held unsharded after one forward, under ZeRO-3 and ZeRO-2 (FSDP dp=2)."""
+    from torch.distributed.tensor import DTensor
+
+    from launcher.layout import build_mesh
+    from launcher.model.init import meta_model
+    from launcher.parallel import parallelize
+    from launcher.planner.memory import rank_params
+
+    out = {}
+    for reshard in ("always", "never"):
+        cfg = resolved_config(1, 1, 2, SEQ, 2, f"fsdp.reshard_after_forward={reshard}")
+        lay = from_config(cfg, world)
+        model = parallelize(meta_model(cfg.model), lay, cfg, None, torch.device("cpu"), build_mesh(lay)).parts[0]
+        model(torch.zeros(1, SEQ, dtype=torch.long))
+        out[reshard] = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
+        out["stage"] = rank_params(cfg.model, lay, 0)
+    return out
+
+
+def test_zero2_holds_the_stage_gathered_after_forward():
+    """The planner's ZeRO-2 term: every parameter of the stage gathered at the end of forward (ZeRO-3:
+    none left gathered)."""
+    for held in run(zero_worker, 2, timeout=180):
+        assert held["never"] == held["stage"] and held["always"] == 0, held
