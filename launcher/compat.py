@@ -41,6 +41,12 @@ def replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     replicate_with_fsdp(module, mesh=mesh)
 
 
+def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """One mesh dimension `name` made of the adjacent dimensions `dims` (FSDP over dp_shard x cp, as
+    torchtitan does); later `mesh[name]` finds it. DeviceMesh has no public flatten."""
+    return mesh[dims]._flatten(name)
+
+
 def fake_store() -> Store:
     """The store of the "fake" process-group backend: every collective returns at once, with no peer.
     torch ships it under torch.testing only."""

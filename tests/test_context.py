@@ -1,0 +1,67 @@
+"""Context parallelism matches the single-process run: the loss of each of 5 steps, the gradient norms
+and the gradients after step 1 (fp32, rtol 1e-4), alone and composed with TP (and sequence
+parallelism), FSDP, DDP (HSDP over dp x cp) and PP, for both model variants of tests/test_parallel.py
+(RoPE and learned positions). Plus the load-balanced split itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launcher.parallel.context import local_positions, split_sequence
+from tests.dist import run_many
+from tests.test_parallel import VARIANTS, make_cfg, train_case
+
+CASES = {
+    "cp2": dict(cp=2),
+    "cp2-tp2": dict(cp=2, tp=2),
+    "cp2-tp2-sp": dict(cp=2, tp=2, sequence_parallel=True),
+    "cp2-fsdp2": dict(cp=2, dp=2, batch={"micro": 2, "global": 8}),
+    "cp2-ddp2": dict(cp=2, dp=2, dp_shard=1, batch={"micro": 2, "global": 8}),  # HSDP: replicate 2 x shard cp 2
+    "cp2-pp2": dict(cp=2, pp=2, pp_schedule="1f1b"),
+}
+LAUNCHES = [(2, ["cp2"]), (4, ["cp2-tp2", "cp2-tp2-sp", "cp2-fsdp2", "cp2-ddp2", "cp2-pp2"])]
+
+
+def test_each_rank_gets_an_early_and_a_late_chunk() -> None:
+    assert local_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert local_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for cp in (1, 2, 4):
+        held = torch.cat([local_positions(32, cp, r) for r in range(cp)])
+        assert sorted(held.tolist()) == list(range(32))  # every token once
+        work = [int((local_positions(32, cp, r) + 1).sum()) for r in range(cp)]  # keys each rank's queries see
+        assert len(set(work)) == 1, work
+    rows = torch.arange(32).view(2, 16)
+    assert split_sequence(rows, 2, 1).tolist() == [list(range(4, 12)), list(range(20, 28))]
+
+
+def run_cases(rank: int, world_size: int, names: list[str]) -> dict:
+    return {(v, n): train_case(make_cfg(v, CASES[n]), world_size) for v in VARIANTS for n in names}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    out = {}
+    for per_rank in run_many([(run_cases, n, (names,)) for n, names in LAUNCHES], timeout=600):
+        for key in per_rank[0]:
+            out[key] = [r[key] for r in per_rank]
+    return out
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {v: train_case(make_cfg(v), 1) for v in VARIANTS}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_single_process(results: dict, references: dict, variant: str, case: str) -> None:
+    ref = references[variant]
+    grads: dict[str, torch.Tensor] = {}
+    for rank, result in enumerate(results[variant, case]):
+        torch.testing.assert_close(result["losses"], ref["losses"], rtol=1e-4, atol=0, msg=lambda m, r=rank: f"{r}: {m}")
+        torch.testing.assert_close(result["norms"], ref["norms"], rtol=1e-4, atol=0, msg=lambda m, r=rank: f"{r}: {m}")
+        grads.update(result["grads"])
+    assert sorted(grads) == sorted(ref["grads"])
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
