@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ["overhead", "parallel", "checkpoint", "planner_accuracy", "memory", "tokenize", "schedules"]
+BENCHES = ["overhead", "parallel", "checkpoint", "planner_accuracy", "memory", "tokenize", "schedules", "context"]
 ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
 
 

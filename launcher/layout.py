@@ -199,8 +199,11 @@ def check_world(world: int | None, degrees: dict[str, int | None]) -> None:
     (or another degree) is auto; dp_shard and dp_replicate divide dp."""
     given = {k: degrees[k] for k in ("tp", "pp", "cp", "dp") if degrees[k]}
     product = math.prod(given.values())
+    complete = len(given) == 4
+    if given.get("cp") == 1:  # the default: not worth naming
+        del given["cp"]
     names, values = "*".join(given), "*".join(map(str, given.values()))
-    if world is not None and len(given) == 4 and product != world:
+    if world is not None and complete and product != world:
         raise LauncherError(f"{names}={values}={product} does not match the world size {world}: set dp=auto")
     if world is not None and world % product:
         raise LauncherError(f"world size {world} is not divisible by {names}={values}: change {' or '.join(given)}")

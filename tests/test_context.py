@@ -59,8 +59,8 @@ def test_matches_single_process(results: dict, references: dict, variant: str, c
     ref = references[variant]
     grads: dict[str, torch.Tensor] = {}
     for rank, result in enumerate(results[variant, case]):
-        torch.testing.assert_close(result["losses"], ref["losses"], rtol=1e-4, atol=0, msg=lambda m, r=rank: f"{r}: {m}")
-        torch.testing.assert_close(result["norms"], ref["norms"], rtol=1e-4, atol=0, msg=lambda m, r=rank: f"{r}: {m}")
+        for key in ("losses", "norms"):
+            torch.testing.assert_close(result[key], ref[key], rtol=1e-4, atol=0, msg=lambda m, r=rank: f"{r}: {m}")
         grads.update(result["grads"])
     assert sorted(grads) == sorted(ref["grads"])
     for name, grad in grads.items():

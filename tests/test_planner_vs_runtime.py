@@ -59,3 +59,11 @@ def test_tp2_parameters_and_activations_exact():
     for r in ranks:
         act = r["act"]
         assert act["measured"] == act["predicted"], act["detail"]
+
+
+def test_context_parallel_activations_exact():
+    """cp=2: the all-gathered K and V (cp x the local ones) replace the local ones; the rest per token."""
+    from bench.context import block_memory_worker
+
+    for r in (block_memory_worker(0, 1, SEQ), run(block_memory_worker, 2, SEQ, timeout=120)[0]):
+        assert r["measured"] == r["predicted"], (r["cp"], r["detail"])

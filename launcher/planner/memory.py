@@ -20,6 +20,9 @@ activations and dropout), rebuilt term by term so that other shapes fit:
 For GPT (f = 4h, h_q = h_kv = h, dropout, 2-byte activations) this gives exactly 10 + 24/t and
 5as/(ht). Selective recompute drops the attention core; full recompute keeps each layer's input
 (2sbh, /t with sequence parallelism) and needs one layer's full activations while it recomputes.
+Context parallelism (cp ranks, each seq / cp tokens of every sequence) divides everything per token
+by cp, except K and V: attention saves the all-gathered K and V of the whole sequence (cp times the
+local ones), and each rank keeps its causal mask, (seq / cp) x seq in the compute dtype (a buffer).
 The busiest pipeline rank holds activations for the microbatches in flight: GPipe all m, 1F1B up to
 p on the first rank (p - r on rank r), interleaved 1F1B 2(p - r - 1) + (v - 1)p + 1 chunks of 1/v of
 its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v)).
@@ -118,7 +121,8 @@ def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) 
     if EAGER_NORM_STATS:  # two norms per layer; RMSNorm saves x*rstd (h) and rstd, LayerNorm mean and rstd
         norm_stats = 2 * elem * (h + 1) if m.norm == "rmsnorm" else 2 * elem * 2
     replicated = 4 * elem * h + 2 * mask * h + norm_stats
-    sharded = elem * (2 * hq + 2 * hkv) + (4 if m.mlp == "swiglu" else 2) * elem * f
+    # attention saves K and V as its core reads them: all-gathered over the cp ranks (cp x the local ones)
+    sharded = elem * (2 * hq + 2 * hkv * layout.cp) + (4 if m.mlp == "swiglu" else 2) * elem * f
     if FUSED_ATTENTION:
         core = 4.0 * a
     else:
@@ -168,7 +172,7 @@ def memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str) -> Me
 
 def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int) -> Memory:
     params = rank_params(m, layout, rank)
-    s = layout.dp_shard
+    s = layout.fsdp_shard
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
     pc = counts(m)
     layer_params = pc.per_layer_matmul // layout.tp + pc.per_layer - pc.per_layer_matmul
@@ -180,7 +184,9 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     else:
         grads, buffers = GRAD_BYTES * params, (elem * params if elem < MASTER_BYTES else 0)
     saved, working = layer_activation_bytes(m, seq, layout, elem)
-    tokens = layout.micro * seq
+    tokens = layout.micro * seq // layout.cp  # this rank's share of each sequence
+    if layout.cp > 1:  # the causal mask of the local queries against every key, built once
+        buffers += elem * seq // layout.cp * seq
     acts = saved * tokens * layers * in_flight(layout, rank)
     if layout.recompute == "full":
         acts += working * tokens

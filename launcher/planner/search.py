@@ -1,7 +1,8 @@
 """The layout search: enumerate the layouts the config allows, predict each, rank by tokens/s.
 
 What is searched (a key given an int or a name in the config constrains it; `auto` searches):
-- tp: divisors of the world size; pp: divisors of the rest; dp: what remains; dp_shard x
+- tp: divisors of the world size; cp (when `auto`): divisors of the rest that split the sequence
+  into 2 cp chunks; pp: divisors of the rest; dp: what remains; dp_shard x
   dp_replicate: every split of dp (what one fixes, the other fills).
 - batch.micro: divisors of the per-rank batch (global / dp) up to MAX_MICRO. Without batch.global:
   micro in (1, 2, 4, 8), so each layout trains its own global batch. The microbatch count follows
@@ -67,6 +68,7 @@ class Prediction:
             "world": lay.world_size,
             "tp": lay.tp,
             "pp": lay.pp,
+            "cp": lay.cp,
             "dp": lay.dp,
             "dp_shard": lay.dp_shard,
             "dp_replicate": lay.dp_replicate,
@@ -120,6 +122,7 @@ def bottleneck(t: StepTime, efficiency: float) -> str:
     total = t.total
     parts = {
         f"TP communication over {t.tp_level}": t.tp_comm,
+        f"CP communication over {t.cp_level}": t.cp_comm,
         "tensor-parallel dispatch on the host": t.tp_host,
         "pipeline bubble": t.pp_bubble,
         f"DP communication over {t.dp_level}": t.dp_exposed,
@@ -161,24 +164,37 @@ def candidates(problem: Problem, space: Space) -> Iterator[Layout | str]:
         if broken := _first(Layout(tp=tp, sequence_parallel=sp), m, seq):
             yield broken
             continue
-        rest = world // tp
-        for pp in [deg["pp"]] if deg["pp"] else divisors(rest):
-            dp = rest // pp
-            if rest % pp or (deg["dp"] and deg["dp"] != dp):
+        for cp in [deg["cp"]] if deg["cp"] else divisors(world // tp):
+            if (world // tp) % cp:
                 continue
-            if broken := _first(Layout(tp=tp, pp=pp, microbatches=pp, sequence_parallel=sp), m, seq):
+            if broken := _first(Layout(tp=tp, cp=cp, sequence_parallel=sp), m, seq):
                 yield broken
                 continue
-            for replicate, shard in _dp_splits(dp, deg["dp_shard"], deg["dp_replicate"]):
-                for micro in _micro_options(space, dp):
-                    try:
-                        count = microbatch_count(micro, dp, pp, space.global_batch, space.microbatches)
-                    except LauncherError as err:
-                        yield str(err)
-                        continue
-                    for schedule, v in _schedules(space, pp):
-                        lay = Layout(tp, pp, replicate, shard, micro, count, schedule, v, space.recompute or "none", sp)
-                        yield _first(lay, m, seq) or lay
+            yield from _inner(problem, space, tp, cp, sp)
+
+
+def _inner(problem: Problem, space: Space, tp: int, cp: int, sp: bool) -> Iterator[Layout | str]:
+    """The candidates of one (tp, cp): pp, the dp split, micro and the schedule."""
+    m, seq, deg = problem.model, problem.seq, space.degrees
+    rest = problem.world // (tp * cp)
+    for pp in [deg["pp"]] if deg["pp"] else divisors(rest):
+        dp = rest // pp
+        if rest % pp or (deg["dp"] and deg["dp"] != dp):
+            continue
+        if broken := _first(Layout(tp=tp, pp=pp, microbatches=pp, sequence_parallel=sp, cp=cp), m, seq):
+            yield broken
+            continue
+        for replicate, shard in _dp_splits(dp, deg["dp_shard"], deg["dp_replicate"]):
+            for micro in _micro_options(space, dp):
+                try:
+                    count = microbatch_count(micro, dp, pp, space.global_batch, space.microbatches)
+                except LauncherError as err:
+                    yield str(err)
+                    continue
+                for schedule, v in _schedules(space, pp):
+                    rec = space.recompute or "none"
+                    lay = Layout(tp, pp, replicate, shard, micro, count, schedule, v, rec, sp, cp)
+                    yield _first(lay, m, seq) or lay
 
 
 def _first(lay: Layout, m: ModelConfig, seq: int) -> str | None:
