@@ -50,12 +50,12 @@ def memory_rows(seq_len: int) -> list[dict[str, Any]]:
 
 
 def step_time_rows(seq_len: int, batch: int, steps: int) -> list[dict[str, Any]]:
-    from tests.dist import run_many
+    from tests.dist import run
 
-    cfgs = {cp: resolved_config(1, 1, 1, seq_len, batch, f"cp={cp}") for cp in (1, 2)}
-    measured = run_many([(timing_worker, cp, ([cfgs[cp]], steps)) for cp in (1, 2)], timeout=1800)
     rows = []
-    for (cp, cfg), per_rank in zip(cfgs.items(), measured):
+    for cp in (1, 2):  # one after the other: each run has the machine's cores to itself
+        cfg = resolved_config(1, 1, 1, seq_len, batch, f"cp={cp}")
+        per_rank = run(timing_worker, cp, [cfg], steps, timeout=1800)
         _, prediction = resolve(cfg, cp)
         seconds = max(r[0] for r in per_rank)  # the step ends when the slowest rank ends
         pred = prediction.as_dict()
