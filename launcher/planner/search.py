@@ -1,8 +1,8 @@
 """The layout search: enumerate the layouts the config allows, predict each, rank by tokens/s.
 
 What is searched (a key given an int or a name in the config constrains it; `auto` searches):
-- tp: divisors of the world size; cp (when `auto`): divisors of the rest that split the sequence
-  into 2 cp chunks; pp: divisors of the rest; dp: what remains; dp_shard x
+- tp: divisors of the world size; cp (when `auto`): powers of two up to MAX_AUTO_CP that leave each
+  rank at least MIN_CP_TOKENS of a sequence; pp: divisors of the rest; dp: what remains; dp_shard x
   dp_replicate: every split of dp (what one fixes, the other fills).
 - batch.micro: divisors of the per-rank batch (global / dp) up to MAX_MICRO. Without batch.global:
   micro in (1, 2, 4, 8), so each layout trains its own global batch. The microbatch count follows
@@ -33,6 +33,11 @@ from launcher.planner.device import Machine
 from launcher.planner.memory import FUSED_ATTENTION, Memory, memory
 
 MAX_MICRO = 32
+# Context parallelism is for long sequences: Llama 3's 128K stage ran cp=16, 8K tokens per rank.
+# Shorter local shares leave each rank's kernels little work, which the efficiency model does not
+# see; the bound also keeps the search fast (`plan` for 405b on 16,384 devices in under 1 s).
+MIN_CP_TOKENS = 4096
+MAX_AUTO_CP = 32
 AUTO_VIRTUAL = (2, 4, 8)
 
 
@@ -164,13 +169,21 @@ def candidates(problem: Problem, space: Space) -> Iterator[Layout | str]:
         if broken := _first(Layout(tp=tp, sequence_parallel=sp), m, seq):
             yield broken
             continue
-        for cp in [deg["cp"]] if deg["cp"] else divisors(world // tp):
-            if (world // tp) % cp:
-                continue
+        for cp in [deg["cp"]] if deg["cp"] else _cp_options(world // tp, seq):
             if broken := _first(Layout(tp=tp, cp=cp, sequence_parallel=sp), m, seq):
                 yield broken
                 continue
             yield from _inner(problem, space, tp, cp, sp)
+
+
+def _cp_options(ranks: int, seq: int) -> list[int]:
+    """cp values `auto` tries: powers of two dividing `ranks`, each rank keeping MIN_CP_TOKENS."""
+    options = [1]
+    while (
+        options[-1] * 2 <= MAX_AUTO_CP and ranks % (options[-1] * 2) == 0 and seq // (options[-1] * 2) >= MIN_CP_TOKENS
+    ):
+        options.append(options[-1] * 2)
+    return options
 
 
 def _inner(problem: Problem, space: Space, tp: int, cp: int, sp: bool) -> Iterator[Layout | str]:
