@@ -120,6 +120,7 @@ class Layout:
             "cp": cp_rank,
             "tp": tp_rank,
             "dp": replicate * self.dp_shard + shard,
+            "dp_shard_cp": shard * self.cp + cp_rank,  # FSDP's flattened dimension (build_mesh)
         }
 
     def settings(self) -> dict[str, Any]:

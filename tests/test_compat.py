@@ -43,14 +43,15 @@ def test_flatten_mesh_names_a_dimension_of_adjacent_ones() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from launcher.compat import fake_store, flatten_mesh
+    from launcher.compat import fake_store, flatten_mesh, sub_mesh
 
     dist.init_process_group("fake", store=fake_store(), rank=5, world_size=8)
     try:
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
         flat = flatten_mesh(mesh, ("b", "c"), "bc")
-        assert flat.size() == 4 and mesh["bc"].size() == 4
-        assert mesh["bc"].mesh.tolist() == [4, 5, 6, 7]  # rank 5's group: the a=1 slice, b and c row-major
+        assert flat.size() == 4
+        assert sub_mesh(mesh, "bc").mesh.tolist() == [4, 5, 6, 7]  # rank 5's group: the a=1 slice, b and c row-major
+        assert sub_mesh(mesh, "a", "bc").mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]  # HSDP: (replicate, shard)
     finally:
         dist.destroy_process_group()
 

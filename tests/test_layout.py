@@ -179,6 +179,7 @@ def test_dry_run_70b_tp8_pp4_dp2_ranks() -> None:
         ("tp=2", "dp=3", "pp=2"),  # FSDP over 3: uneven shards (dim 32 -> 11, 11, 10)
         ("tp=2", "dp=4", "dp_replicate=2", "dp_shard=2", "sequence_parallel=true"),  # HSDP
         ("dp=3", "dp_shard=1", "pp=3", "pp_schedule=interleaved_1f1b", "virtual_stages=2", "microbatches=3"),
+        ("tp=2", "cp=3", "dp=2", "dp_replicate=2", "seq_len=36"),  # HSDP over dp_replicate x (dp_shard x cp)
     ],
 )
 def test_dry_run_derived_shapes_equal_building_every_rank(overrides: tuple[str, ...]) -> None:

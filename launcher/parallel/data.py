@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from launcher.compat import replicate
+from launcher.compat import replicate, sub_mesh
 from launcher.layout import Layout
 
 
@@ -38,7 +38,7 @@ def apply_data_parallel(
         return
     if layout.fsdp_shard > 1:
         shard = shard_dim(layout)
-        dp_mesh = mesh["dp_replicate", shard] if layout.dp_replicate > 1 else mesh[shard]
+        dp_mesh = sub_mesh(mesh, "dp_replicate", shard) if layout.dp_replicate > 1 else sub_mesh(mesh, shard)
         # under pipelining every micro-batch would re-gather a resharded block: keep blocks gathered
         # from forward to backward (torchtitan does the same)
         shard_blocks(model, dp_mesh, not pipelined, mp_policy)
