@@ -49,12 +49,12 @@ def memory_rows(seq_len: int) -> list[dict[str, Any]]:
     return [block_memory_worker(0, 1, seq_len), run(block_memory_worker, 2, seq_len, timeout=300)[0]]
 
 
-def step_time_rows(seq_len: int, batch: int, steps: int) -> list[dict[str, Any]]:
+def step_time_rows(seq_len: int, batch: int, steps: int, threads: int | None) -> list[dict[str, Any]]:
     from tests.dist import run
 
     rows = []
     for cp in (1, 2):  # one after the other: each run has the machine's cores to itself
-        cfg = resolved_config(1, 1, 1, seq_len, batch, f"cp={cp}")
+        cfg = resolved_config(1, 1, 1, seq_len, batch, f"cp={cp}", *([f"threads={threads}"] if threads else []))
         per_rank = run(timing_worker, cp, [cfg], steps, timeout=1800)
         _, prediction = resolve(cfg, cp)
         seconds = max(r[0] for r in per_rank)  # the step ends when the slowest rank ends
@@ -70,6 +70,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences per step)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps (median)")
+    parser.add_argument("--threads", type=int, default=None, help="threads per worker (default: the runtime's)")
     args = parser.parse_args(argv)
     console = Console()
     for r in memory_rows(args.seq_len):
@@ -77,7 +78,7 @@ def main(argv: list[str]) -> None:
             f"memory cp={r['cp']}: one block saves {r['measured'] / 2**20:.3f} MiB, planner "
             f"{r['predicted'] / 2**20:.3f} MiB ({'exact' if r['measured'] == r['predicted'] else 'DIFFERENT'})"
         )
-    rows = step_time_rows(args.seq_len, args.batch, args.steps)
+    rows = step_time_rows(args.seq_len, args.batch, args.steps, args.threads)
     for r in rows:
         ratio, ts = r["predicted"] / r["measured"], r["time_s"]
         inside = "within" if abs(ratio - 1) <= TOLERANCE else "OUTSIDE"
@@ -86,4 +87,7 @@ def main(argv: list[str]) -> None:
             f"measured {r['measured']:.3f} s, ratio {ratio:.2f} ({inside} ±25%); compute {ts['compute']:.3f}, "
             f"cp comm {ts['cp_comm']:.4f}, dp exposed {ts['dp_exposed']:.3f}"
         )
-    console.print(f"measured cp=2 / cp=1 step time: {rows[1]['measured'] / rows[0]['measured']:.2f}")
+    console.print(
+        f"cp=2 / cp=1 step time: measured {rows[1]['measured'] / rows[0]['measured']:.2f}, "
+        f"predicted {rows[1]['predicted'] / rows[0]['predicted']:.2f}"
+    )

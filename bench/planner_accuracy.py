@@ -62,9 +62,9 @@ def local_numel(module: torch.nn.Module) -> int:
 
 
 def timing_worker(rank: int, world: int, cfgs: list[TrainConfig], steps: int) -> list[float]:
-    torch.set_num_threads(worker_threads(None, world))  # what train() does with threads=None
     out = []
     for cfg in cfgs:
+        torch.set_num_threads(worker_threads(cfg.threads, world))  # what train() does
         layout = from_config(cfg, world)
         runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), build_mesh(layout))
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)

@@ -97,6 +97,9 @@ class ContextShard:
             self._cache[key] = torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
         return self._cache[key]
 
+    # under torch.compile (per block, CUDA) the gather and its autograd stay eager: a graph break around
+    # the attention core rather than tracing process-group calls
+    @torch.compiler.disable
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, gqa: bool) -> torch.Tensor:
         """Local queries (batch, heads, s/cp, hd) against every rank's K and V: one all-gather of both."""
         if q.shape[-2] * self.cp != self.seq_len:
