@@ -1,7 +1,8 @@
 """Context parallelism matches the single-process run: the loss of each of 5 steps, the gradient norms
 and the gradients after step 1 (fp32, rtol 1e-4), alone and composed with TP (and sequence
 parallelism), FSDP, DDP (HSDP over dp x cp) and PP, for both model variants of tests/test_parallel.py
-(RoPE and learned positions). Plus the load-balanced split itself."""
+(RoPE and learned positions), and under full recompute. Plus the load-balanced split itself, and
+the planner's cp terms."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from tests.test_parallel import VARIANTS, make_cfg, train_case
 
 CASES = {
     "cp2": dict(cp=2),
+    "cp2-recompute": dict(cp=2, recompute="full"),  # the recomputed forward gathers K and V again
     "cp2-tp2": dict(cp=2, tp=2),
     "cp2-tp2-sp": dict(cp=2, tp=2, sequence_parallel=True),
     "cp2-fsdp2": dict(cp=2, dp=2, batch={"micro": 2, "global": 8}),
     "cp2-ddp2": dict(cp=2, dp=2, dp_shard=1, batch={"micro": 2, "global": 8}),  # HSDP: replicate 2 x shard cp 2
     "cp2-pp2": dict(cp=2, pp=2, pp_schedule="1f1b"),
 }
-LAUNCHES = [(2, ["cp2"]), (4, ["cp2-tp2", "cp2-tp2-sp", "cp2-fsdp2", "cp2-ddp2", "cp2-pp2"])]
+LAUNCHES = [(2, ["cp2", "cp2-recompute"]), (4, ["cp2-tp2", "cp2-tp2-sp", "cp2-fsdp2", "cp2-ddp2", "cp2-pp2"])]
 
 
 def test_each_rank_gets_an_early_and_a_late_chunk() -> None:
