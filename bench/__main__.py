@@ -5,7 +5,17 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ["overhead", "parallel", "checkpoint", "planner_accuracy", "memory", "tokenize", "schedules", "recompute"]
+BENCHES = [
+    "overhead",
+    "parallel",
+    "checkpoint",
+    "planner_accuracy",
+    "memory",
+    "tokenize",
+    "schedules",
+    "recompute",
+    "context",
+]
 ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
 
 

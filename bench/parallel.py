@@ -35,6 +35,7 @@ from launcher.config import ModelConfig, TrainConfig
 from launcher.layout import build_mesh, from_config, worker_threads
 from launcher.model.init import initialized_model, meta_model
 from launcher.parallel import parallelize
+from launcher.parallel.context import split_sequence
 from launcher.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,8 +76,9 @@ def comm_seconds(prof: Any) -> float:
     return total / 1e6  # profiler times are in microseconds
 
 
-def train_step(runner: Any, optimizer: Any, tokens: torch.Tensor) -> None:
-    runner.forward_backward(tokens[:, :-1], tokens[:, 1:])
+def train_step(runner: Any, optimizer: Any, tokens: torch.Tensor, cp: int = 1, cp_rank: int = 0) -> None:
+    """One step on (batch, seq + 1) token rows (a context-parallel rank trains on its chunks of them)."""
+    runner.forward_backward(*(split_sequence(t, cp, cp_rank) for t in (tokens[:, :-1], tokens[:, 1:])))
     runner.clip_grad_norm(1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -62,28 +62,29 @@ def local_numel(module: torch.nn.Module) -> int:
 
 
 def timing_worker(rank: int, world: int, cfgs: list[TrainConfig], steps: int) -> list[float]:
-    torch.set_num_threads(worker_threads(None, world))  # what train() does with threads=None
     out = []
     for cfg in cfgs:
+        torch.set_num_threads(worker_threads(cfg.threads, world))  # what train() does
         layout = from_config(cfg, world)
         runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), build_mesh(layout))
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         glob = layout.global_batch
         local = glob // layout.dp
-        dp_rank = layout.coordinates(rank)["dp"]
+        coords = layout.coordinates(rank)
         gen = torch.Generator().manual_seed(0)
         batches = [
             torch.randint(0, cfg.model.vocab_size, (glob, cfg.seq_len + 1), generator=gen)[
-                dp_rank * local : (dp_rank + 1) * local
+                coords["dp"] * local : (coords["dp"] + 1) * local
             ]
             for _ in range(steps + 2)
         ]
+        cp = (layout.cp, coords["cp"])
         for tokens in batches[:2]:  # warm-up: allocations, pipeline shape inference
-            train_step(runner, optimizer, tokens)
+            train_step(runner, optimizer, tokens, *cp)
         times = []
         for tokens in batches[2:]:
             t0 = time.perf_counter()
-            train_step(runner, optimizer, tokens)
+            train_step(runner, optimizer, tokens, *cp)
             times.append(time.perf_counter() - t0)
         out.append(statistics.median(times))
     return out
@@ -112,10 +113,14 @@ def step_time_rows(seq_len: int, batch: int, steps: int) -> list[dict[str, Any]]
 # ---------------------------------------------------------------------------------------------- memory
 
 
-def block_saved_bytes(block: torch.nn.Module, rope: torch.Tensor, x: torch.Tensor) -> tuple[int, list[tuple]]:
-    """Bytes autograd saves for one block forward (each storage once), and (shape, dtype, bytes) of each."""
+def block_saved_bytes(
+    block: torch.nn.Module, rope: torch.Tensor, x: torch.Tensor, constants: tuple[torch.Tensor, ...] = ()
+) -> tuple[int, list[tuple]]:
+    """Bytes autograd saves for one block forward (each storage once), and (shape, dtype, bytes) of each.
+    Parameters, the RoPE table and `constants` (built once per run, e.g. context parallelism's mask)
+    are not activations."""
     exclude = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in block.parameters()}
-    exclude.add(rope.untyped_storage().data_ptr())
+    exclude |= {t.untyped_storage().data_ptr() for t in (rope, *constants)}
     seen: list[tuple] = []
 
     class Meter(SavedTensorMeter):

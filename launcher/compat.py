@@ -41,6 +41,23 @@ def replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     replicate_with_fsdp(module, mesh=mesh)
 
 
+def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """One mesh dimension `name` made of the adjacent dimensions `dims` (FSDP over dp_shard x cp, as
+    torchtitan does); `sub_mesh` finds it later. DeviceMesh has no public flatten."""
+    return mesh[dims]._flatten(name)
+
+
+def sub_mesh(mesh: DeviceMesh, *dims: str) -> DeviceMesh:
+    """`mesh[dims]`, where a dim may be a flattened one: torch warns since 2.11 that slicing those from
+    the root mesh will be deprecated, but it is the way to get a 2-D (replicate, flattened shard)
+    mesh for HSDP; tests/test_compat.py checks it still works."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[dims if len(dims) > 1 else dims[0]]
+
+
 def fake_store() -> Store:
     """The store of the "fake" process-group backend: every collective returns at once, with no peer.
     torch ships it under torch.testing only."""

@@ -251,6 +251,7 @@ class TrainConfig:
     nodes: int = ranged(1, ge=1)
     tp: Any = 1
     pp: Any = 1
+    cp: Any = 1  # context parallel: each sequence split over cp ranks (2 cp chunks, load-balanced)
     dp: Any = "auto"  # whatever ranks remain
     dp_shard: Any = "auto"  # FSDP degree inside dp; auto: all of dp (1 = plain DDP)
     dp_replicate: Any = "auto"  # DDP degree inside dp (HSDP when both > 1)

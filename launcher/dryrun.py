@@ -187,8 +187,9 @@ def dry_run(cfg: TrainConfig, layout: Layout, out: Any = print) -> dict[int, int
         nbytes = sum(math.prod(shapes[p.name]) * p.element_size for p in params)
         memory.update(dict.fromkeys(ranks, nbytes))
     m = cfg.model
+    cp = f"cp={layout.cp} " if layout.cp > 1 else ""
     out(
-        f"dry run: model {m.name} · layout tp={layout.tp} pp={layout.pp} dp={layout.dp} "
+        f"dry run: model {m.name} · layout tp={layout.tp} pp={layout.pp} {cp}dp={layout.dp} "
         f"(dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}) · {layout.world_size} ranks · "
         f"sequence_parallel={layout.sequence_parallel} · pp_schedule={layout.schedule} · "
         f"virtual_stages={layout.virtual_stages} · recompute={layout.recompute} · "

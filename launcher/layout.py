@@ -11,8 +11,10 @@ Batch semantics (docs/parallelism.md): `micro` sequences per microbatch per data
 steps without pipelining), so a step trains `micro x microbatches x dp` sequences (`batch.global`).
 
 Ranks are ordered tp innermost (a tensor-parallel group sits inside the fastest link domain), then
-data parallel (replicate outer, shard inner), then pipeline outermost:
-    rank = tp_rank + tp * (dp_shard_rank + dp_shard * (dp_replicate_rank + dp_replicate * pp_rank))
+context parallel, then data parallel (replicate outer, shard inner), then pipeline outermost:
+    rank = tp_rank + tp * (cp_rank + cp * (dp_shard_rank + dp_shard * (dp_replicate_rank + dp_replicate * pp_rank)))
+Context-parallel ranks see the same sequences (each its chunks of them) and hold identical weights:
+FSDP shards over dp_shard x cp together, as torchtitan does (launcher/parallel/context.py).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from launcher.config import LauncherError, ModelConfig, TrainConfig
 MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")  # schedules with virtual stages
 V_SHAPED = ("zbv", "dualpipev")  # exactly two stages per rank, in a V: rank r holds r and 2 pp - 1 - r
 ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # backward split into input and weight gradients
-DEGREES = ("tp", "pp", "dp", "dp_shard", "dp_replicate")  # the config keys of the parallel degrees
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the rank order above
+DEGREES = ("tp", "pp", "cp", "dp", "dp_shard", "dp_replicate")  # the config keys of the parallel degrees
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first: the rank order above
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class Layout:
     sequence_parallel: bool = False
     recompute_layers: int = 0  # blocks of each stage (model chunk) recomputed in full, the first ones
     reshard: str = "auto"  # fsdp.reshard_after_forward: always (ZeRO-3) | never (ZeRO-2) | auto (by stage)
-    # expert (ep) and context (cp) parallel degrees join here, and in MESH_DIMS, when they arrive
+    cp: int = 1  # context parallel: each sequence split over cp ranks (launcher/parallel/context.py)
+    # the expert-parallel degree (ep) joins here, and in MESH_DIMS, when it arrives
 
     @property
     def dp(self) -> int:
@@ -54,7 +57,13 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP shards a parameter over: dp_shard x cp (context-parallel ranks hold the same
+        weights; with cp > 1 FSDP replaces DDP over them, as in torchtitan)."""
+        return self.dp_shard * self.cp
 
     @property
     def local_batch(self) -> int:
@@ -107,21 +116,24 @@ class Layout:
 
     @property
     def sharding(self) -> str:
-        if self.dp_shard > 1:
+        if self.fsdp_shard > 1:
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
         return "ddp" if self.dp_replicate > 1 else "none"
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """The rank's position along each mesh dimension (the inverse of the order above)."""
         tp_rank, rest = rank % self.tp, rank // self.tp
+        cp_rank, rest = rest % self.cp, rest // self.cp
         shard, rest = rest % self.dp_shard, rest // self.dp_shard
         replicate, pp_rank = rest % self.dp_replicate, rest // self.dp_replicate
         return {
             "pp": pp_rank,
             "dp_replicate": replicate,
             "dp_shard": shard,
+            "cp": cp_rank,
             "tp": tp_rank,
             "dp": replicate * self.dp_shard + shard,
+            "dp_shard_cp": shard * self.cp + cp_rank,  # FSDP's flattened dimension (build_mesh)
         }
 
     def settings(self) -> dict[str, Any]:
@@ -129,6 +141,7 @@ class Layout:
         return {
             "tp": self.tp,
             "pp": self.pp,
+            "cp": self.cp,
             "dp": self.dp,
             "dp_shard": self.dp_shard,
             "dp_replicate": self.dp_replicate,
@@ -207,18 +220,21 @@ def launch_world_size(cfg: TrainConfig, env_world_size: int | None) -> int | Non
 
 
 def check_world(world: int | None, degrees: dict[str, int | None]) -> None:
-    """The world-size rule: the given tp x pp x dp equals the world size, or divides it when dp (or
-    another degree) is auto; dp_shard and dp_replicate divide dp."""
-    given = {k: degrees[k] for k in ("tp", "pp", "dp") if degrees[k]}
+    """The world-size rule: the given tp x pp x cp x dp equals the world size, or divides it when dp
+    (or another degree) is auto; dp_shard and dp_replicate divide dp."""
+    given = {k: degrees[k] for k in ("tp", "pp", "cp", "dp") if degrees[k]}
     product = math.prod(given.values())
+    complete = len(given) == 4
+    if given.get("cp") == 1:  # the default: not worth naming
+        del given["cp"]
     names, values = "*".join(given), "*".join(map(str, given.values()))
-    if world is not None and len(given) == 3 and product != world:
+    if world is not None and complete and product != world:
         raise LauncherError(f"{names}={values}={product} does not match the world size {world}: set dp=auto")
     if world is not None and world % product:
         raise LauncherError(f"world size {world} is not divisible by {names}={values}: change {' or '.join(given)}")
     dp = degrees["dp"]
-    if dp is None and world is not None and degrees["tp"] and degrees["pp"]:
-        dp = world // (degrees["tp"] * degrees["pp"])
+    if dp is None and world is not None and degrees["tp"] and degrees["pp"] and degrees["cp"]:
+        dp = world // (degrees["tp"] * degrees["pp"] * degrees["cp"])
     for key in ("dp_shard", "dp_replicate"):
         if degrees[key] and dp and dp % degrees[key]:
             raise LauncherError(f"{key}={degrees[key]} does not divide dp={dp}: set {key}=auto or change dp")
@@ -238,13 +254,13 @@ def split_dp(dp: int, shard: int | None, replicate: int | None) -> tuple[int, in
     return replicate, shard
 
 
-def fixed_degrees(degrees: dict[str, int | None], world: int | None) -> tuple[int, int, int, int]:
-    """(tp, pp, dp_replicate, dp_shard) when tp and pp are given: dp takes the ranks that remain
-    (1 when the world size is free)."""
+def fixed_degrees(degrees: dict[str, int | None], world: int | None) -> tuple[int, int, int, int, int]:
+    """(tp, pp, cp, dp_replicate, dp_shard) when tp, pp and cp are given: dp takes the ranks that
+    remain (1 when the world size is free)."""
     check_world(world, degrees)
-    tp, pp = degrees["tp"] or 1, degrees["pp"] or 1
-    dp = degrees["dp"] or (world // (tp * pp) if world else 1)
-    return tp, pp, *split_dp(dp, degrees["dp_shard"], degrees["dp_replicate"])
+    tp, pp, cp = degrees["tp"] or 1, degrees["pp"] or 1, degrees["cp"] or 1
+    dp = degrees["dp"] or (world // (tp * pp * cp) if world else 1)
+    return tp, pp, cp, *split_dp(dp, degrees["dp_shard"], degrees["dp_replicate"])
 
 
 # --- the batch split -----------------------------------------------------------------------------------
@@ -306,8 +322,21 @@ def _tensor_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
 def _sequence_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
     if lay.sequence_parallel and lay.tp == 1:
         return "sequence_parallel=true needs tensor parallelism: set tp>1 or sequence_parallel=false"
-    if lay.sequence_parallel and seq_len % lay.tp:
-        return f"sequence_parallel=true shards the sequence: seq_len={seq_len} must be a multiple of tp={lay.tp}"
+    if lay.sequence_parallel and seq_len % (lay.tp * lay.cp):
+        cp = f" x cp={lay.cp}" if lay.cp > 1 else ""
+        return f"sequence_parallel=true shards the sequence: seq_len={seq_len} must be a multiple of tp={lay.tp}{cp}"
+    return None
+
+
+def _context_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+    chunks = 2 * lay.cp  # rank i holds chunks i and 2cp-1-i: the same causal work on every rank
+    if lay.cp > 1 and seq_len % chunks:
+        fits = [c for c in divisors(seq_len // 2) if c > 1][:6] if seq_len % 2 == 0 else []
+        choice = f"cp in {{{', '.join(map(str, fits))}}}" if fits else "an even seq_len"
+        return (
+            f"cp={lay.cp} splits each sequence into 2 x cp = {chunks} equal chunks: seq_len={seq_len} is not a "
+            f"multiple of {chunks}: use seq_len={(seq_len // chunks + 1) * chunks} or {choice}"
+        )
     return None
 
 
@@ -377,7 +406,7 @@ def _recompute(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
 
 
 Rule = Callable[[Layout, ModelConfig, int], str | None]
-RULES: tuple[Rule, ...] = (_tensor_parallel, _sequence_parallel, _stages, _microbatches, _recompute)
+RULES: tuple[Rule, ...] = (_tensor_parallel, _context_parallel, _sequence_parallel, _stages, _microbatches, _recompute)
 
 
 def violations(lay: Layout, m: ModelConfig, seq_len: int) -> Iterator[str]:
@@ -399,7 +428,7 @@ def check(lay: Layout, m: ModelConfig, seq_len: int) -> None:
 def from_config(cfg: TrainConfig, world: int | None) -> Layout:
     """The layout a config fixes completely (no `auto` but the dp degrees), checked."""
     batch = cfg.batch
-    tp, pp, replicate, shard = fixed_degrees(given_degrees(cfg), world)
+    tp, pp, cp, replicate, shard = fixed_degrees(given_degrees(cfg), world)
     micro = int_or_auto("batch.micro", batch.get("micro"))
     if micro is None:
         raise LauncherError("batch.micro=auto is the planner's choice: give a world size or a value")
@@ -414,7 +443,7 @@ def from_config(cfg: TrainConfig, world: int | None) -> Layout:
     if layers is None:
         raise LauncherError("recompute_layers=auto is the planner's choice: give a world size or a value")
     sp, reshard = bool(cfg.sequence_parallel), cfg.fsdp.reshard_after_forward
-    lay = Layout(tp, pp, replicate, shard, micro, count, cfg.pp_schedule, v, cfg.recompute, sp, layers, reshard)
+    lay = Layout(tp, pp, replicate, shard, micro, count, cfg.pp_schedule, v, cfg.recompute, sp, layers, reshard, cp)
     check(lay, cfg.model, cfg.seq_len)
     if lay.zero_bubble and cfg.compile is True:
         raise LauncherError(
@@ -425,9 +454,10 @@ def from_config(cfg: TrainConfig, world: int | None) -> Layout:
 
 
 # --- where it runs ---------------------------------------------------------------------------------------
-def rank_of(layout: Layout, pp: int = 0, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 0) -> int:
+def rank_of(layout: Layout, pp: int = 0, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 0, cp: int = 0) -> int:
     """The rank at these coordinates (the order in the module docstring)."""
-    return tp + layout.tp * (dp_shard + layout.dp_shard * (dp_replicate + layout.dp_replicate * pp))
+    inner = cp + layout.cp * (dp_shard + layout.dp_shard * (dp_replicate + layout.dp_replicate * pp))
+    return tp + layout.tp * inner
 
 
 def owner_rank(layout: Layout) -> int:
@@ -436,7 +466,7 @@ def owner_rank(layout: Layout) -> int:
 
 
 def build_mesh(layout: Layout, device_type: str = "cpu", copies: int = 1):  # -> DeviceMesh
-    """The DeviceMesh of the layout, dimensions named pp, dp_replicate, dp_shard, tp (row-major, so
+    """The DeviceMesh of the layout, dimensions named pp, dp_replicate, dp_shard, cp, tp (row-major, so
     the mesh's rank order is exactly `rank_of`). The data-parallel rank is
     dp_replicate_rank * dp_shard + dp_shard_rank, as in `Layout.coordinates`.
 
@@ -446,11 +476,15 @@ def build_mesh(layout: Layout, device_type: str = "cpu", copies: int = 1):  # ->
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+    shape = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
     if copies > 1:
         mesh = init_device_mesh(device_type, (copies, *shape), mesh_dim_names=("copy", *MESH_DIMS))[MESH_DIMS]
     else:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    if layout.cp > 1:  # FSDP shards over dp_shard x cp (launcher/parallel/data.py)
+        from launcher.compat import flatten_mesh
+
+        flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
     return mesh
 
 

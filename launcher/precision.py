@@ -1,7 +1,7 @@
 """Which numbers a run computes in: one decision, from the config and the layout.
 
 - fp32: dtype=fp32, or dtype=auto on a CPU (bf16 is slower than fp32 there without AMX).
-- FSDP2 mixed precision on cuda where the layout shards with FSDP (dp_shard > 1, HSDP included):
+- FSDP2 mixed precision on cuda where the layout shards with FSDP (dp_shard x cp > 1, HSDP included):
   `fully_shard` keeps the sharded fp32 parameters as the optimizer's master weights, all-gathers
   them in bf16 for compute and reduce-scatters gradients in fp32. Autocast around FSDP would gather
   fp32 (twice the traffic) and cast every weight again in every matmul.
@@ -27,7 +27,7 @@ def precision_mode(cfg: TrainConfig, layout: Layout) -> str:
     cuda = cfg.hardware.kind == "cuda"
     if not (cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda)):
         return "fp32"
-    return "fsdp_bf16" if cuda and layout.dp_shard > 1 else "autocast_bf16"
+    return "fsdp_bf16" if cuda and layout.fsdp_shard > 1 else "autocast_bf16"
 
 
 def fsdp_policy(cfg: TrainConfig, layout: Layout) -> MixedPrecisionPolicy | None:

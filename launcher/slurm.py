@@ -50,8 +50,8 @@ def _get(cfg: Any, dotted: str) -> Any:
 def tasks_needed(cfg: Any) -> int:
     """Ranks per node the config's degrees ask for (`auto` counts as 1: the layout rule with a free
     world size). An emitted script's config pins the resolved Layout, so this is its world size."""
-    tp, pp, replicate, shard = fixed_degrees(given_degrees(cfg), None)
-    return workers_per_node(tp * pp * replicate * shard, _get(cfg, "nodes"))
+    tp, pp, cp, replicate, shard = fixed_degrees(given_degrees(cfg), None)
+    return workers_per_node(tp * pp * cp * replicate * shard, _get(cfg, "nodes"))
 
 
 def job_resources(cfg: Any) -> Resources:

@@ -18,7 +18,7 @@ from launcher.config import LauncherError, Range, TrainConfig, leaves
 from tests.conftest import assert_bad_input, make_config, run_cli, tiny_args
 
 # degrees and pipeline counts: int-or-auto, checked by launcher/layout.py rather than by a Range
-DEGREES = {"tp", "pp", "dp", "dp_shard", "dp_replicate", "microbatches", "virtual_stages"}
+DEGREES = {"tp", "pp", "cp", "dp", "dp_shard", "dp_replicate", "microbatches", "virtual_stages"}
 
 
 def outside(rng: Range) -> list[Any]:

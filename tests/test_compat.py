@@ -39,6 +39,23 @@ def test_replicate_takes_a_mesh() -> None:
     assert list(params)[0] == "module" and params["mesh"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
+def test_flatten_mesh_names_a_dimension_of_adjacent_ones() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from launcher.compat import fake_store, flatten_mesh, sub_mesh
+
+    dist.init_process_group("fake", store=fake_store(), rank=5, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+        flat = flatten_mesh(mesh, ("b", "c"), "bc")
+        assert flat.size() == 4
+        assert sub_mesh(mesh, "bc").mesh.tolist() == [4, 5, 6, 7]  # rank 5's group: the a=1 slice, b and c row-major
+        assert sub_mesh(mesh, "a", "bc").mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]  # HSDP: (replicate, shard)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_fake_store_runs_collectives_without_peers() -> None:
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=compat.fake_store(), rank=3, world_size=8)

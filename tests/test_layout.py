@@ -28,6 +28,16 @@ def test_rank_order_tp_innermost_then_dp_then_pp() -> None:
     assert owner_rank(Layout(tp=4, pp=1, dp_shard=2)) == 0
 
 
+def test_cp_sits_between_tp_and_dp() -> None:
+    layout = Layout(tp=2, cp=2, dp_shard=2, pp=2)
+    order = [layout.coordinates(r) for r in range(layout.world_size)]
+    assert [c["cp"] for c in order[:8]] == [0, 0, 1, 1] * 2 and [c["dp_shard"] for c in order[:8]] == [0] * 4 + [1] * 4
+    for r, c in enumerate(order):
+        assert rank_of(layout, c["pp"], c["dp_replicate"], c["dp_shard"], c["tp"], c["cp"]) == r
+    assert layout.world_size == 16 and layout.fsdp_shard == 4 and layout.sharding == "fsdp"
+    assert Layout(cp=2).sharding == "fsdp" and Layout(cp=2, dp_replicate=2).sharding == "hsdp"
+
+
 def test_device_mesh_follows_the_rank_order() -> None:
     """The mesh built on a fake 16-rank world: every named group is the ranks the order predicts."""
     import torch.distributed as dist
@@ -35,19 +45,21 @@ def test_device_mesh_follows_the_rank_order() -> None:
 
     from launcher.layout import build_mesh
 
-    layout = Layout(tp=2, pp=2, dp_replicate=2, dp_shard=2)
-    for rank in (0, 5, 13):
+    layout = Layout(tp=2, pp=2, dp_replicate=2, dp_shard=2, cp=2)
+    for rank in (0, 5, 13, 30):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
         try:
             mesh = build_mesh(layout, "cpu")
             c = layout.coordinates(rank)
-            for dim in ("pp", "dp_replicate", "dp_shard", "tp"):
-                expected = [
-                    rank_of(layout, **{**{k: c[k] for k in ("pp", "dp_replicate", "dp_shard", "tp")}, dim: i})
-                    for i in range(getattr(layout, dim))
-                ]
+            dims = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+            for dim in dims:
+                expected = [rank_of(layout, **{**{k: c[k] for k in dims}, dim: i}) for i in range(getattr(layout, dim))]
                 assert mesh[dim].mesh.tolist() == expected, (rank, dim)
                 assert mesh[dim].get_local_rank() == c[dim]
+            shard_cp = [
+                rank_of(layout, **{**{k: c[k] for k in dims}, "dp_shard": s, "cp": i}) for s in (0, 1) for i in (0, 1)
+            ]
+            assert mesh["dp_shard_cp"].mesh.tolist() == shard_cp  # FSDP's group: dp_shard x cp
         finally:
             dist.destroy_process_group()
 
@@ -91,6 +103,10 @@ def error(*overrides: str, world_size: int | None = None) -> str:
         (("pp=2", "model.tied_embeddings=true"), r"tied_embeddings"),
         (("sequence_parallel=true",), r"sequence_parallel=true needs tensor parallelism"),
         (("tp=2", "sequence_parallel=true", "seq_len=33"), r"seq_len=33 must be a multiple of tp=2"),
+        (("cp=2", "seq_len=30"), r"cp=2 splits each sequence into 2 x cp = 4 equal chunks: seq_len=30 is not a mult"),
+        (("cp=3", "seq_len=64"), r"seq_len=64 is not a multiple of 6: use seq_len=66 or cp in \{2, 4, 8, 16, 32\}"),
+        (("cp=2", "tp=4", "sequence_parallel=true", "seq_len=36"), r"seq_len=36 must be a multiple of tp=4 x cp=2"),
+        (("hardware=h200", "tp=2", "cp=2", "dp=1"), r"tp\*pp\*cp\*dp=2\*1\*2\*1=4 does not match the world size 8"),
         (("tp=2", "dp=8"), r"16 local workers, more than max_local_workers=8"),
         (("hardware=h200", "tp=4", "pp=2"), r"no CUDA device"),
         (("hardware=h200", "tp=2", "dp=2"), r"tp\*pp\*dp=2\*1\*2=4 does not match the world size 8"),
@@ -163,6 +179,7 @@ def test_dry_run_70b_tp8_pp4_dp2_ranks() -> None:
         ("tp=2", "dp=3", "pp=2"),  # FSDP over 3: uneven shards (dim 32 -> 11, 11, 10)
         ("tp=2", "dp=4", "dp_replicate=2", "dp_shard=2", "sequence_parallel=true"),  # HSDP
         ("dp=3", "dp_shard=1", "pp=3", "pp_schedule=interleaved_1f1b", "virtual_stages=2", "microbatches=3"),
+        ("tp=2", "cp=3", "dp=2", "dp_replicate=2", "seq_len=36"),  # HSDP over dp_replicate x (dp_shard x cp)
     ],
 )
 def test_dry_run_derived_shapes_equal_building_every_rank(overrides: tuple[str, ...]) -> None:

@@ -113,6 +113,7 @@ BAD = [  # (tp, pp, dp), further overrides, the one line both print
     ((1, 1, 1), ("sequence_parallel=true",), "sequence_parallel=true needs tensor parallelism"),
     ((2, 1, 1), ("sequence_parallel=true", "seq_len=33"), "seq_len=33 must be a multiple of tp=2"),
     ((1, 2, 1), ("microbatches=1",), "1 microbatches per step cannot fill pp=2 stages"),
+    ((1, 1, 1), ("cp=2", "seq_len=30", "hardware.devices_per_node=2"), "seq_len=30 is not a multiple of 4"),
     ((1, 2, 1), ("pp_schedule=interleaved_1f1b", "microbatches=3"), "microbatches=3 is not a multiple of pp=2"),
     ((1, 1, 1), ("batch.global=12",), "batch.global=12 is not a multiple of batch.micro x dp = 8 x 1"),
     ((1, 2, 2), ("microbatches=2", "batch.global=64"), "microbatches=2 but batch.global / (batch.micro x dp)"),

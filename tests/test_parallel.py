@@ -24,6 +24,7 @@ from launcher.config import FSDPConfig, ModelConfig, OptimConfig, TrainConfig
 from launcher.layout import build_mesh, from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
+from launcher.parallel.context import split_sequence
 from launcher.train.optim import build_optimizer
 from tests.dist import run_many
 
@@ -135,12 +136,12 @@ def train_case(cfg: TrainConfig, world_size: int, probe: bool = False) -> dict[s
     mesh = build_mesh(layout, "cpu") if world_size > 1 else None
     runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), mesh)
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
-    dp_rank = layout.coordinates(torch.distributed.get_rank())["dp"] if mesh is not None else 0
+    coords = layout.coordinates(torch.distributed.get_rank()) if mesh is not None else {"dp": 0, "cp": 0}
     local = GLOBAL_BATCH // layout.dp
     losses, norms, grads, recorder = [], [], {}, ShapeRecorder()
     weights = {n: full(p) for part in runner.parts for n, p in part.named_parameters()}
     for step in range(1, cfg.steps + 1):
-        x, y = (t[dp_rank * local : (dp_rank + 1) * local] for t in batch(step))
+        x, y = (split_sequence(t[coords["dp"] * local :][:local], layout.cp, coords["cp"]) for t in batch(step))
         if probe and step == 1:
             with recorder:
                 losses.append(runner.forward_backward(x, y))

@@ -117,3 +117,11 @@ def test_zero2_holds_the_stage_gathered_after_forward():
     none left gathered)."""
     for held in run(zero_worker, 2, timeout=180):
         assert held["never"] == held["stage"] and held["always"] == 0, held
+
+
+def test_context_parallel_activations_exact():
+    """cp=2: the all-gathered K and V (cp x the local ones) replace the local ones; the rest per token."""
+    from bench.context import block_memory_worker
+
+    for r in (block_memory_worker(0, 1, SEQ), run(block_memory_worker, 2, SEQ, timeout=120)[0]):
+        assert r["measured"] == r["predicted"], (r["cp"], r["detail"])

@@ -45,8 +45,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
         (("tp=2", "checkpoint.async_save=true"), ("dp=2", "dp_shard=2")),  # tensor parallel (async save) -> FSDP
         (("pp=2", "pp_schedule=1f1b"), ()),  # pipeline -> one process
         (("dp=2", "dp_shard=2"), ("dp=2", "dp_shard=1", "dp_replicate=2")),  # FSDP -> DDP
+        (("cp=2",), ()),  # context parallel (FSDP over the cp ranks) -> one process
+        ((), ("cp=2",)),  # and back
     ],
-    ids=["tp2-to-fsdp2", "pp2-to-single", "fsdp2-to-ddp2"],
+    ids=["tp2-to-fsdp2", "pp2-to-single", "fsdp2-to-ddp2", "cp2-to-single", "single-to-cp2"],
 )
 def test_checkpoint_reshards_across_layouts(
     tmp_path: Path, reference: dict[int, float], saved_under: tuple[str, ...], resumed_under: tuple[str, ...]

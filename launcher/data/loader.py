@@ -2,7 +2,8 @@
 
 Sample i of a run (counting over all ranks) starts at a pseudo-random offset that depends only on
 (seed, i), so the stream is the same whatever the data-parallel size: rank r of D takes the r-th
-contiguous share of each global batch. The whole state is one number, the samples consumed, which
+contiguous share of each global batch. Context-parallel ranks of one dp rank read the same sequences
+and keep their own chunks of each (`context.split_sequence`). The whole state is one number, the samples consumed, which
 is why a run can resume under a different data-parallel degree and see the same next samples.
 """
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from launcher.parallel.context import split_sequence
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -51,6 +54,8 @@ class BatchLoader:
     dp_rank: int = 0
     dp_size: int = 1
     seed: int = 0
+    cp_rank: int = 0
+    cp_size: int = 1
     position: int = 0  # global samples consumed so far: the loader's whole state
 
     @property
@@ -58,11 +63,12 @@ class BatchLoader:
         return self.global_batch // self.dp_size
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's share of the next global batch: inputs and targets, (local_batch, seq_len)."""
+        """This rank's share of the next global batch: inputs and targets, (local_batch, seq_len / cp)."""
         first = self.position + self.dp_rank * self.local_batch
         offsets = sample_offsets(self.seed, first, self.local_batch, self.tokens.size, self.seq_len)
         self.position += self.global_batch
-        return gather(self.tokens, offsets, self.seq_len)
+        inputs, targets = gather(self.tokens, offsets, self.seq_len)
+        return split_sequence(inputs, self.cp_size, self.cp_rank), split_sequence(targets, self.cp_size, self.cp_rank)
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position, "seed": self.seed}

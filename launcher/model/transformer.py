@@ -9,6 +9,8 @@ checkpoints load across layouts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,7 +41,14 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, gqa: bool) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
+    # the attention core; context parallelism swaps in its own (launcher/parallel/context.py)
+    attend = staticmethod(causal_attention)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
@@ -61,7 +70,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         # GQA: query head i reads KV head i // n_rep, without materializing repeated K and V
         dropout = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=self.n_rep > 1)
+        out = self.attend(q, k, v, dropout, self.n_rep > 1)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -100,6 +109,10 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    # global positions of the local tokens, (device) -> (seq,); None: 0..seq-1. Set under context
+    # parallelism, where a rank holds two chunks of each sequence (launcher/parallel/context.py)
+    positions: Callable[[torch.device], torch.Tensor] | None = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -132,13 +145,16 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) → logits (batch, seq, vocab); a middle pipeline stage maps h → h."""
-        h = tokens
+        h, rope = tokens, self.rope
+        pos = self.positions(tokens.device) if self.positions is not None else None
+        if rope is not None and pos is not None:
+            rope = rope[:, pos]
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+                h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device) if pos is None else pos)
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -1,5 +1,5 @@
 """Parallelism is applied here, in one place and in a fixed order:
-pipeline split → tensor parallel → activation checkpointing → compile → data parallel.
+pipeline split → tensor and context parallel → activation checkpointing → compile → data parallel.
 
 `parallelize` returns a `Runner`: the rank's model parts plus the three operations the training
 loop needs (forward+backward over a step's batch, evaluation, gradient clipping). The loop never
@@ -23,6 +23,7 @@ from launcher.compat import foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
 from launcher.layout import Layout, build_mesh
 from launcher.model.init import materialize
+from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
 from launcher.parallel.pipeline import build_schedule, stage_module
 from launcher.parallel.recompute import apply_recompute
@@ -98,9 +99,11 @@ class DistributedRunner(Runner):
         return value
 
     def _global_mean(self, local: float, has_loss: bool = True) -> float:
-        """This rank's mean loss → the mean over data-parallel ranks, known to every rank."""
+        """This rank's mean loss → the mean over data- and context-parallel ranks (each cp rank's over
+        the same number of tokens), known to every rank."""
         value = torch.tensor([local if has_loss else 0.0], dtype=torch.float64, device=self.device)
-        return self._all_reduce(value, ("pp", "dp_replicate", "dp_shard")).item() / self.layout.dp
+        dims = ("pp", "dp_replicate", "dp_shard", "cp")
+        return self._all_reduce(value, dims).item() / (self.layout.dp * self.layout.cp)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every shard of every stage; scale gradients down to max_norm.
@@ -115,7 +118,7 @@ class DistributedRunner(Runner):
                 p.grad = p.grad.redistribute(p.grad.device_mesh, placements)
         grads = [p.grad for p in params]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        holders = self.layout.dp * self.layout.tp  # ranks of one stage
+        holders = self.layout.dp * self.layout.cp * self.layout.tp  # ranks of one stage
         weights = [_distinct_shards(g) / holders for g in grads]
         norms = foreach_norm(local) if local else []
         squared = sum((n.double() ** 2 * w for n, w in zip(norms, weights)), torch.zeros((), dtype=torch.float64))
@@ -238,6 +241,8 @@ def shard_model(model: nn.Module, layout: Layout, cfg: TrainConfig, mesh: Any) -
     for part in parts:
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"], layout.sequence_parallel, local_logits=pipelined)
+        if layout.cp > 1:
+            apply_context_parallel(part, mesh["cp"], cfg.seq_len)
         apply_recompute(part, layout)
         if not layout.zero_bubble:  # torch splits no compiled backward into input and weight parts
             _compile(part, cfg)

@@ -13,6 +13,10 @@ forward to backward (ZeRO-2: one gather per microbatch instead of two, the stage
 whole at the end of forward; gradients and optimizer state stay sharded); auto is torchtitan's
 default by stage: always without pipelining, never with it (every microbatch would re-gather).
 
+With context parallelism the cp ranks hold the same weights and their gradients must be summed too:
+FSDP shards over dp_shard x cp (one flattened mesh dimension, `dp_shard_cp`, as torchtitan does),
+also when dp_shard = 1, so cp > 1 never uses DDP for its own dimension.
+
 Each block is its own FSDP unit (one all-gather / reduce-scatter per block, overlapped by FSDP's
 prefetching), and the rest (embeddings, final norm, output) is the root unit. Under tensor
 parallelism the parameters are already DTensors on the tp mesh; FSDP adds the dp dimension (2-D
@@ -27,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from launcher.compat import replicate
+from launcher.compat import replicate, sub_mesh
 from launcher.layout import Layout
 
 
@@ -36,17 +40,23 @@ def apply_data_parallel(
 ) -> None:
     """Wrap `model` (a whole model or a pipeline stage) in FSDP / HSDP / DDP over the dp mesh dims;
     `mp_policy`: FSDP's mixed precision (launcher/precision.py), None for parameters' own dtype."""
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:
         return
-    if layout.dp_shard > 1:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    if layout.fsdp_shard > 1:
+        shard = shard_dim(layout)
+        dp_mesh = sub_mesh(mesh, "dp_replicate", shard) if layout.dp_replicate > 1 else sub_mesh(mesh, shard)
         shard_blocks(model, dp_mesh, layout.reshard_after_forward, mp_policy)
     else:
         replicate(model, mesh=mesh["dp_replicate"])
-    if dist.get_backend(mesh.get_group("dp_shard" if layout.dp_shard > 1 else "dp_replicate")) == "gloo":
+    if dist.get_backend(mesh.get_group(shard_dim(layout) if layout.fsdp_shard > 1 else "dp_replicate")) == "gloo":
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_dim(layout: Layout) -> str:
+    """The mesh dimension FSDP shards over: dp_shard, or dp_shard x cp flattened (`layout.build_mesh`)."""
+    return "dp_shard_cp" if layout.cp > 1 else "dp_shard"
 
 
 def shard_blocks(

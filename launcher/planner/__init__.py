@@ -25,7 +25,7 @@ from launcher.planner.search import Prediction, Problem, Result, predict, search
 __all__ = ["resolve", "run_plan", "plan", "Prediction", "Layout"]
 
 # `auto` here: the planner chooses
-SEARCHED = ("tp", "pp", "pp_schedule", "recompute", "recompute_layers", "batch.micro")
+SEARCHED = ("tp", "pp", "cp", "pp_schedule", "recompute", "recompute_layers", "batch.micro")
 
 
 def plan(cfg: TrainConfig, world: int, explore: bool = False) -> tuple[Problem, Result]:
@@ -89,7 +89,7 @@ def too_big(cfg: TrainConfig, prediction: Prediction) -> LauncherError:
         f"predicted {mem['total']:.1f} GiB per device (params+grads+optimizer "
         f"{mem['params'] + mem['grads'] + mem['optimizer']:.1f}, activations {mem['activations']:.1f}) "
         f"exceeds hardware.memory_gib={cfg.hardware.memory_gib}: use recompute=full, a smaller "
-        "batch.micro, more tp/pp/dp_shard, or force=true"
+        "batch.micro, more tp/pp/cp/dp_shard, or force=true"
     )
 
 
@@ -105,6 +105,6 @@ def _no_layout(cfg: TrainConfig, prob: Problem, res: Result) -> LauncherError:
     if res.broken is not None:  # the same line `train` prints for this layout
         return LauncherError(res.broken)
     return LauncherError(
-        f"no layout of {prob.world} devices satisfies tp/pp/dp/dp_shard/dp_replicate as given for model "
+        f"no layout of {prob.world} devices satisfies tp/pp/cp/dp/dp_shard/dp_replicate as given for model "
         f"{cfg.model.name}: set some of them to auto"
     )

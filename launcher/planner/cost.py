@@ -20,6 +20,12 @@ vocabulary-parallel loss (max, sum of exponentials, target logit); none of it ov
 CPU the host is the device, so DTensor's dispatch (the machine's calibrated host_overhead per block
 and microbatch) adds to the step too; accelerators run ahead of the host and hide it.
 
+Context parallelism: each rank computes seq / cp tokens of every sequence; per layer and microbatch
+it all-gathers K and V of the whole sequence over the cp group (2 b s h_kv / t elements) before its
+attention (again when full recompute repeats the forward) and reduce-scatters their gradients in
+backward, on the link level the cp group spans (stride t: cp sits just outside tp); the runtime
+does not overlap them. FSDP shards over dp_shard x cp.
+
 Pipeline: every microbatch crosses each stage boundary forward and backward
 (b s h / t bytes: scatter-gather or sequence parallel); the bubble is (p - 1)/v microbatch slots of
 the busiest rank (GPipe and 1F1B: v = 1). Data parallel: gradients are reduced in fp32, FSDP gathers
@@ -35,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.config import ModelConfig
-from launcher.flops import flops_per_token, hardware_flops_per_token
+from launcher.flops import flops_per_token, hardware_flops_per_token, head_dim, kv_heads
 from launcher.layout import Layout
 from launcher.planner import comm
 from launcher.planner.device import Machine
@@ -60,21 +66,24 @@ class StepTime:
 
     compute: float  # forward + backward (+ recompute) of all microbatches
     tp_comm: float
+    cp_comm: float  # K/V all-gathers and their gradients' reduce-scatters
     tp_host: float  # DTensor dispatch the device does not hide (cpu)
     pp_p2p: float
     pp_bubble: float
     dp_exposed: float  # data-parallel communication not hidden behind compute
     dp_total: float  # all data-parallel communication, hidden or not
     tp_level: str
+    cp_level: str
     dp_level: str
     pp_level: str
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.tp_host + self.pp_p2p + self.pp_bubble + self.dp_exposed
+        comm = self.tp_comm + self.cp_comm + self.tp_host + self.pp_p2p + self.dp_exposed
+        return self.compute + comm + self.pp_bubble
 
     def as_dict(self) -> dict[str, float]:
-        keys = ("compute", "tp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
+        keys = ("compute", "tp_comm", "cp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
         out = {k: getattr(self, k) for k in keys}
         out["total"] = self.total
         return out
@@ -101,8 +110,8 @@ def _exposed(comm_s: float, window: float, buckets: int, contention: float) -> f
 
 def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int) -> StepTime:
     lv = machine.levels
-    t, p, v, mb = layout.tp, layout.pp, layout.chunks, layout.microbatches
-    tokens = layout.micro * seq
+    t, p, v, mb, cp = layout.tp, layout.pp, layout.chunks, layout.microbatches, layout.cp
+    tokens = layout.micro * seq // cp  # this rank's share of the microbatch
     f_model = flops_per_token(m, seq)
     f_hw = hardware_flops_per_token(m, seq, recomputed_layers(m.n_layers, layout))
     f_out = 6.0 * counts(m).output_matmul
@@ -133,8 +142,14 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
         t_tp = all_reduces * comm.all_reduce(lv, act_bytes, 1, t)
         t_tp += 3 * comm.all_reduce(lv, tokens * 4.0, 1, t) if busiest == last else 0.0
         t_host = machine.host_overhead * (layers[busiest] + ends / 2)  # both ends weigh one block
-    t_p2p = 2 * v * comm.send(lv, act_bytes / t, t * layout.dp) if p > 1 else 0.0
-    slot = t_comp + t_tp + t_host + t_p2p
+    t_cp = 0.0
+    if cp > 1:
+        kv_bytes = layout.micro * seq * 2 * kv_heads(m) * head_dim(m) / t * elem  # gathered K and V
+        gathers = 2 if layout.recompute == "full" else 1
+        per_layer_cp = gathers * comm.all_gather(lv, kv_bytes, t, cp) + comm.reduce_scatter(lv, kv_bytes, t, cp)
+        t_cp = layers[busiest] * per_layer_cp
+    t_p2p = 2 * v * comm.send(lv, act_bytes / t, t * cp * layout.dp) if p > 1 else 0.0
+    slot = t_comp + t_tp + t_cp + t_host + t_p2p
 
     # data parallel: parameters of the busiest rank, over the dp_shard then dp_replicate groups
     params = rank_params(m, layout, busiest)
@@ -142,7 +157,7 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
     fwd = t_comp - bwd
     buckets = max(1, layers[busiest])
     c = CONTENTION.get(machine.kind, CONTENTION["cuda"])
-    s, rep = layout.dp_shard, layout.dp_replicate
+    s, rep = layout.fsdp_shard, layout.dp_replicate
     dp_total = dp_exposed = 0.0
     if s > 1:
         gather = comm.all_gather(lv, elem * params, t, s)
@@ -167,14 +182,16 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
     return StepTime(
         compute=mb * t_comp,
         tp_comm=mb * t_tp,
+        cp_comm=mb * t_cp,
         tp_host=mb * t_host,
         pp_p2p=mb * t_p2p,
         pp_bubble=bubble_slots(layout) * slot,
         dp_exposed=dp_exposed,
         dp_total=dp_total,
         tp_level=_outer(machine, 1, t),
-        dp_level=_outer(machine, t, layout.dp),
-        pp_level=comm.level_of(lv, 2 * t * layout.dp).name if p > 1 else "",
+        cp_level=_outer(machine, t, cp),
+        dp_level=_outer(machine, t, layout.dp * cp),
+        pp_level=comm.level_of(lv, 2 * t * cp * layout.dp).name if p > 1 else "",
     )
 
 

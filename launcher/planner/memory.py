@@ -27,6 +27,9 @@ attention: Q, K, V, the attention output and its log-sum-exp (sharded), the MLP'
 (SwiGLU: gate and up, 2f; GELU: f, sharded), and the two row-parallel results (the output and down
 projections, h each: the all-reduced, or with sequence parallelism the reduce-scattered, tensor).
 `recompute_layers=N` recomputes N blocks of each stage in full and the rest per the policy.
+Context parallelism (cp ranks, each seq / cp tokens of every sequence) divides everything per token
+by cp, except K and V: attention saves the all-gathered K and V of the whole sequence (cp times the
+local ones), and each rank keeps its causal mask, (seq / cp) x seq in the compute dtype (a buffer).
 The busiest pipeline rank holds activations for the microbatches in flight: GPipe all m, 1F1B up to
 p on the first rank (p - r on rank r), interleaved 1F1B 2(p - r - 1) + (v - 1)p + 1 chunks of 1/v of
 its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v)).
@@ -135,7 +138,8 @@ def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) 
     if EAGER_NORM_STATS:  # two norms per layer; RMSNorm saves x*rstd (h) and rstd, LayerNorm mean and rstd
         norm_stats = 2 * elem * (h + 1) if m.norm == "rmsnorm" else 2 * elem * 2
     replicated = 4 * elem * h + 2 * mask * h + norm_stats
-    sharded = elem * (2 * hq + 2 * hkv) + (4 if m.mlp == "swiglu" else 2) * elem * f
+    # attention saves K and V as its core reads them: all-gathered over the cp ranks (cp x the local ones)
+    sharded = elem * (2 * hq + 2 * hkv * layout.cp) + (4 if m.mlp == "swiglu" else 2) * elem * f
     if FUSED_ATTENTION:
         core = 4.0 * a
     else:
@@ -196,7 +200,7 @@ def memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str) -> Me
 
 def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int) -> Memory:
     params = rank_params(m, layout, rank)
-    s = layout.dp_shard
+    s = layout.fsdp_shard
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
     pc = counts(m)
     layer_params = pc.per_layer_matmul // layout.tp + pc.per_layer - pc.per_layer_matmul
@@ -214,7 +218,9 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
         saved_full = layer_activation_bytes(m, seq, replace(layout, recompute="full"), elem)[0]
         saved = (saved * (layers - full) + saved_full * full) / layers
-    tokens = layout.micro * seq
+    tokens = layout.micro * seq // layout.cp  # this rank's share of each sequence
+    if layout.cp > 1:  # the causal mask of the local queries against every key, built once
+        buffers += elem * seq // layout.cp * seq
     acts = saved * tokens * layers * in_flight(layout, rank)
     if full:
         acts += working * tokens

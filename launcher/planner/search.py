@@ -1,7 +1,8 @@
 """The layout search: enumerate the layouts the config allows, predict each, rank by tokens/s.
 
 What is searched (a key given an int or a name in the config constrains it; `auto` searches):
-- tp: divisors of the world size; pp: divisors of the rest; dp: what remains; dp_shard x
+- tp: divisors of the world size; cp (when `auto`): powers of two up to MAX_AUTO_CP that leave each
+  rank at least MIN_CP_TOKENS of a sequence; pp: divisors of the rest; dp: what remains; dp_shard x
   dp_replicate: every split of dp (what one fixes, the other fills).
 - batch.micro: divisors of the per-rank batch (global / dp) up to MAX_MICRO. Without batch.global:
   micro in (1, 2, 4, 8), so each layout trains its own global batch. The microbatch count follows
@@ -44,6 +45,11 @@ from launcher.planner.device import Machine
 from launcher.planner.memory import Memory, memory, recomputed_layers
 
 MAX_MICRO = 32
+# Context parallelism is for long sequences: Llama 3's 128K stage ran cp=16, 8K tokens per rank.
+# Shorter local shares leave each rank's kernels little work, which the efficiency model does not
+# see; the bound also keeps the search fast (`plan` for 405b on 16,384 devices in under 1 s).
+MIN_CP_TOKENS = 4096
+MAX_AUTO_CP = 32
 AUTO_VIRTUAL = (2, 4, 8)
 
 
@@ -79,6 +85,7 @@ class Prediction:
             "world": lay.world_size,
             "tp": lay.tp,
             "pp": lay.pp,
+            "cp": lay.cp,
             "dp": lay.dp,
             "dp_shard": lay.dp_shard,
             "dp_replicate": lay.dp_replicate,
@@ -136,6 +143,7 @@ def bottleneck(t: StepTime, efficiency: float) -> str:
     total = t.total
     parts = {
         f"TP communication over {t.tp_level}": t.tp_comm,
+        f"CP communication over {t.cp_level}": t.cp_comm,
         "tensor-parallel dispatch on the host": t.tp_host,
         "pipeline bubble": t.pp_bubble,
         f"DP communication over {t.dp_level}": t.dp_exposed,
@@ -178,24 +186,45 @@ def candidates(problem: Problem, space: Space) -> Iterator[Layout | str]:
         if broken := _first(Layout(tp=tp, sequence_parallel=sp), m, seq):
             yield broken
             continue
-        rest = world // tp
-        for pp in [deg["pp"]] if deg["pp"] else divisors(rest):
-            dp = rest // pp
-            if rest % pp or (deg["dp"] and deg["dp"] != dp):
-                continue
-            if broken := _first(Layout(tp=tp, pp=pp, microbatches=pp, sequence_parallel=sp), m, seq):
+        for cp in [deg["cp"]] if deg["cp"] else _cp_options(world // tp, seq):
+            if broken := _first(Layout(tp=tp, cp=cp, sequence_parallel=sp), m, seq):
                 yield broken
                 continue
-            for replicate, shard in _dp_splits(dp, deg["dp_shard"], deg["dp_replicate"]):
-                for micro in _micro_options(space, dp):
-                    try:
-                        count = microbatch_count(micro, dp, pp, space.global_batch, space.microbatches)
-                    except LauncherError as err:
-                        yield str(err)
-                        continue
-                    for schedule, v in _schedules(space, pp):
-                        lay = Layout(tp, pp, replicate, shard, micro, count, schedule, v, space.recompute or "none", sp)
-                        yield _first(lay, m, seq) or lay
+            yield from _inner(problem, space, tp, cp, sp)
+
+
+def _cp_options(ranks: int, seq: int) -> list[int]:
+    """cp values `auto` tries: powers of two dividing `ranks`, each rank keeping MIN_CP_TOKENS."""
+    options = [1]
+    while (
+        options[-1] * 2 <= MAX_AUTO_CP and ranks % (options[-1] * 2) == 0 and seq // (options[-1] * 2) >= MIN_CP_TOKENS
+    ):
+        options.append(options[-1] * 2)
+    return options
+
+
+def _inner(problem: Problem, space: Space, tp: int, cp: int, sp: bool) -> Iterator[Layout | str]:
+    """The candidates of one (tp, cp): pp, the dp split, micro and the schedule."""
+    m, seq, deg = problem.model, problem.seq, space.degrees
+    rest = problem.world // (tp * cp)
+    for pp in [deg["pp"]] if deg["pp"] else divisors(rest):
+        dp = rest // pp
+        if rest % pp or (deg["dp"] and deg["dp"] != dp):
+            continue
+        if broken := _first(Layout(tp=tp, pp=pp, microbatches=pp, sequence_parallel=sp, cp=cp), m, seq):
+            yield broken
+            continue
+        for replicate, shard in _dp_splits(dp, deg["dp_shard"], deg["dp_replicate"]):
+            for micro in _micro_options(space, dp):
+                try:
+                    count = microbatch_count(micro, dp, pp, space.global_batch, space.microbatches)
+                except LauncherError as err:
+                    yield str(err)
+                    continue
+                for schedule, v in _schedules(space, pp):
+                    rec = space.recompute or "none"
+                    lay = Layout(tp, pp, replicate, shard, micro, count, schedule, v, rec, sp, cp=cp)
+                    yield _first(lay, m, seq) or lay
 
 
 def _first(lay: Layout, m: ModelConfig, seq: int) -> str | None:

@@ -52,13 +52,16 @@ def run_eval(runner: Runner, loader: BatchLoader, batches: int) -> float:
     return sum(losses) / len(losses)
 
 
-def loaders(cfg: TrainConfig, layout: Layout, splits: Splits, dp_rank: int) -> tuple[BatchLoader, BatchLoader]:
+def loaders(
+    cfg: TrainConfig, layout: Layout, splits: Splits, dp_rank: int, cp_rank: int = 0
+) -> tuple[BatchLoader, BatchLoader]:
     """Training and validation batches: each step, `layout.local_batch` sequences per data-parallel
-    rank (its microbatches, which the runner splits), `layout.global_batch` over all."""
-    batch = layout.global_batch
+    rank (its microbatches, which the runner splits; a cp rank's chunks of them), `layout.global_batch`
+    over all."""
+    batch, cp = layout.global_batch, (cp_rank, layout.cp)
     return (
-        BatchLoader(splits.train, cfg.seq_len, batch, dp_rank, layout.dp, cfg.seed),
-        BatchLoader(splits.val, cfg.seq_len, batch, dp_rank, layout.dp, cfg.seed + 1),
+        BatchLoader(splits.train, cfg.seq_len, batch, dp_rank, layout.dp, cfg.seed, *cp),
+        BatchLoader(splits.val, cfg.seq_len, batch, dp_rank, layout.dp, cfg.seed + 1, *cp),
     )
 
 
@@ -82,7 +85,7 @@ def train(
     threads = worker_threads(cfg.threads, workers_per_node(layout.world_size, cfg.nodes))
     torch.set_num_threads(threads)
 
-    train_loader, val_loader = loaders(cfg, layout, load_splits(cfg.data), coords["dp"])
+    train_loader, val_loader = loaders(cfg, layout, load_splits(cfg.data), coords["dp"], coords["cp"])
     global_batch = layout.global_batch
 
     torch.manual_seed(cfg.seed)  # dropout

@@ -1,0 +1,120 @@
+"""Context parallelism: each sequence split over the cp ranks, attention by all-gathering K and V.
+
+Load balancing. A sequence of S tokens is cut into 2 cp equal chunks; cp rank i holds chunks i and
+2 cp - 1 - i (`local_positions`). Under a causal mask a query attends to the keys before it, so a
+rank with an early chunk also holds a late one, and every rank does the same attention work.
+
+Attention (the scheme Llama 3 trained its long-context stage with, Dubey et al. 2024, sec. 3.3.2):
+each rank projects Q, K, V for its own tokens, all-gathers K and V over the cp group (one collective
+per layer; its backward reduce-scatters dK and dV back to their owners), and attends its local
+queries to all S keys with the causal mask of its two chunks, written out explicitly from the global
+positions (`attend`). torch's experimental ring attention has no CPU path (docs/parallelism.md);
+this one runs wherever SDPA with a mask does. RoPE and learned positions use the global positions
+(`Transformer.positions`).
+
+Everything else is local per token: norms, the MLP, the loss (each rank's mean over its tokens; the
+runner averages over cp ranks, all of which hold the same number of tokens). cp ranks hold identical
+weights; their gradients are reduced with the data-parallel ones: FSDP shards over dp_shard x cp
+(launcher/parallel/data.py), so the cp ranks' partial gradients are summed and divided like dp ones.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from launcher.model.transformer import Attention
+
+
+@cache
+def _positions(seq_len: int, cp: int, rank: int) -> tuple[int, ...]:
+    chunk = seq_len // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return (*range(first, first + chunk), *range(second, second + chunk))
+
+
+def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions of cp rank `rank`'s tokens of an S-token sequence: chunks rank and
+    2 cp - 1 - rank of 2 cp (layout.violations has checked that 2 cp divides S)."""
+    return torch.tensor(_positions(seq_len, cp, rank), dtype=torch.long)
+
+
+def split_sequence(t: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """This cp rank's tokens of (batch, seq, ...) rows: what the data loader hands it."""
+    return t if cp == 1 else t[:, local_positions(t.shape[1], cp, rank)]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 over `group` (rank order); backward: reduce-scatter (sum) of the gradient,
+    so each rank receives what every rank's queries contributed to its own keys and values."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.group = group
+        size = dist.get_world_size(group)
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        if not x.is_meta:  # the pipeline's shape inference runs stages on meta tensors
+            dist.all_gather_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        size = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
+        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+class ContextShard:
+    """One rank's share of every sequence, and the attention over the cp group that goes with it."""
+
+    def __init__(self, group: dist.ProcessGroup, seq_len: int) -> None:
+        self.group, self.seq_len = group, seq_len
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """Global positions of the local tokens (Transformer reads them for RoPE / learned positions)."""
+        key = ("positions", device)
+        if key not in self._cache:
+            self._cache[key] = local_positions(self.seq_len, self.cp, self.rank).to(device)
+        return self._cache[key]
+
+    def mask(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Additive causal mask (local queries, gathered keys in rank order): 0 where the key's global
+        position is not after the query's, -inf elsewhere. Built once per run, like the RoPE table; a
+        float mask of the compute dtype, which SDPA uses as is (a bool one it would convert per call)."""
+        key = ("mask", device, dtype)
+        if key not in self._cache:
+            keys = torch.cat([local_positions(self.seq_len, self.cp, r) for r in range(self.cp)]).to(device)
+            visible = self.positions(device)[:, None] >= keys[None, :]
+            zero = torch.zeros((), dtype=dtype, device=device)
+            self._cache[key] = torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
+        return self._cache[key]
+
+    # under torch.compile (per block, CUDA) the gather and its autograd stay eager: a graph break around
+    # the attention core rather than tracing process-group calls
+    @torch.compiler.disable
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, gqa: bool) -> torch.Tensor:
+        """Local queries (batch, heads, s/cp, hd) against every rank's K and V: one all-gather of both."""
+        if q.shape[-2] * self.cp != self.seq_len:
+            raise ValueError(f"context parallel over seq_len={self.seq_len} got {q.shape[-2]} local tokens")
+        kv = torch.stack([k, v]).movedim(3, 0)  # (s/cp, 2, batch, kv heads, hd): gather along the sequence
+        k_all, v_all = _GatherSequence.apply(kv, self.group).movedim(0, 3).unbind(0)
+        mask = self.mask(q.device, q.dtype)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
+    """Make `model` (a whole model or a pipeline stage) run on this rank's share of `seq_len`-token
+    sequences: global positions for RoPE and learned positions, and every attention over the group."""
+    shard = ContextShard(cp_mesh.get_group(), seq_len)
+    model.positions = shard.positions
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attend = shard.attend
