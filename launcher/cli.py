@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf, ValueNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from launcher.compat import hydra_errors_raised, hydra_full_error
-from launcher.config import CONF_DIR, TrainConfig, default_batch, make_dir
+from launcher.config import CONF_DIR, TrainConfig, make_dir
 from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError
 
 
@@ -28,8 +28,8 @@ def schema_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
         if is_dataclass(default):
             keys += schema_keys(type(default), key + ".")
-        elif f.name == "batch":
-            keys += [f"{key}.{k}" for k in default_batch()]
+        elif isinstance(default, dict):  # batch, init: dicts with fixed keys (see config.py)
+            keys += [f"{key}.{k}" for k in default]
         else:
             keys.append(key)
     return keys
@@ -96,6 +96,7 @@ def _train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
     from launcher.layout import check_environment
     from launcher.metrics.sinks import check_wandb_login
+    from launcher.model.hf import check_folder
     from launcher.planner import resolve, too_big
     from launcher.spawn import cuda_env_defaults, env_rank, launch
     from launcher.train.checkpoint import preflight_resume
@@ -123,6 +124,7 @@ def _train_task(cfg: TrainConfig) -> None:
     if cfg.checkpoint.dir:
         make_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
     check_source(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
+    check_folder(cfg)  # init.from: a readable Llama folder of exactly the model's shapes
     if cfg.metrics.wandb.mode == "online":
         check_wandb_login()
     # a bad path, or checkpoints none of which is readable, fails here
@@ -156,16 +158,46 @@ def plan() -> None:
 
 
 def export() -> None:
-    """`export CHECKPOINT OUT.safetensors`: consolidated model weights from a sharded checkpoint."""
+    """`export CHECKPOINT OUT [format=hf] [model=NAME] [shard_gib=5]`: the model weights of a sharded
+    checkpoint as one safetensors file (format=safetensors, the default) or a Hugging Face Llama folder."""
     import argparse
 
     from launcher.train.export import export as write
 
     parser = argparse.ArgumentParser(prog="export", description=export.__doc__)
     parser.add_argument("checkpoint", help="a step_* checkpoint folder, or a folder of them (newest is used)")
-    parser.add_argument("out", help="output .safetensors file")
+    parser.add_argument("out", help="output .safetensors file, or folder (format=hf)")
+    parser.add_argument("options", nargs="*", help="format=safetensors|hf, model=NAME, shard_gib=GIB")
     args = parser.parse_args()
     try:
-        print(write(args.checkpoint, args.out))
+        options = export_options(args.options)
+        print(write(args.checkpoint, args.out, **options))
     except LauncherError as err:
         exit_with(err)
+
+
+def export_options(items: list[str]) -> dict[str, Any]:
+    """`key=value` options of `export`: format, model (a conf/model name, for checkpoints that do not
+    record their model), shard_gib (HF shard size)."""
+    from launcher.config import compose_config
+
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("format", "model", "shard_gib"):
+            raise LauncherError(f"export: unknown option {item!r}: use format=hf, model=NAME or shard_gib=GIB")
+        if key == "format":
+            options["fmt"] = value
+        elif key == "model":
+            try:
+                options["model"] = compose_config(f"+model={value}").model
+            except (HydraException, OmegaConfBaseException) as err:
+                raise LauncherError(f"export: model={value}: {compose_error(err)}") from None
+        else:
+            try:
+                options["shard_gib"] = float(value)
+            except ValueError:
+                options["shard_gib"] = 0.0
+            if not options["shard_gib"] > 0:
+                raise LauncherError(f"export: shard_gib={value}: give a positive number of GiB, e.g. shard_gib=5")
+    return options

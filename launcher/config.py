@@ -104,6 +104,8 @@ class OptimConfig:
     beta2: float = ranged(0.95, ge=0, lt=1)
     eps: float = ranged(1e-8, gt=0)
     grad_clip: float = ranged(1.0, ge=0)  # 0 disables clipping
+    # a step whose loss or gradient norm is NaN/inf: false stops the run (exit 3), true skips its update
+    skip_nonfinite: bool = False
 
 
 def default_batch() -> dict[str, Any]:
@@ -118,6 +120,21 @@ BATCH_RANGES = {
     "micro": Range(ge=1, integer=True, optional=False, auto=True),
     "global": Range(ge=1, integer=True),
 }
+
+
+def default_init() -> dict[str, Any]:
+    """`init.from`: a Hugging Face Llama folder (config.json + safetensors) to start from instead of
+    random weights (None: random). A dict, like `batch`, because `from` is a Python keyword."""
+    return {"from": None}
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler over steps start .. start + steps - 1, a trace per rank under run_dir/profile/."""
+
+    start: int | None = ranged(None, ge=1, integer=True)  # None: no profiling
+    steps: int = ranged(1, ge=1)
+    memory: bool = False  # cuda: also a memory snapshot (torch.cuda.memory) per rank
 
 
 @dataclass
@@ -237,6 +254,8 @@ class TrainConfig:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    init: dict[str, Any] = field(default_factory=default_init)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     steps: int = ranged(200, ge=0)  # 0: build every rank's shards for real, report memory, stop
     smoke: bool = False  # with steps=0: also run one forward/backward on one microbatch

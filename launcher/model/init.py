@@ -16,6 +16,7 @@ import hashlib
 import math
 import re
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -27,6 +28,12 @@ from launcher.model.transformer import Transformer
 
 RESIDUAL = ("wo.weight", "w2.weight")  # projections into the residual stream (GPT-2: scaled by depth)
 BLOCK = 2**24  # elements of a parameter generated at once: 64 MiB of fp32, the most initializing adds
+
+
+class WeightSource(Protocol):
+    """Initial weights read from somewhere (an HF folder, launcher/model/hf.py) instead of drawn."""
+
+    def fill_(self, local: torch.Tensor, name: str, offset: tuple[int, ...]) -> None: ...
 
 
 def meta_model(cfg: ModelConfig) -> Transformer:
@@ -109,9 +116,12 @@ def local_bytes(p: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def materialize(parts: list[nn.Module], seed: int, device: torch.device) -> None:
+def materialize(
+    parts: list[nn.Module], seed: int, device: torch.device, source: WeightSource | None = None
+) -> None:
     """Allocate this rank's shards of `parts` (Transformers or pipeline stages of one, on meta) on
-    `device` and initialize them; recompute their buffers (RoPE tables)."""
+    `device` and initialize them, from `source` when given (each rank reads only its own boxes), else
+    seeded random; recompute their buffers (RoPE tables)."""
     done: set[int] = set()
     for part in parts:
         if part.cfg.tied_embeddings and part.output is not None:  # to_empty would allocate it twice
@@ -126,7 +136,10 @@ def materialize(parts: list[nn.Module], seed: int, device: torch.device) -> None
             local = p.to_local() if isinstance(p, DTensor) else p
             shape, offset = extent(p)
             assert tuple(local.shape) == shape, f"{name}: local shard {tuple(local.shape)}, placements say {shape}"
-            fill_(local, part.cfg, seed, name, tuple(p.shape), offset)
+            if source is not None:
+                source.fill_(local, name, offset)
+            else:
+                fill_(local, part.cfg, seed, name, tuple(p.shape), offset)
         part.reset_buffers()
 
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from launcher.compat import foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
 from launcher.layout import Layout, build_mesh
+from launcher.model.hf import init_source
 from launcher.model.init import materialize
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
@@ -221,12 +222,12 @@ def parallelize(
     if layout.world_size == 1 and mesh is None:
         apply_recompute(model, layout)
         _compile(model, cfg)
-        materialize([model], cfg.seed, device)
+        materialize([model], cfg.seed, device, init_source(cfg))
         return Runner(model, layout.micro, autocast)
     if mesh is None:
         mesh = build_mesh(layout, "cuda" if device.type == "cuda" else "cpu")
     parts, stages = shard_model(model, layout, cfg, mesh)
-    materialize(parts, cfg.seed, device)
+    materialize(parts, cfg.seed, device, init_source(cfg))
     kw = {"autocast": autocast, "mesh": mesh}
     if layout.pp > 1:
         return PipelineRunner(parts, stages, layout, **kw)

@@ -1,62 +1,159 @@
-"""Export: one consolidated safetensors file of the model weights from any sharded checkpoint.
+"""Export: the model weights of any sharded checkpoint, as one safetensors file with our names
+(`format=safetensors`) or as a Hugging Face Llama folder (`format=hf`: config.json and safetensors
+shards with HF's names, which `transformers.AutoModelForCausalLM.from_pretrained` loads).
 
 No model code and no process group are needed: the checkpoint's metadata gives every tensor's
-global shape, DCP fills full tensors from the shards, and the result loads with plain
-`safetensors.torch.load_file` into `launcher.model.Transformer` (or anything with the same names).
-The checkpoint is read under the same trust rules as a resume (launcher/train/checkpoint.py): an
-unreadable newest checkpoint falls back to the previous one; none readable is a one-line error.
+global shape, DCP fills full tensors from the shards. An HF folder is written one shard at a time
+(`shard_gib` of tensors in memory, not the model). The checkpoint is read under the same trust rules
+as a resume (launcher/train/checkpoint.py): an unreadable newest checkpoint falls back to the
+previous one; none readable is a one-line error.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from launcher.config import LauncherError
+from launcher.config import LauncherError, ModelConfig
+from launcher.model.hf import CONFIG, INDEX, check_llama, hf_config, hf_name
 from launcher.train.checkpoint import (
     MARKER,
     UnreadableCheckpoint,
     complete_checkpoints,
     load_shards,
     no_readable,
+    read_extras,
     verify,
 )
 
+FORMATS = ("safetensors", "hf")
 
-def consolidated_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Full (unsharded) model tensors of a checkpoint folder, by parameter name; UnreadableCheckpoint
-    when a file of it does not load."""
-    metadata = verify(checkpoint)
-    tensors = {
-        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+
+def model_tensors(metadata: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Global shape and dtype of every model tensor of a checkpoint, by parameter name."""
+    return {
+        key.removeprefix("model."): (meta.size, meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
+
+
+def load_tensors(checkpoint: Path, metadata: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors `names` of a checkpoint; UnreadableCheckpoint when a file does not load."""
+    specs = model_tensors(metadata)
+    tensors = {name: torch.empty(specs[name][0], dtype=specs[name][1]) for name in names}
     load_shards({"model": tensors}, checkpoint, metadata)
     return tensors
 
 
-def export(source: str, out: str) -> Path:
-    """Write `out` (safetensors) from a checkpoint folder, or the newest readable one under a folder."""
+def consolidated_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint folder, whole, by parameter name."""
+    metadata = verify(checkpoint)
+    return load_tensors(checkpoint, metadata, list(model_tensors(metadata)))
+
+
+def write_safetensors(checkpoint: Path, target: Path, model: ModelConfig | None, shard_gib: float) -> Path:
     from safetensors.torch import save_file
 
-    path = Path(source).expanduser()
+    state = consolidated_model_state(checkpoint)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(target), metadata={"source": str(checkpoint)})
+    return target
+
+
+def shard_groups(sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """Names in order, cut into groups of at most `limit` bytes (a larger tensor: a group of its own)."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if groups[-1] and used + size > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    return groups
+
+
+def write_hf(checkpoint: Path, target: Path, model: ModelConfig | None, shard_gib: float) -> Path:
+    """An HF Llama folder: written under TARGET.partial, then renamed, so a failed export leaves none."""
+    from safetensors.torch import save_file
+
+    metadata = verify(checkpoint)
+    cfg = model or saved_model(checkpoint)
+    check_llama(cfg, "export format=hf")
+    specs = model_tensors(metadata)
+    if cfg.tied_embeddings:  # HF stores the shared matrix once, as the embedding
+        specs.pop("output.weight", None)
+    sizes = {name: shape.numel() * dtype.itemsize for name, (shape, dtype) in specs.items()}
+    groups = shard_groups(sizes, int(shard_gib * 2**30))
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    weight_map = {}
+    for i, names in enumerate(groups, 1):
+        file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        try:
+            tensors = load_tensors(checkpoint, metadata, names)
+        except UnreadableCheckpoint:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        save_file({hf_name(k): v.contiguous() for k, v in tensors.items()}, str(partial / file), {"format": "pt"})
+        weight_map |= {hf_name(k): file for k in names}
+        del tensors  # one shard in memory at a time
+    index = {"metadata": {"total_size": sum(sizes.values()), "source": str(checkpoint)}, "weight_map": weight_map}
+    (partial / INDEX).write_text(json.dumps(index, indent=2))
+    (partial / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2))
+    if target.exists():
+        shutil.rmtree(target)
+    partial.rename(target)
+    return target
+
+
+def saved_model(checkpoint: Path) -> ModelConfig:
+    """The architecture a checkpoint was trained with (saved beside its step since format=hf exists)."""
+    saved = read_extras(checkpoint).get("model")
+    if not isinstance(saved, dict):
+        raise LauncherError(f"export: {checkpoint} does not record its model: add model=NAME (e.g. model=tiny)")
+    return ModelConfig(**saved)
+
+
+WRITERS: dict[str, Callable[[Path, Path, ModelConfig | None, float], Path]] = {
+    "safetensors": write_safetensors,
+    "hf": write_hf,
+}
+
+
+def check_target(out: Path, fmt: str) -> None:
+    """An HF export replaces a folder only when it is an earlier HF export (it holds config.json)."""
+    if fmt == "hf" and out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / CONFIG).is_file())):
+        raise LauncherError(f"export: {out} exists and is not a Hugging Face folder: give a new folder")
+
+
+def export(
+    source: str, out: str, fmt: str = "safetensors", model: ModelConfig | None = None, shard_gib: float = 5.0
+) -> Path:
+    """Write `out` from a checkpoint folder, or the newest readable one under a folder: a safetensors file
+    (`fmt="safetensors"`) or an HF Llama folder (`fmt="hf"`; `model`: the architecture when the checkpoint
+    does not record it)."""
+    if fmt not in WRITERS:
+        raise LauncherError(f"export: format={fmt}: choose one of {', '.join(FORMATS)}")
+    path, target = Path(source).expanduser(), Path(out).expanduser()
+    check_target(target, fmt)
     candidates = [path] if (path / MARKER).is_file() else complete_checkpoints(path)
     if not candidates:
         raise LauncherError(f"export: {source} holds no complete checkpoint; give a step_* folder or its parent")
     failures: list[tuple[Path, str]] = []
     for checkpoint in candidates:
         try:
-            state = consolidated_model_state(checkpoint)
+            return WRITERS[fmt](checkpoint, target, model, shard_gib)
         except UnreadableCheckpoint as err:
             failures.append((checkpoint, str(err)))
             print(f"warning: checkpoint {checkpoint} is unreadable ({err}); trying the previous one", file=sys.stderr)
-            continue
-        target = Path(out).expanduser()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(target), metadata={"source": str(checkpoint)})
-        return target
     raise no_readable(candidates[0].parent, failures, "export: give another checkpoint folder")

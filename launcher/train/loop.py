@@ -144,7 +144,7 @@ def train(
         return finish(summary)
 
     def save(step: int) -> None:
-        extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict()}
+        extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict(), "model": asdict(cfg.model)}
         checkpointer.save(runner.parts, optimizer, Stateful(step, extras))
 
     preemption = PreemptionFlag()

@@ -1,0 +1,145 @@
+"""Hugging Face Llama folders both ways: `export format=hf` loads in transformers with our logits,
+`init.from` starts from a folder transformers wrote (one process, tp=2 and pp=2 alike), and a folder
+that does not fit the model is one line before any worker starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher.config import TrainConfig
+from launcher.layout import from_config
+from launcher.model import Transformer
+from launcher.model.hf import HFFolder, hf_name
+from launcher.model.init import materialize, meta_model
+from launcher.spawn import start_local_workers
+from launcher.train.checkpoint import complete_checkpoints
+from launcher.train.export import consolidated_model_state, export, shard_groups
+from launcher.train.loop import train
+from tests.conftest import assert_bad_input, losses, run_cli, tiny_args, tiny_config
+
+transformers = pytest.importorskip("transformers")  # the [hf] extra; `make setup` installs it
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def hf_logits(folder: Path) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def our_logits(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    model = Transformer(cfg.model).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(TOKENS)
+
+
+def newest(run: Path) -> Path:
+    return complete_checkpoints(run / "checkpoints")[0]
+
+
+def hf_folder(path: Path, seed: int = 11, **overrides: object) -> Path:
+    """A Llama folder as transformers writes it, of `tiny`'s shapes, every weight random (norms too)."""
+    tiny = dict(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+    )  # fmt: skip
+    config = transformers.LlamaConfig(**(tiny | overrides))
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path, max_shard_size="100KB")  # several shards and an index, as large models have
+    return path
+
+
+def test_hf_names_cover_every_parameter() -> None:
+    names = {hf_name(n) for n, _ in meta_model(tiny_config(Path("/unused")).model).named_parameters()}
+    assert "model.layers.1.self_attn.k_proj.weight" in names and "lm_head.weight" in names
+    assert len(names) == 2 + 9 * 2 + 1
+
+
+def test_shard_groups_bound_each_shard() -> None:
+    assert shard_groups({"a": 4, "b": 4, "c": 9, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
+
+
+def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, "steps=2", "checkpoint.every=2")
+    train(cfg, tmp_path / "r")
+    out = tmp_path / "hf"
+    result = run_cli("export", str(tmp_path / "r" / "checkpoints"), str(out), "format=hf", "shard_gib=0.0001")
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()) == out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    expected = our_logits(cfg, consolidated_model_state(newest(tmp_path / "r")))
+    torch.testing.assert_close(hf_logits(out), expected, rtol=0, atol=1e-5)
+
+
+def test_import_gives_transformers_logits_then_trains_under_tp2_as_one_process(tmp_path: Path) -> None:
+    """The folder's weights load unchanged (step 0 logits = HF's), and training from them under tp=2
+    (local workers, each rank reading its own shards) matches one process; the tp=2 result exported
+    again loads in transformers with our logits."""
+    folder = hf_folder(tmp_path / "llama")
+    overrides = ("hardware.peak_tflops=1.0", "steps=5", "checkpoint.every=5", f"init.from={folder}")
+    model = meta_model(tiny_config(tmp_path).model)
+    materialize([model], 0, torch.device("cpu"), HFFolder.open(folder))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(TOKENS), hf_logits(folder), rtol=0, atol=1e-5)
+
+    ref = tiny_config(tmp_path, *overrides)
+    train(ref, tmp_path / "single")
+    cfg = tiny_config(tmp_path, *overrides, "tp=2", "threads=1")
+    start_local_workers(cfg, tmp_path / "tp2", from_config(cfg, None))
+    expected = losses(tmp_path / "single")
+    assert losses(tmp_path / "tp2") == pytest.approx(expected, rel=1e-4)
+    assert losses(tmp_path / "tp2")[1] < 10  # started from the folder, not from NaN or a random model
+
+    out = export(str(tmp_path / "tp2" / "checkpoints"), str(tmp_path / "back"), "hf")
+    expected_logits = our_logits(cfg, consolidated_model_state(newest(tmp_path / "tp2")))
+    torch.testing.assert_close(hf_logits(out), expected_logits, rtol=0, atol=1e-5)
+
+
+def test_pp2_checkpoint_exports_and_imports_back(tmp_path: Path) -> None:
+    """Trained under pp=2, exported as HF (same logits in transformers), imported under pp=2: the first
+    step's loss is the loss of the exported model."""
+    common = [*tiny_args(tmp_path / "cache", steps=2), "batch.global=8", "hardware.peak_tflops=1.0"]
+    args = [*common, "pp=2", "checkpoint.every=2"]
+    result = run_cli("train", *args, f"run_dir={tmp_path / 'pp2'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "hf"
+    assert run_cli("export", str(tmp_path / "pp2" / "checkpoints"), str(out), "format=hf").returncode == 0
+    cfg = tiny_config(tmp_path)
+    torch.testing.assert_close(
+        hf_logits(out), our_logits(cfg, consolidated_model_state(newest(tmp_path / "pp2"))), rtol=0, atol=1e-5
+    )
+    again = run_cli("train", *args, "steps=1", f"init.from={out}", f"run_dir={tmp_path / 'back'}", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    one = run_cli("train", *common, "steps=1", f"init.from={out}", f"run_dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert losses(tmp_path / "back")[1] == pytest.approx(losses(tmp_path / "one")[1], rel=1e-4)
+
+
+def test_a_folder_of_other_shapes_is_one_line_before_spawn(tmp_path: Path) -> None:
+    folder = hf_folder(tmp_path / "wide", intermediate_size=128)
+    result = run_cli("train", *tiny_args(tmp_path / "cache"), "tp=2", f"init.from={folder}", cwd=tmp_path)
+    assert_bad_input(result, "model.layers.0.mlp.gate_proj.weight with shape (128, 64)", tmp_path)
+    result = run_cli("train", *tiny_args(tmp_path / "cache"), f"init.from={tmp_path / 'none'}", cwd=tmp_path)
+    assert_bad_input(result, f"init.from={tmp_path / 'none'}: cannot read it", tmp_path)
+    other_theta = hf_folder(tmp_path / "theta", rope_theta=500000.0)
+    result = run_cli("train", *tiny_args(tmp_path / "cache"), f"init.from={other_theta}", cwd=tmp_path)
+    assert_bad_input(result, "rope_theta=500000.0 but model.rope_theta=10000.0", tmp_path)
+
+
+def test_export_format_hf_refuses_a_non_llama_model(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, "steps=1", "checkpoint.every=1", "model.mlp=gelu")
+    train(cfg, tmp_path / "r")
+    result = run_cli("export", str(tmp_path / "r" / "checkpoints"), str(tmp_path / "hf"), "format=hf")
+    assert result.returncode == 2 and "model.mlp=gelu (Llama: swiglu)" in result.stderr, result.stderr
+    assert not (tmp_path / "hf").exists()
