@@ -11,6 +11,7 @@ import signal
 
 FAILED = 1  # a worker or this process failed (Python's own code for an uncaught exception)
 BAD_INPUT = 2  # refused before any worker started
+NON_FINITE = 3  # a NaN/inf loss or gradient norm stopped training; the last good checkpoint is kept
 PREEMPTED = 75  # EX_TEMPFAIL, "try again later": every rank saved at the same step; a rerun resumes
 INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command stopped by Ctrl-C (nothing saved)
 
@@ -32,3 +33,15 @@ class OutOfMemory(LauncherError):
     to allocate and the planner's estimate."""
 
     exit_code = FAILED
+
+
+class NonFinite(LauncherError):
+    """A step's loss or gradient norm is NaN or infinite: the run stops before that update; the message
+    names the step, the rank and the last good checkpoint."""
+
+    exit_code = NON_FINITE
+
+
+# what a worker's exception becomes in the launcher (by its class name: the elastic agent's record of a
+# failed worker carries the name and message, not the object): the same class, so the same exit code
+CROSSING = {cls.__name__: cls for cls in (LauncherError, NonFinite)}

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.compat import failure_line
 from launcher.config import TrainConfig
-from launcher.errors import LauncherError, WorkerFailed
+from launcher.errors import CROSSING, LauncherError, WorkerFailed
 from launcher.layout import Layout, owner_rank
 from launcher.train.preemption import LOCAL_WORKER_ENV, STOP_SIGNALS, PreemptionFlag, local_worker_signals
 
@@ -120,8 +120,8 @@ def start_local_workers(
         rank, failure = min(result.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
         line = failure_line(failure)
         kind, _, message = line.partition(": ")
-        if kind == LauncherError.__name__:  # bad input found by the workers (e.g. no checkpoint loads): exit 2
-            raise LauncherError(message)
+        if kind in CROSSING:  # bad input found by the workers (no checkpoint loads: exit 2), a NaN loss (exit 3)
+            raise CROSSING[kind](message)
         raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {line}")
     return result.return_values[owner_rank(layout)]
 
@@ -196,14 +196,15 @@ def local_agent(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dic
 def quiet_agent_logs() -> None:
     """Drop two of the agent's log records: its warning that, off the main thread, it cannot install
     its signal handlers (here that is the point), and its traceback of a worker that stopped on bad
-    input (LauncherError), which the CLI reports in one line. A private detail of torch (the logger's
-    name and the messages): move to compat.py."""
+    input or a non-finite loss (errors.CROSSING), which the CLI reports in one line. A private detail
+    of torch (the logger's name and the messages): move to compat.py."""
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(expected_records)
 
 
 def expected_records(record: logging.LogRecord) -> bool:
     message = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
-    return "running on a child thread" not in message and f"{LauncherError.__module__}.LauncherError:" not in message
+    ours = any(f"{LauncherError.__module__}.{name}:" in message for name in CROSSING)
+    return "running on a child thread" not in message and not ours
 
 
 def signal_workers(agent: LocalElasticAgent, sig: int, done: set[int]) -> None:

@@ -116,9 +116,7 @@ def local_bytes(p: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def materialize(
-    parts: list[nn.Module], seed: int, device: torch.device, source: WeightSource | None = None
-) -> None:
+def materialize(parts: list[nn.Module], seed: int, device: torch.device, source: WeightSource | None = None) -> None:
     """Allocate this rank's shards of `parts` (Transformers or pipeline stages of one, on meta) on
     `device` and initialize them, from `source` when given (each rank reads only its own boxes), else
     seeded random; recompute their buffers (RoPE tables)."""

@@ -50,6 +50,7 @@ class Runner:
         self.model = model
         self.micro = micro
         self.autocast = autocast
+        self.local_loss = 0.0  # this rank's own mean loss of the last pass, before the mean over ranks
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return self.autocast or contextlib.nullcontext()
@@ -71,6 +72,7 @@ class Runner:
             loss = self._loss(x, y) / len(chunks)
             loss.backward()
             total += loss.item()
+        self.local_loss = total
         return total
 
     @torch.no_grad()
@@ -102,6 +104,7 @@ class DistributedRunner(Runner):
     def _global_mean(self, local: float, has_loss: bool = True) -> float:
         """This rank's mean loss → the mean over data- and context-parallel ranks (each cp rank's over
         the same number of tokens), known to every rank."""
+        self.local_loss = local if has_loss else 0.0
         value = torch.tensor([local if has_loss else 0.0], dtype=torch.float64, device=self.device)
         dims = ("pp", "dp_replicate", "dp_shard", "cp")
         return self._all_reduce(value, dims).item() / (self.layout.dp * self.layout.cp)

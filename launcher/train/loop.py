@@ -24,6 +24,7 @@ from launcher.parallel import Runner, parallelize
 from launcher.precision import autocast_for, precision_mode
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
 from launcher.train.fit import gather_ranks, memory_lines, memory_summary, out_of_memory, smoke_step
+from launcher.train.guard import Guard, injected_nan
 from launcher.train.optim import build_optimizer, optimizer_impl
 from launcher.train.preemption import PreemptionFlag
 
@@ -129,9 +130,11 @@ def train(
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     checkpointer = Checkpointer(cfg.checkpoint, ckpt_root, rank)
     start = 0
+    guard = Guard(cfg.optim.skip_nonfinite, rank, checkpointer)
     resumed = checkpointer.load(resolve_resume(cfg.resume, ckpt_root), runner.parts, optimizer)
     if resumed is not None:
         start = resumed.step
+        guard.skipped = resumed.extras.get("skipped_steps", 0)
         schedule.load_state_dict(resumed.extras["schedule"])
         train_loader.load_state_dict(resumed.extras["loader"])
         view.note(f"resumed from step {start} ({ckpt_root})")
@@ -144,7 +147,8 @@ def train(
         return finish(summary)
 
     def save(step: int) -> None:
-        extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict(), "model": asdict(cfg.model)}
+        extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict()}
+        extras |= {"model": asdict(cfg.model), "skipped_steps": guard.skipped}  # export reads the model
         checkpointer.save(runner.parts, optimizer, Stateful(step, extras))
 
     preemption = PreemptionFlag()
@@ -153,15 +157,19 @@ def train(
     for step in range(start + 1, cfg.steps + 1):
         meter.start()
         inputs, targets = train_loader.next_batch()
-        loss = runner.forward_backward(inputs.to(device), targets.to(device))
+        with injected_nan(runner.parts, step, rank):
+            loss = runner.forward_backward(inputs.to(device), targets.to(device))
         grad_norm = runner.clip_grad_norm(cfg.optim.grad_clip)
         lr = schedule.get_last_lr()[0]
-        optimizer.step()
+        if guard.update(step, loss, grad_norm, runner):  # NaN/inf: stop (exit 3), or skip the update
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         row = meter.stop(step, loss, lr, grad_norm)
+        if cfg.optim.skip_nonfinite:
+            row["skipped_steps"] = guard.skipped
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
             val_loss = row["val_loss"] = run_eval(runner, val_loader, cfg.eval.batches)
         rows.append(row)
@@ -197,5 +205,6 @@ def train(
         "flops_per_token": flops_per_token,
         "peak_flops_per_device": peak,
         "threads_per_worker": threads,
+        "skipped_steps": guard.skipped,
     }
     return finish(summary)
