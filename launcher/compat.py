@@ -157,6 +157,21 @@ def failure_line(failure: ProcessFailure) -> str:
     return text.splitlines()[-1] if text else "no error message (see its log)"
 
 
+def record_cuda_memory_history(enabled: bool) -> None:
+    """Start (or stop) recording every CUDA allocation with its stack, for `dump_cuda_memory_snapshot`.
+    torch documents these as the memory-snapshot API but keeps them underscored (torch.cuda.memory)."""
+    import torch
+
+    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=100_000)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the recorded history as a pickle that pytorch.org/memory_viz renders."""
+    import torch
+
+    torch.cuda.memory._dump_snapshot(path)
+
+
 # --- distributed checkpoint -------------------------------------------------------------------------
 # Everything a DCP `.metadata` pickle references (torch 2.6 .. 2.13), besides dtypes (`torch.float32`).
 DCP_METADATA_GLOBALS = frozenset(

@@ -413,5 +413,18 @@ def validate(cfg: TrainConfig) -> None:
         raise LauncherError(
             "data.val_path is a token file for data=tokens: data=text holds out whole documents (data.val_fraction)"
         )
+    check_profile(cfg)
     if cfg.data.name == "stdlib" and m.vocab_size < 256:
         raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
+
+
+def check_profile(cfg: TrainConfig) -> None:
+    """profile.*: a window inside the run; a memory snapshot only where a CUDA allocator records it."""
+    p = cfg.profile
+    if p.start is not None and cfg.steps and p.start > cfg.steps:
+        raise LauncherError(f"profile.start={p.start} is after the last step (steps={cfg.steps}): lower profile.start")
+    if p.memory and (p.start is None or cfg.hardware.kind != "cuda"):
+        raise LauncherError(
+            "profile.memory=true dumps a CUDA memory snapshot: set profile.start=N on a cuda hardware profile, "
+            "or drop profile.memory"
+        )

@@ -56,6 +56,14 @@ def test_flatten_mesh_names_a_dimension_of_adjacent_ones() -> None:
         dist.destroy_process_group()
 
 
+def test_cuda_memory_snapshot_api() -> None:
+    """profile.memory (launcher/metrics/profile.py): record the allocator's history, dump it (CUDA only;
+    the signatures are checked here, the dump by bench/gpu_check.py on a GPU)."""
+    record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert list(record)[0] == "enabled" and "max_entries" in record
+    assert list(inspect.signature(torch.cuda.memory._dump_snapshot).parameters) == ["filename"]
+
+
 def test_fake_store_runs_collectives_without_peers() -> None:
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=compat.fake_store(), rank=3, world_size=8)

@@ -18,6 +18,7 @@ from launcher.hardware import peak_flops
 from launcher.layout import Layout, from_config, owner_rank, worker_threads, workers_per_node
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter, memory_gib
+from launcher.metrics.profile import StepProfiler
 from launcher.metrics.sinks import JsonlSink, WandbSink, write_json
 from launcher.model.init import AllocationFailed, meta_model
 from launcher.parallel import Runner, parallelize
@@ -152,10 +153,12 @@ def train(
         checkpointer.save(runner.parts, optimizer, Stateful(step, extras))
 
     preemption = PreemptionFlag()
+    profiler = StepProfiler(cfg.profile, run_dir, rank, device)
     rows: list[dict[str, Any]] = []
     val_loss = None
     for step in range(start + 1, cfg.steps + 1):
         meter.start()
+        profiler.begin(step)
         inputs, targets = train_loader.next_batch()
         with injected_nan(runner.parts, step, rank):
             loss = runner.forward_backward(inputs.to(device), targets.to(device))
@@ -167,6 +170,7 @@ def train(
         schedule.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        profiler.end(step)
         row = meter.stop(step, loss, lr, grad_norm)
         if cfg.optim.skip_nonfinite:
             row["skipped_steps"] = guard.skipped
@@ -189,6 +193,10 @@ def train(
             save(step)
     checkpointer.wait()
     preemption.restore()
+    profiled = profiler.finish()  # every rank's top ops, one line each
+    for line in profiled:
+        view.note(line)
+        log.info("profile %s", line)
 
     if not rows:  # resumed at the end: nothing left to train
         view.close({"resumed_at_step": start})
@@ -206,5 +214,6 @@ def train(
         "peak_flops_per_device": peak,
         "threads_per_worker": threads,
         "skipped_steps": guard.skipped,
+        **({"profile": profiled} if profiled else {}),
     }
     return finish(summary)
