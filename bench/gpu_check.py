@@ -7,7 +7,8 @@ In a few minutes, through the `train` command a user runs (each run's summary.js
    same steps without FSDP (bf16 autocast): losses equal within bf16 tolerance. `train` never shards
    over one rank, so this one run goes through the Python API on a one-rank mesh;
 3. a checkpoint saved on the GPU and reloaded: the resumed run's next losses equal the original's;
-4. `8b` with `steps=0`: every shard allocated for real, measured memory beside the planner's.
+4. `8b` with `steps=0`: every shard allocated for real, measured memory beside the planner's;
+5. `125m` with `profile.start=2 profile.memory=true`: a CUDA trace and a memory snapshot are written.
 Measured peak memory is printed beside the planner's prediction for each. Exit 1 if any check fails
 or there is no CUDA device (one line, at once).
 """
@@ -119,6 +120,17 @@ def build_only(out: Path, hw: str) -> Check:
     return Check("8b steps=0", True, last, summary)
 
 
+def profiled(out: Path, hw: str) -> Check:
+    """profile.memory=true: the Chrome trace (with CUDA kernels) and the allocator snapshot."""
+    run = out / "125m_profile"
+    rc, summary, last = train_cli(run, *SMALL, *on_one_gpu(hw), "steps=3", "profile.start=2", "profile.memory=true")
+    if rc:
+        return Check("profile + memory snapshot", False, f"exit {rc}: {last}")
+    files = sorted(p.name for p in (run / "profile").iterdir())
+    ok = files == ["rank0.memory.pickle", "rank0.trace.json"] and "CUDA" in summary.get("profile", [""])[0]
+    return Check("profile + memory snapshot", ok, f"{files}; {summary.get('profile', ['-'])[0][:90]}")
+
+
 def table(checks: list[Check]) -> str:
     rows = [("check", "result", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "planned GiB", "note")]
     for c in checks:
@@ -149,7 +161,7 @@ def main(argv: list[str]) -> None:
     out = Path(opts.get("out", Path("outputs") / "gpu-check" / time.strftime("%Y%m%d-%H%M%S"))).resolve()
     print(f"gpu-check on {name} (hardware={hw}); runs under {out}", flush=True)
     t0 = time.perf_counter()
-    checks = [throughput(out, hw), *fsdp_equality(out, hw), build_only(out, hw)]
+    checks = [throughput(out, hw), *fsdp_equality(out, hw), build_only(out, hw), profiled(out, hw)]
     print(table(checks))
     print(f"{sum(c.ok for c in checks)}/{len(checks)} checks passed in {time.perf_counter() - t0:.0f} s")
     if not all(c.ok for c in checks):

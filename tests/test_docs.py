@@ -54,6 +54,20 @@ def runnable(command: str, tmp: Path) -> list[str] | None:
     return [*args, *quick] if "-m" in args else [*args, *quick, f"run_dir={tmp / 'run'}"]
 
 
+def prepare_hf(command: str, tmp: Path) -> None:
+    """What README's "From and to Hugging Face" commands read, made as its earlier lines make it: a
+    `tiny` run's checkpoints under runs/tiny, and their HF export llama-tiny."""
+    if "runs/tiny/checkpoints" not in command and "init.from=llama-tiny" not in command:
+        return
+    from launcher.train.export import export
+    from launcher.train.loop import train
+    from tests.conftest import tiny_config
+
+    train(tiny_config(tmp, "steps=2", "checkpoint.every=2"), tmp / "runs" / "tiny")
+    if "init.from=llama-tiny" in command:
+        export(str(tmp / "runs" / "tiny" / "checkpoints"), str(tmp / "llama-tiny"), "hf")
+
+
 COVERED = {  # commands another test already runs in full
     "train -m tp=1,2 pp=1,2 steps=50": "tests/test_sweep.py::test_layout_sweep_tp_pp",
 }
@@ -76,6 +90,7 @@ def test_documented_command_runs(doc: str, command: str, tmp_path: Path) -> None
         (tmp_path / "my-model").mkdir()
         shutil.copy(tmp_path / "tokenizer.json", tmp_path / "my-model" / "tokenizer.json")
         (tmp_path / "my-model" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    prepare_hf(command, tmp_path)
     if "--shell-completion" in args:
         args = ["train", "--shell-completion", "install=bash"]
     result = run_cli(*args, cwd=tmp_path)
