@@ -5,21 +5,25 @@ that does not fit the model is one line before any worker starts."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from launcher.config import TrainConfig
-from launcher.layout import from_config
+from launcher.layout import build_mesh, from_config
 from launcher.model import Transformer
 from launcher.model.hf import HFFolder, hf_name
 from launcher.model.init import materialize, meta_model
+from launcher.parallel import parallelize
 from launcher.spawn import start_local_workers
 from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.export import consolidated_model_state, export, shard_groups
 from launcher.train.loop import train
 from tests.conftest import assert_bad_input, losses, run_cli, tiny_args, tiny_config
+from tests.dist import run
 
 transformers = pytest.importorskip("transformers")  # the [hf] extra; `make setup` installs it
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -68,8 +72,9 @@ def test_shard_groups_bound_each_shard() -> None:
     assert shard_groups({"a": 4, "b": 4, "c": 9, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
 
 
-def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path) -> None:
-    cfg = tiny_config(tmp_path, "steps=2", "checkpoint.every=2")
+@pytest.mark.parametrize("tied", [False, True])
+def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path, tied: bool) -> None:
+    cfg = tiny_config(tmp_path, "steps=2", "checkpoint.every=2", f"model.tied_embeddings={tied}")
     train(cfg, tmp_path / "r")
     out = tmp_path / "hf"
     result = run_cli("export", str(tmp_path / "r" / "checkpoints"), str(out), "format=hf", "shard_gib=0.0001")
@@ -80,6 +85,36 @@ def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path) -> 
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     expected = our_logits(cfg, consolidated_model_state(newest(tmp_path / "r")))
     torch.testing.assert_close(hf_logits(out), expected, rtol=0, atol=1e-5)
+
+
+def read_on_every_layout(rank: int, world_size: int, folder: Path, cases: list[dict]) -> list[dict]:
+    """Each case's parameters after `parallelize` with init.from, gathered whole (names → tensors)."""
+    out = []
+    for keys in cases:
+        cfg = replace(tiny_config(Path("/unused"), f"init.from={folder}"), **keys)
+        layout = from_config(cfg, world_size)
+        runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), build_mesh(layout, "cpu"))
+        params = {n: p for part in runner.parts for n, p in part.named_parameters()}
+        out.append({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()})
+    return out
+
+
+def test_every_layout_reads_exactly_the_folders_tensors(tmp_path: Path) -> None:
+    """tp=2 (rows and columns), FSDP (rows of row-sharded tensors), pp=2 (each stage its layers): each
+    rank reads its own box, and the boxes together are the folder's tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    folder = hf_folder(tmp_path / "llama")
+    cases = [dict(tp=2), dict(dp=2, dp_shard=2), dict(pp=2)]
+    per_rank = run(read_on_every_layout, 2, folder, cases)
+    theirs = {}
+    for file in folder.glob("*.safetensors"):
+        theirs |= load_file(file)
+    for c, case in enumerate(cases):
+        held = {n: t for rank in per_rank for n, t in rank[c].items()}
+        assert len(held) == 2 + 9 * 2 + 1, case
+        for name, tensor in held.items():
+            assert torch.equal(tensor, theirs[hf_name(name)]), (case, name)
 
 
 def test_import_gives_transformers_logits_then_trains_under_tp2_as_one_process(tmp_path: Path) -> None:
