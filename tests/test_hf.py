@@ -13,9 +13,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from launcher.config import TrainConfig
+from launcher.errors import LauncherError
 from launcher.layout import build_mesh, from_config
 from launcher.model import Transformer
-from launcher.model.hf import HFFolder, hf_name
+from launcher.model.hf import HFFolder, check_folder, hf_name
 from launcher.model.init import materialize, meta_model
 from launcher.parallel import parallelize
 from launcher.spawn import start_local_workers
@@ -170,6 +171,20 @@ def test_a_folder_of_other_shapes_is_one_line_before_spawn(tmp_path: Path) -> No
     other_theta = hf_folder(tmp_path / "theta", rope_theta=500000.0)
     result = run_cli("train", *tiny_args(tmp_path / "cache"), f"init.from={other_theta}", cwd=tmp_path)
     assert_bad_input(result, "rope_theta=500000.0 but model.rope_theta=10000.0", tmp_path)
+
+
+def test_damaged_or_rescaled_folders_are_one_line(tmp_path: Path) -> None:
+    folder = hf_folder(tmp_path / "llama")
+    shard = sorted(folder.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(b"\xff" * 64)
+    with pytest.raises(LauncherError, match=f"cannot read .* from {shard.name}"):
+        check_folder(tiny_config(tmp_path, f"init.from={folder}"))
+    scaled = hf_folder(tmp_path / "scaled")
+    config = json.loads((scaled / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    (scaled / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LauncherError, match="rope_type=llama3"):
+        check_folder(tiny_config(tmp_path, f"init.from={scaled}"))
 
 
 def test_export_format_hf_refuses_a_non_llama_model(tmp_path: Path) -> None:

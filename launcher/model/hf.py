@@ -119,7 +119,7 @@ class HFFolder:
                 files = json.loads((folder / INDEX).read_text())["weight_map"]
             else:
                 files = dict.fromkeys(safetensors_keys(folder / SINGLE), SINGLE)
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except Exception as err:  # OSError, JSON, a damaged safetensors header (SafetensorError) ...
             raise LauncherError(f"{key}={path}: cannot read it ({type(err).__name__}: {err}): {fix}") from None
         return cls(folder, config, files)
 
@@ -131,10 +131,18 @@ class HFFolder:
         return hf
 
     def shape(self, hf: str) -> tuple[int, ...]:
+        """A tensor's shape from its shard's header; a LauncherError naming the file when it is unreadable."""
         from safetensors import safe_open
 
-        with safe_open(self.path / self.files[hf], framework="pt") as f:
-            return tuple(f.get_slice(hf).get_shape())
+        file = self.path / self.files[hf]
+        try:
+            with safe_open(file, framework="pt") as f:
+                return tuple(f.get_slice(hf).get_shape())
+        except Exception as err:
+            raise LauncherError(
+                f"init.from={self.path}: cannot read {hf} from {file.name} ({type(err).__name__}: {err}): "
+                "copy the folder again"
+            ) from None
 
     def fill_(self, local: torch.Tensor, name: str, offset: tuple[int, ...]) -> None:
         """Copy the box of parameter `name` at `offset`, of `local`'s shape, from the shard into `local`:
@@ -171,6 +179,13 @@ def check_folder(cfg: TrainConfig) -> None:
         return
     check_llama(cfg.model, "init.from")
     folder = HFFolder.open(path)
+    scaling = folder.config.get("rope_parameters") or folder.config.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":  # e.g. Llama 3.1's "llama3" frequency scaling: other positions than ours
+        raise LauncherError(
+            f"init.from={path}: its config.json scales RoPE (rope_type={rope_type}), which the model does not: "
+            "give a folder with default RoPE"
+        )
     for hf_key, (key, read) in SETTINGS.items():
         theirs, ours = read(folder.config), getattr(cfg.model, key)
         if theirs != ours and not (isinstance(ours, float) and math.isclose(theirs, ours, rel_tol=1e-9)):
