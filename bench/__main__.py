@@ -15,6 +15,7 @@ BENCHES = [
     "schedules",
     "recompute",
     "context",
+    "hf_import",
 ]
 ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
 
