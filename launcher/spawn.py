@@ -194,17 +194,21 @@ def local_agent(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dic
 
 
 def quiet_agent_logs() -> None:
-    """Drop two of the agent's log records: its warning that, off the main thread, it cannot install
-    its signal handlers (here that is the point), and its traceback of a worker that stopped on bad
-    input or a non-finite loss (errors.CROSSING), which the CLI reports in one line. A private detail
-    of torch (the logger's name and the messages): move to compat.py."""
+    """Drop three of the agent's log records: its warning that, off the main thread, it cannot install
+    its signal handlers (here that is the point), its traceback of a worker that stopped on bad input
+    or a non-finite loss (errors.CROSSING), which the CLI reports in one line, and its note that it
+    terminates the other workers after one failed (when every rank raises at the same step, a slower
+    one is still on its way out). A private detail of torch (the loggers' names and the messages):
+    move to compat.py."""
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(expected_records)
+    logging.getLogger("torch.multiprocessing.spawn").addFilter(expected_records)
 
 
 def expected_records(record: logging.LogRecord) -> bool:
     message = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
     ours = any(f"{LauncherError.__module__}.{name}:" in message for name in CROSSING)
-    return "running on a child thread" not in message and not ours
+    noise = ("running on a child thread", "via signal SIGTERM")
+    return not ours and not any(text in message for text in noise)
 
 
 def signal_workers(agent: LocalElasticAgent, sig: int, done: set[int]) -> None:
