@@ -288,11 +288,16 @@ def microbatch_count(micro: int, dp: int, pp: int, global_batch: int | None, mic
 def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     """The stage split: layer ids of each stage, contiguous, sizes differing by at most one, larger
     ones first (the last stage already carries the output projection and the loss)."""
-    base, extra = divmod(n_layers, n_stages)
     bounds = [0]
     for stage in range(n_stages):
-        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
+        bounds.append(bounds[-1] + stage_size(n_layers, n_stages, stage))
     return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
+
+
+def stage_size(n_layers: int, n_stages: int, stage: int) -> int:
+    """Blocks of one stage of `stage_layers`, without building the split (the planner asks often)."""
+    base, extra = divmod(n_layers, n_stages)
+    return base + (1 if stage < extra else 0)
 
 
 def rank_stages(pp_rank: int, pp: int, virtual_stages: int, v_shape: bool = False) -> list[int]:

@@ -42,7 +42,7 @@ from functools import cache
 
 from launcher.config import ModelConfig
 from launcher.flops import GIB, ParamCounts, head_dim, kv_heads, param_counts
-from launcher.layout import Layout, rank_stages, stage_layers
+from launcher.layout import Layout, rank_stages, stage_layers, stage_size
 
 MASTER_BYTES = 4  # fp32 parameters
 GRAD_BYTES = 4  # fp32 gradients
@@ -155,8 +155,7 @@ def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) 
 
 def full_layers(n_layers: int, layout: Layout, rank: int) -> int:
     """Blocks of pipeline rank `rank` recomputed in full (`recompute_layers` of each of its stages)."""
-    split = stage_layers(n_layers, layout.stages)
-    return sum(layout.full_layers(len(split[s])) for s in layout.pp_stages(rank))
+    return sum(layout.full_layers(stage_size(n_layers, layout.stages, s)) for s in layout.pp_stages(rank))
 
 
 def recomputed_layers(n_layers: int, layout: Layout) -> int:
