@@ -58,6 +58,15 @@ def sub_mesh(mesh: DeviceMesh, *dims: str) -> DeviceMesh:
         return mesh[dims if len(dims) > 1 else dims[0]]
 
 
+def enable_async_tp() -> None:
+    """torch's async tensor parallelism: inductor's micro-pipeline pass splits each TP all-gather /
+    reduce-scatter around its matmul into chunks that overlap (symmetric memory over NVLink; since
+    torch 2.8 a group needs no `enable_symm_mem_for_group`). A private inductor flag, as torchtitan sets it."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config._micro_pipeline_tp = True
+
+
 def fake_store() -> Store:
     """The store of the "fake" process-group backend: every collective returns at once, with no peer.
     torch ships it under torch.testing only."""

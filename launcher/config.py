@@ -190,6 +190,9 @@ class HardwareConfig:
     memory_gib: float = ranged(16.0, gt=0)
     devices_per_node: int = ranged(1, ge=1)
     matmul_efficiency: float = ranged(1.0, gt=0, le=1)  # achievable share of peak for large matmuls (planner)
+    # device memory bandwidth (HBM), GB/s: what the work that is not matmul is bound by (planner);
+    # None: the planner's per-kind constant instead (cpu)
+    memory_bandwidth_gbs: float | None = ranged(None, gt=0)
     # host time per tensor-parallel block and microbatch that no device work hides: DTensor dispatch
     # on a CPU, where the host is the device; 0 on accelerators (launches run ahead). None: calibrate
     host_overhead_us: float | None = ranged(0.0, ge=0)
@@ -286,6 +289,9 @@ class TrainConfig:
     recompute_layers: Any = 0
 
     compile: Any = "auto"  # torch.compile per block: true | false | auto (on for cuda, off for cpu)
+    # torch's async tensor parallelism (cuda, with compile and sequence_parallel): the TP all-gathers
+    # and reduce-scatters run in chunks overlapped with the matmuls they feed (the planner hides them)
+    async_tp: bool = False
     # bf16 on cuda, fp32 on cpu; bf16 is FSDP2's mixed-precision policy where cuda shards with FSDP,
     # autocast elsewhere (launcher/precision.py)
     dtype: str = "auto"  # auto | fp32 | bf16
@@ -387,6 +393,22 @@ def make_dir(path: Path, key: str) -> None:
         raise LauncherError(f"{key}: the directory {path} is not writable: choose another {key}")
 
 
+def check_async_tp(cfg: TrainConfig) -> None:
+    """async_tp=true: torch's micro-pipelined TP is an inductor pass over CUDA symmetric memory."""
+    if not cfg.async_tp:
+        return
+    if cfg.hardware.kind != "cuda":
+        raise LauncherError(
+            f"async_tp=true needs CUDA GPUs (torch's async TP uses CUDA symmetric memory), not "
+            f"hardware.kind={cfg.hardware.kind}: set async_tp=false"
+        )
+    if not compile_enabled(cfg) or not cfg.sequence_parallel:
+        raise LauncherError(
+            "async_tp=true needs compile=true and sequence_parallel=true (torch fuses the TP collectives "
+            "with their matmuls while compiling a sequence-parallel block): set them, or async_tp=false"
+        )
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no torch, no process and no layout: one LauncherError naming the key and the
     fix. `plan` and `train` both run them first (`planner.run_plan`, `planner.resolve`); the layout's
@@ -397,6 +419,7 @@ def validate(cfg: TrainConfig) -> None:
             raise LauncherError(f"{key}={get_key(cfg, key)}: choose one of {', '.join(allowed)}")
     if not (isinstance(cfg.compile, bool) or cfg.compile == "auto"):
         raise LauncherError(f"compile={cfg.compile}: choose one of true, false, auto")
+    check_async_tp(cfg)
     m = cfg.model
     if m.dim % m.n_heads:
         raise LauncherError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: change either")

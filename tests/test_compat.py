@@ -276,3 +276,11 @@ def test_submitit_requeues_on_the_signal_we_send(monkeypatch: pytest.MonkeyPatch
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+def test_enable_async_tp_sets_inductors_micro_pipeline_pass(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)  # restored after the test
+    compat.enable_async_tp()
+    assert inductor_config._micro_pipeline_tp is True

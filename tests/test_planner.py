@@ -21,10 +21,6 @@ from launcher.planner.request import problem
 from launcher.planner.search import predict
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GPT = dict(
-    vocab_size=51200, norm="layernorm", mlp="gelu", positions="learned", tied_embeddings=True, bias=True,
-    dropout=0.1, n_kv_heads=None,
-)  # fmt: skip
 
 
 def make_cfg(model="small", hardware="h100_sxm", **overrides) -> TrainConfig:
@@ -40,44 +36,6 @@ def make_cfg(model="small", hardware="h100_sxm", **overrides) -> TrainConfig:
 def fixed(tp, pp, dp, shard, micro, glob, **kw):
     batch = {"micro": micro, "global": glob}
     return dict(tp=tp, pp=pp, dp=dp, dp_shard=shard, dp_replicate=dp // shard, batch=batch, **kw)
-
-
-# ---------------------------------------------------------------- published runs (one profile per machine)
-
-
-def tflops_per_gpu(cfg: TrainConfig, world: int) -> float:
-    """Predicted hardware TFLOP/s per GPU (recompute counted, as both papers count it)."""
-    return planner.resolve(cfg, world)[1].hfu * cfg.hardware.peak_tflops
-
-
-def test_megatron_2019_one_v100_is_39_tflops():
-    # Shoeybi et al. 2019, table 1: 1.2B (h 1536, 40 layers, 16 heads), one GPU, batch 8: 39 TFLOP/s.
-    model = dict(name="1.2b", dim=1536, n_layers=40, n_heads=16, ffn_dim=6144, max_seq_len=1024, **GPT)
-    cfg = make_cfg(model, "v100_dgx2", seq_len=1024, recompute="full", **fixed(1, 1, 1, 1, 8, 8))
-    assert tflops_per_gpu(cfg, 1) == pytest.approx(39.0, rel=0.15)
-
-
-def test_megatron_2019_8_3b_on_512_v100s_sustains_15_1_pflops():
-    # 8.3B, tp=8 x dp=64 on 32 DGX-2H, global batch 512, seq 1024: 15.1 PFLOP/s in all.
-    run = fixed(8, 1, 64, 1, 8, 512)
-    cfg = make_cfg("gpt2-8.3b", "v100_dgx2", nodes=32, seq_len=1024, recompute="full", **run)
-    assert tflops_per_gpu(cfg, 512) * 512 / 1000 == pytest.approx(15.1, rel=0.15)
-
-
-def test_narayanan_2021_1_7b_on_32_a100s_is_137_tflops():
-    model = dict(name="1.7b", dim=2304, n_layers=24, n_heads=24, ffn_dim=9216, max_seq_len=2048, **GPT)
-    cfg = make_cfg(model, "a100", nodes=4, seq_len=2048, recompute="full", **fixed(1, 1, 32, 1, 16, 512))
-    assert tflops_per_gpu(cfg, 32) == pytest.approx(137.0, rel=0.15)
-
-
-def test_narayanan_2021_145_6b_on_1536_a100s_is_148_tflops():
-    # Megatron keeps a copy of the tied embedding on the last stage: what an untied model holds (the
-    # runtime, and so the planner, refuses tied embeddings across pipeline stages)
-    gpt = {**GPT, "tied_embeddings": False}
-    model = dict(name="145.6b", dim=12288, n_layers=80, n_heads=96, ffn_dim=49152, max_seq_len=2048, **gpt)
-    run = fixed(8, 8, 24, 1, 1, 2304, pp_schedule="1f1b")
-    cfg = make_cfg(model, "a100", nodes=192, seq_len=2048, recompute="full", **run)
-    assert tflops_per_gpu(cfg, 1536) == pytest.approx(148.0, rel=0.15)
 
 
 # ---------------------------------------------------------------- the bandwidth claim and search speed

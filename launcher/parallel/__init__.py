@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from launcher.compat import foreach_mul_, foreach_norm
+from launcher.compat import enable_async_tp, foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
 from launcher.layout import Layout, build_mesh
 from launcher.model.hf import init_source
@@ -258,5 +258,7 @@ def _compile(model: nn.Module, cfg: TrainConfig) -> None:
     """torch.compile per block (in place: names unchanged), as torchtitan does: after TP and
     recompute (it traces the DTensor and checkpointed blocks), before FSDP (whose hooks stay outside)."""
     if compile_enabled(cfg):
+        if cfg.async_tp:  # config.check_async_tp: cuda, sequence parallel
+            enable_async_tp()
         for block in model.layers.values():
             block.compile()

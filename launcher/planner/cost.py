@@ -1,11 +1,24 @@
 """Step time: compute, tensor-parallel communication, pipeline bubble and point-to-point, and the
 data-parallel communication left exposed after overlap. One efficiency model for every machine.
 
-Compute runs at peak x matmul_efficiency (one number per machine, in its hardware profile) /
-(1 + H0 g / h): the work that is not matmul (norms, activations, softmax, residuals, optimizer)
-grows like h per token while matmul work grows like h^2, so its share falls like 1/h; H0 is the
-width at which both would take equal time. Without sequence parallelism TP leaves a share
-(REPLICATED) of that work undivided, so per device it weighs g = 1 + REPLICATED (t - 1) times more.
+Compute runs at peak x matmul_efficiency (one number per machine, in its hardware profile) x the
+efficiency of the GEMMs at their per-device shapes / (1 + H0 g / h):
+- GEMM shapes: a block's weight matmuls multiply (tokens x K) by (K x N) with K or N divided by the
+  tensor-parallel degree (the QKV and MLP-in outputs, the output-projection and MLP-out inputs). A
+  GEMM whose narrow side d = min(K, N, tokens) is small fills the device's tiles and waves worse and
+  re-reads its operands more per FLOP: it runs at 1 / (1 + G0 / d) of a wide one. The block's
+  GEMMs are weighted by their FLOPs (time adds up), so tp = 8 on a narrow model (h 4096: K = 512 on
+  the output projection) is slower per FLOP than on a wide one.
+- The work that is not matmul (norms, activations, softmax, residuals, optimizer) grows like h per
+  token while matmul work grows like h^2, so its share falls like 1/h; H0 is the width at which
+  both would take equal time. That work is bound by memory bandwidth and the matmuls by FLOP/s, so
+  H0 = NONMATMUL x (peak FLOP/s / memory bytes/s) with one NONMATMUL for every accelerator (an
+  H100 does 295 FLOP per byte, an A100 153: the same model loses more to its elementwise work on
+  an H100). Without sequence parallelism TP leaves a share (REPLICATED) of that work undivided, so
+  per device it weighs g = 1 + REPLICATED (t - 1) times more.
+- Unfused attention (memory.FUSED_ATTENTION off: Megatron before FlashAttention) also streams the
+  a x s score matrix of every token through memory: UNFUSED_PASSES reads and writes of it forward
+  and backward (softmax, and dropout with its 1-byte mask), one more forward under full recompute.
 FLOPs are the hardware FLOPs of `flops.py` (recompute included).
 
 Recompute: a block recomputed in full costs 4/3 of its FLOPs (flops.py); selective recompute
@@ -16,7 +29,10 @@ backward; with sequence parallelism the same bytes as all-gather + reduce-scatte
 block that full recompute repeats (1 under selective recompute with sequence parallelism: it
 re-gathers the two column-parallel inputs), one for the vocabulary-parallel embedding (forward) and one for the
 output projection (backward) on the stages that hold them, and 3 small ones of b s floats for the
-vocabulary-parallel loss (max, sum of exponentials, target logit); none of it overlaps compute. On a
+vocabulary-parallel loss (max, sum of exponentials, target logit). None of it overlaps compute,
+except under async TP (`async_tp`: compile + sequence parallel on CUDA), where torch splits each
+block's all-gather / reduce-scatter into t chunks around its matmul: the first chunk of each stays
+exposed, the rest hides behind the block's compute at the usual CONTENTION. On a
 CPU the host is the device, so DTensor's dispatch (the machine's calibrated host_overhead per block
 and microbatch) adds to the step too; accelerators run ahead of the host and hide it.
 
@@ -43,7 +59,7 @@ from dataclasses import dataclass
 from launcher.config import ModelConfig
 from launcher.flops import flops_per_token, hardware_flops_per_token, head_dim, kv_heads
 from launcher.layout import Layout
-from launcher.planner import comm
+from launcher.planner import comm, memory
 from launcher.planner.device import Machine
 from launcher.planner.memory import GRAD_BYTES, counts, full_layers, rank_layers, rank_params, recomputed_layers
 
@@ -51,7 +67,15 @@ from launcher.planner.memory import GRAD_BYTES, counts, full_layers, rank_layers
 # FLOP/byte ratio: accelerators (~150-300 FLOP per byte of memory traffic) share one value, set by the
 # published runs; a CPU (~5-10) does far less elementwise work per FLOP: `small` (h 256) trains at
 # 0.66 of the measured 1-thread GEMM peak in one process on this machine, 1/(1 + 128/256).
-H0 = {"cuda": 1024.0, "tpu": 1024.0, "cpu": 128.0}
+H0 = {"cuda": 1024.0, "tpu": 1024.0, "cpu": 128.0}  # without a memory bandwidth in the profile
+NONMATMUL = 4.0  # H0 per FLOP/byte of the device (612 on an A100, 1184 on an H100): fitted, docs/planner.md
+# element passes over the score matrix: forward softmax (read, write), backward (read the gradient
+# and the probabilities, write); with dropout forward (read, write) and backward (read, write) too
+UNFUSED_PASSES = {"softmax_fwd": 2, "softmax_bwd": 3, "dropout_fwd": 2, "dropout_bwd": 2}
+# GEMM narrow side at which a GEMM runs at half the speed of a wide one (accelerators: 128 x 128 or
+# 256 x 128 output tiles per SM, so a side of a few hundred already wastes a share of each wave);
+# on a CPU the cache-blocked GEMM is near its peak from a few dozen columns on
+G0 = {"cuda": 64.0, "tpu": 64.0, "cpu": 16.0}
 REPLICATED = 0.15  # share of the non-matmul work that TP leaves replicated without sequence parallelism
 # Input + weight backward over a full backward, torch 2.13 on this CPU: the small model's 2-block stage
 # (micro 2 x 256, 1 thread), the two timed side by side, median of 15: 0.177 s vs 0.138 s. The split
@@ -89,16 +113,46 @@ class StepTime:
         return out
 
 
+def gemm_efficiency(m: ModelConfig, tp: int, tokens: int, g0: float) -> float:
+    """The block's weight GEMMs at their per-device shapes, FLOP-weighted, relative to wide GEMMs."""
+    h, t = m.dim, tp
+    hq, hkv = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m)
+    mlp_in = (2 if m.mlp == "swiglu" else 1) * m.ffn_dim
+    shapes = ((h, (hq + 2 * hkv) / t), (hq / t, h), (h, mlp_in / t), (m.ffn_dim / t, h))  # (K, N)
+    flops = [k * n for k, n in shapes]
+    time = [k * n * (1.0 + g0 / min(k, n, tokens)) for k, n in shapes]
+    return sum(flops) / sum(time)
+
+
+def nonmatmul_width(machine: Machine) -> float:
+    """H0: the model width at which the work that is not matmul takes as long as the matmuls."""
+    if machine.memory_bandwidth:
+        return NONMATMUL * machine.peak_flops / machine.memory_bandwidth
+    return H0.get(machine.kind, H0["cuda"])
+
+
 def non_matmul_share(machine: Machine, m: ModelConfig, layout: Layout) -> float:
     """Time of the non-matmul work relative to the matmul work (H0 g / h, the module docstring)."""
     t = layout.tp
     spread = 1.0 if layout.sequence_parallel or t == 1 else 1.0 + REPLICATED * (t - 1)
-    return H0.get(machine.kind, H0["cuda"]) * spread / m.dim
+    return nonmatmul_width(machine) * spread / m.dim
 
 
-def compute_efficiency(machine: Machine, m: ModelConfig, layout: Layout) -> float:
-    """Achieved share of peak for this model and layout (see the module docstring)."""
-    return machine.matmul_efficiency / (1.0 + non_matmul_share(machine, m, layout))
+def compute_efficiency(machine: Machine, m: ModelConfig, layout: Layout, tokens: int) -> float:
+    """Achieved share of peak for this model and layout, `tokens` per microbatch (see the module docstring)."""
+    gemm = gemm_efficiency(m, layout.tp, tokens, G0.get(machine.kind, G0["cuda"]))
+    return machine.matmul_efficiency * gemm / (1.0 + non_matmul_share(machine, m, layout))
+
+
+def unfused_attention_seconds(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int) -> float:
+    """Seconds per token and layer of one device streaming the score matrix (0 when attention is fused)."""
+    if memory.FUSED_ATTENTION or not machine.memory_bandwidth:
+        return 0.0
+    p = UNFUSED_PASSES
+    fwd = p["softmax_fwd"] * elem + (p["dropout_fwd"] * elem + 1 if m.dropout > 0 else 0)
+    bwd = p["softmax_bwd"] * elem + (p["dropout_bwd"] * elem + 1 if m.dropout > 0 else 0)
+    passes = fwd * (2 if layout.recompute == "full" else 1) + bwd
+    return m.n_heads / layout.tp * seq * passes / machine.memory_bandwidth
 
 
 def _exposed(comm_s: float, window: float, buckets: int, contention: float) -> float:
@@ -108,7 +162,9 @@ def _exposed(comm_s: float, window: float, buckets: int, contention: float) -> f
     return tail + max(hideable - window, 0.0) + contention * min(hideable, window)
 
 
-def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int) -> StepTime:
+def step_time(
+    m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int, async_tp: bool = False
+) -> StepTime:
     lv = machine.levels
     t, p, v, mb, cp = layout.tp, layout.pp, layout.chunks, layout.microbatches, layout.cp
     tokens = layout.micro * seq // cp  # this rank's share of the microbatch
@@ -125,8 +181,9 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
     sel = [(n - full[r]) * share / 3.0 if layout.recompute == "selective" else 0.0 for r, n in enumerate(layers)]
     work = [w + sel[r] * f_layer / (1.0 + share) for r, w in enumerate(work)]
     busiest = max(range(p), key=lambda r: work[r])
-    flop_rate = machine.peak_flops * compute_efficiency(machine, m, layout)
+    flop_rate = machine.peak_flops * compute_efficiency(machine, m, layout, tokens)
     t_comp = tokens * work[busiest] / (t * flop_rate)
+    t_comp += tokens * layers[busiest] * unfused_attention_seconds(m, seq, layout, machine, elem)
     if layout.zero_bubble and machine.kind == "cpu":  # the host is the device: torch's split costs show
         t_comp *= 1 + (SPLIT_BACKWARD_CPU - 1) * (f_hw - f_model / 3.0) / f_hw
 
@@ -138,8 +195,12 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
     n, k = layers[busiest], full[busiest]
     all_reduces = 4 * n + 2 * k + sp_regather * (n - k) + ends
     t_tp = t_host = 0.0
+    c = CONTENTION.get(machine.kind, CONTENTION["cuda"])
     if t > 1:
-        t_tp = all_reduces * comm.all_reduce(lv, act_bytes, 1, t)
+        blocks = (all_reduces - ends) * comm.all_reduce(lv, act_bytes, 1, t)
+        if async_tp and layout.sequence_parallel:  # chunked around the matmuls (see the docstring)
+            blocks = _exposed(blocks, t_comp, t, c)
+        t_tp = blocks + ends * comm.all_reduce(lv, act_bytes, 1, t)
         t_tp += 3 * comm.all_reduce(lv, tokens * 4.0, 1, t) if busiest == last else 0.0
         t_host = machine.host_overhead * (layers[busiest] + ends / 2)  # both ends weigh one block
     t_cp = 0.0
@@ -156,7 +217,6 @@ def step_time(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: 
     bwd = t_comp * (f_hw - f_model / 3.0) / f_hw
     fwd = t_comp - bwd
     buckets = max(1, layers[busiest])
-    c = CONTENTION.get(machine.kind, CONTENTION["cuda"])
     s, rep = layout.fsdp_shard, layout.dp_replicate
     dp_total = dp_exposed = 0.0
     if s > 1:

@@ -44,3 +44,4 @@ class Machine:
     devices_per_node: int
     levels: tuple[Level, ...]
     host_overhead: float = 0.0  # seconds per tensor-parallel block and microbatch (cpu: DTensor dispatch)
+    memory_bandwidth: float | None = None  # bytes/s of device memory (None: not given, cpu)

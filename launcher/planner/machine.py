@@ -66,4 +66,5 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
         devices_per_node=hw.devices_per_node,
         levels=levels,
         host_overhead=float(hw.host_overhead_us) * 1e-6,
+        memory_bandwidth=None if hw.memory_bandwidth_gbs is None else hw.memory_bandwidth_gbs * 1e9,
     )

@@ -46,7 +46,12 @@ def elem_bytes(cfg: TrainConfig) -> int:
 
 def problem(cfg: TrainConfig, world: int) -> Problem:
     return Problem(
-        model=cfg.model, seq=cfg.seq_len, world=world, machine=resolve_machine(cfg, world), elem=elem_bytes(cfg)
+        model=cfg.model,
+        seq=cfg.seq_len,
+        world=world,
+        machine=resolve_machine(cfg, world),
+        elem=elem_bytes(cfg),
+        async_tp=cfg.async_tp,
     )
 
 

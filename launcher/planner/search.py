@@ -121,6 +121,7 @@ class Problem:
     world: int
     machine: Machine
     elem: int  # bytes per activation element (compute dtype)
+    async_tp: bool = False  # TP collectives overlapped with their matmuls (config async_tp)
 
 
 @dataclass
@@ -158,7 +159,7 @@ def bottleneck(t: StepTime, efficiency: float) -> str:
 def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Prediction:
     m, mach = problem.model, problem.machine
     mem = mem or memory(m, problem.seq, layout, problem.elem, mach.kind)
-    t = step_time(m, problem.seq, layout, mach, problem.elem)
+    t = step_time(m, problem.seq, layout, mach, problem.elem, problem.async_tp)
     tokens_per_s = layout.global_batch * problem.seq / t.total
     peak = mach.peak_flops
     per_device = tokens_per_s / layout.world_size
@@ -170,7 +171,7 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
         mfu=mfu(per_device, flops_per_token(m, problem.seq), peak),
         hfu=mfu(per_device, hardware_flops_per_token(m, problem.seq, recomputed_layers(m.n_layers, layout)), peak),
         fits=mem.total <= mach.memory_bytes,
-        bottleneck=bottleneck(t, compute_efficiency(mach, m, layout)),
+        bottleneck=bottleneck(t, compute_efficiency(mach, m, layout, layout.micro * problem.seq)),
         machine=mach.name,
         seq_len=problem.seq,
     )
