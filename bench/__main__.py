@@ -10,6 +10,7 @@ BENCHES = [
     "parallel",
     "checkpoint",
     "planner_accuracy",
+    "published_runs",
     "memory",
     "tokenize",
     "schedules",

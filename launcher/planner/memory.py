@@ -2,13 +2,21 @@
 
 Precision (what the runtime does under bf16 autocast, and AdamW): fp32 parameters (4 B), fp32
 gradients (4 B), two fp32 Adam moments (8 B), plus a working copy in the compute dtype (the autocast
-weight cache, or FSDP's gathered bf16 layers). Sharding: FSDP/ZeRO-3 divides the fp32 state by
-dp_shard; with pp = 1 it gathers two layers at a time (current + prefetched) and holds one layer's
-unsharded gradient; with pp > 1, torch.distributed.pipelining keeps the stage's parameters gathered
-and its gradients unsharded from the first microbatch to the last (one gather and one reduce-scatter
-per step), which costs compute-dtype + fp32 bytes for every parameter of the stage. ZeRO-2
+weight cache, or FSDP's gathered bf16 layers). The multi-tensor (`foreach`) AdamW update, used
+where the fused kernel is not (train/optim.py), builds one more fp32 tensor per parameter (sqrt of
+the second moment) while the activations are already freed: the step's peak is the larger of the
+two. Sharding: FSDP/ZeRO-3 divides the fp32 state by dp_shard; with pp = 1 it gathers two blocks at
+a time (current + prefetched) in the compute dtype, keeps the root unit (embeddings, final norm,
+output) gathered from forward to backward (FSDP2 does not reshard the root after forward), and
+holds one unit's unsharded gradient (compute dtype) beside the fp32 copy it reduce-scatters; with
+pp > 1, torch.distributed.pipelining keeps the stage's parameters gathered and its gradients
+unsharded from the first microbatch to the last (one gather and one reduce-scatter per step), which
+costs compute-dtype + fp32 bytes for every parameter of the stage. ZeRO-2
 (fsdp.reshard_after_forward=never, pp = 1) keeps every gathered layer from its forward to its
 backward: the rank's parameters whole in the compute dtype at the end of forward.
+Fixed overhead per device: the CUDA context, NCCL's buffers and cuBLAS workspaces on a GPU; on a CPU
+the worker process itself (Python, torch and the launcher imported, a gloo group: 0.29-0.36 GiB of
+resident memory measured before the model is built).
 
 Activations per layer follow Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes for GPT with fp16
 activations and dropout), rebuilt term by term so that other shapes fit:
@@ -48,7 +56,9 @@ MASTER_BYTES = 4  # fp32 parameters
 GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
-OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.25}  # context, collective buffers, workspaces
+OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.35}  # context, collective buffers, workspaces; cpu: the process
+FOREACH_ADAMW = ("cpu",)  # device kinds whose AdamW runs multi-tensor, not fused (train/optim.py)
+ADAM_STEP_BYTES = 4  # the foreach update's temporary: one fp32 tensor per parameter
 FUSED_ATTENTION = True  # the runtime calls scaled_dot_product_attention
 
 
@@ -205,9 +215,10 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     layer_params = pc.per_layer_matmul // layout.tp + pc.per_layer - pc.per_layer_matmul
     if s > 1 and layout.pp > 1:  # gathered for the whole step, gradients unsharded until the end
         grads, buffers = GRAD_BYTES * params, elem * params
-    elif s > 1 and layout.reshard_after_forward:  # ZeRO-3 per layer: two gathered layers (or the big
-        big = max(layer_params, pc.output_matmul // layout.tp)  # embedding/output) + one gradient
-        grads, buffers = GRAD_BYTES * params / s, elem * 2 * big + GRAD_BYTES * layer_params
+    elif s > 1 and layout.reshard_after_forward:  # ZeRO-3: the root unit and two blocks gathered; one
+        root = params - layers * layer_params  # unit's gradient and the fp32 copy FSDP reduce-scatters
+        grads = GRAD_BYTES * params / s
+        buffers = elem * (root + 2 * layer_params) + (elem + GRAD_BYTES) * max(root, layer_params)
     elif s > 1:  # ZeRO-2: every block stays gathered from its forward to its backward + one gradient
         grads, buffers = GRAD_BYTES * params / s, elem * params + GRAD_BYTES * layer_params
     else:
@@ -227,10 +238,13 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     if rank == layout.last_rank:
         held = logits_in_flight(layout)
         logits = tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * held
+    optimizer = ADAM_BYTES * params / s
+    if kind in FOREACH_ADAMW:  # the update's temporary, once the step's transients are gone
+        optimizer += max(0.0, ADAM_STEP_BYTES * params / s - (acts + logits + buffers))
     return Memory(
         params=MASTER_BYTES * params / s,
         grads=grads,
-        optimizer=ADAM_BYTES * params / s,
+        optimizer=optimizer,
         buffers=buffers,
         activations=acts,
         logits=logits,

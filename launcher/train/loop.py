@@ -24,7 +24,14 @@ from launcher.model.init import AllocationFailed, meta_model
 from launcher.parallel import Runner, parallelize
 from launcher.precision import autocast_for, precision_mode
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
-from launcher.train.fit import gather_ranks, memory_lines, memory_summary, out_of_memory, smoke_step
+from launcher.train.fit import (
+    gather_ranks,
+    memory_lines,
+    memory_summary,
+    out_of_memory,
+    return_freed_memory,
+    smoke_step,
+)
 from launcher.train.guard import Guard, injected_nan
 from launcher.train.optim import build_optimizer, optimizer_impl
 from launcher.train.preemption import PreemptionFlag
@@ -82,6 +89,8 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     rank_logger(run_dir, rank)
     device = pick_device(cfg)
+    if device.type == "cpu":
+        return_freed_memory()
     coords = layout.coordinates(rank)
     owner = rank == owner_rank(layout)
     threads = worker_threads(cfg.threads, workers_per_node(layout.world_size, cfg.nodes))
