@@ -68,3 +68,12 @@ def test_cpu_workers_return_freed_tensors_to_the_system():
     out = subprocess.run([sys.executable, "-c", FREED], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.split()[-1]) < 40  # MiB retained of the 320 freed
+
+
+def test_tensor_parallel_embedding_backward_builds_the_whole_table_gradient():
+    m = make_cfg("1b").model
+    lay = Layout(tp=4, sequence_parallel=True)
+    first, plain = memory.rank_memory(m, 128, lay, 4, "cpu", 0), memory.rank_memory(m, 128, Layout(), 4, "cpu", 0)
+    table = memory.GRAD_BYTES * m.vocab_size * m.dim
+    assert first.grads == pytest.approx(memory.GRAD_BYTES * memory.rank_params(m, lay, 0) + table * (1 + 1 / 4))
+    assert plain.grads == memory.GRAD_BYTES * memory.rank_params(m, Layout(), 0)

@@ -14,6 +14,11 @@ unsharded from the first microbatch to the last (one gather and one reduce-scatt
 costs compute-dtype + fp32 bytes for every parameter of the stage. ZeRO-2
 (fsdp.reshard_after_forward=never, pp = 1) keeps every gathered layer from its forward to its
 backward: the rank's parameters whole in the compute dtype at the end of forward.
+Under tensor parallelism the vocabulary-parallel embedding's backward (DTensor's strategy for
+`embedding_dense_backward`, torch 2.13) allocates the gradient of the whole (vocab x h) table in
+fp32 on every rank (the profiler shows the full-table `aten::zeros`), then keeps this rank's rows:
+(1 + 1/t) x vocab x h x 4 bytes at the end of the first rank's backward (peak RSS: 1.3-1.5x that
+table on 125m tp=2 and 1b tp=4, bench memory), counted with the gradients.
 Fixed overhead per device: the CUDA context, NCCL's buffers and cuBLAS workspaces on a GPU; on a CPU
 the worker process itself (Python, torch and the launcher imported, a gloo group: 0.29-0.36 GiB of
 resident memory measured before the model is built).
@@ -223,6 +228,8 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
         grads, buffers = GRAD_BYTES * params / s, elem * params + GRAD_BYTES * layer_params
     else:
         grads, buffers = GRAD_BYTES * params, (elem * params if elem < MASTER_BYTES else 0)
+    if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, then its rows (docstring)
+        grads += GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
     saved, working = layer_activation_bytes(m, seq, layout, elem)
     full = full_layers(m.n_layers, layout, rank)
     if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
