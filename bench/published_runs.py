@@ -171,7 +171,7 @@ RUNS: tuple[Run, ...] = (
 )  # fmt: skip
 
 
-def make_cfg(model: Any, hardware: str, **overrides: Any) -> TrainConfig:
+def make_cfg(model: Any = "small", hardware: str = "h100_sxm", **overrides: Any) -> TrainConfig:
     """A TrainConfig as `plan`/`train` compose it: schema defaults + model + hardware YAML + overrides."""
     m = OmegaConf.create(model) if isinstance(model, dict) else OmegaConf.load(CONF / "model" / f"{model}.yaml")
     hw = OmegaConf.load(CONF / "hardware" / f"{hardware}.yaml")

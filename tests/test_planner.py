@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from bench.published_runs import make_cfg
 from launcher import planner
-from launcher.config import LauncherError, TrainConfig
+from launcher.config import LauncherError
 from launcher.flops import GIB, num_params
 from launcher.layout import ZERO_BUBBLE, Layout
 from launcher.planner import comm, memory
@@ -21,16 +22,6 @@ from launcher.planner.request import problem
 from launcher.planner.search import predict
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-
-
-def make_cfg(model="small", hardware="h100_sxm", **overrides) -> TrainConfig:
-    """A TrainConfig as `plan`/`train` compose it: schema defaults + model + hardware YAML + overrides."""
-    path = CONF / "model" / f"{model}.yaml"
-    m = OmegaConf.create(model) if isinstance(model, dict) else OmegaConf.load(path)
-    hw = OmegaConf.load(CONF / "hardware" / f"{hardware}.yaml")
-    return OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(TrainConfig), {"model": m, "hardware": hw}, overrides)
-    )
 
 
 def fixed(tp, pp, dp, shard, micro, glob, **kw):
