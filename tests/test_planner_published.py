@@ -37,15 +37,13 @@ def test_published_layout_is_not_refused(run):
 def test_published_throughput_median_10_max_25_percent():
     errors = {}
     for run in RUNS:
-        if run.untimed:
-            continue
         try:
             errors[run.name] = resolve(run)[0]
         except LauncherError:
             continue  # test_published_layout_is_not_refused names it
     table = "\n".join(f"{name}: {err:+.1%}" for name, err in errors.items())
     size = [abs(e) for e in errors.values()]
-    assert len(errors) >= 0.85 * len(RUNS), table
+    assert len(errors) >= 0.9 * len(RUNS), table
     assert statistics.median(size) <= 0.10, table
     assert max(size) <= 0.25, table
 
