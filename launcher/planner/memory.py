@@ -225,7 +225,9 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
         grads = GRAD_BYTES * params / s
         buffers = elem * (root + 2 * layer_params) + (elem + GRAD_BYTES) * max(root, layer_params)
     elif s > 1:  # ZeRO-2: every block stays gathered from its forward to its backward + one gradient
-        grads, buffers = GRAD_BYTES * params / s, elem * params + GRAD_BYTES * layer_params
+        root = params - layers * layer_params
+        grads = GRAD_BYTES * params / s
+        buffers = elem * params + (elem + GRAD_BYTES) * max(root, layer_params)
     else:
         grads, buffers = GRAD_BYTES * params, (elem * params if elem < MASTER_BYTES else 0)
     if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, then its rows (docstring)
