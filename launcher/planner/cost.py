@@ -74,8 +74,8 @@ NONMATMUL = 4.0  # H0 per FLOP/byte of the device (612 on an A100, 1184 on an H1
 UNFUSED_PASSES = {"softmax_fwd": 2, "softmax_bwd": 3, "dropout_fwd": 2, "dropout_bwd": 2}
 # GEMM narrow side at which a GEMM runs at half the speed of a wide one (accelerators: 128 x 128 or
 # 256 x 128 output tiles per SM, so a side of a few hundred already wastes a share of each wave);
-# on a CPU the cache-blocked GEMM is near its peak from a few dozen columns on
-G0 = {"cuda": 64.0, "tpu": 64.0, "cpu": 16.0}
+# fitted on the published runs; on a CPU not measured, so 0 (the calibrated GEMM peak alone, as before)
+G0 = {"cuda": 64.0, "tpu": 64.0, "cpu": 0.0}
 REPLICATED = 0.15  # share of the non-matmul work that TP leaves replicated without sequence parallelism
 # Input + weight backward over a full backward, torch 2.13 on this CPU: the small model's 2-block stage
 # (micro 2 x 256, 1 thread), the two timed side by side, median of 15: 0.177 s vs 0.138 s. The split
