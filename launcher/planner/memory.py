@@ -8,9 +8,8 @@ the second moment) while the activations are already freed: the step's peak is t
 two. Sharding: FSDP/ZeRO-3 divides the fp32 state by dp_shard; with pp = 1 it gathers two blocks at
 a time (current + prefetched) in the compute dtype, and the root unit (embeddings, final norm,
 output) is gathered for the output projection's backward, first of all, while every activation is
-still held; its gradient stays unsharded until the embedding's backward, last, and is then copied
-(fp32) for the reduce-scatter: the root gathered, its gradient and that copy (measured: 125m FSDP
-dp=2 peaks at 1.96 GiB of RSS, 1.92 predicted); with
+still held, beside the output's unsharded gradient and a block's gradient with the fp32 copy FSDP
+reduce-scatters (measured: 125m FSDP dp=2 peaks at 1.96 GiB of RSS); with
 pp > 1, torch.distributed.pipelining keeps the stage's parameters gathered and its gradients
 unsharded from the first microbatch to the last (one gather and one reduce-scatter per step), which
 costs compute-dtype + fp32 bytes for every parameter of the stage. ZeRO-2
@@ -19,8 +18,9 @@ backward: the rank's parameters whole in the compute dtype at the end of forward
 Under tensor parallelism the vocabulary-parallel embedding's backward (DTensor's strategy for
 `embedding_dense_backward`, torch 2.13) allocates the gradient of the whole (vocab x h) table in
 fp32 on every rank (the profiler shows the full-table `aten::zeros`), then keeps this rank's rows:
-(1 + 1/t) x vocab x h x 4 bytes at the end of the first rank's backward (peak RSS: 1.3-1.5x that
-table on 125m tp=2 and 1b tp=4, bench memory), counted with the gradients.
+(1 + 1/t) x vocab x h x 4 bytes at the end of the first rank's backward, when the activations are
+freed: the step's peak is the larger of the two (peak RSS: 1.3-1.5x that table on 125m tp=2 and
+1b tp=4, bench memory), counted with the gradients.
 Fixed overhead per device: the CUDA context, NCCL's buffers and cuBLAS workspaces on a GPU; on a CPU
 the worker process itself (Python, torch and the launcher imported, a gloo group: 0.29-0.36 GiB of
 resident memory measured before the model is built).
@@ -222,18 +222,13 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     layer_params = pc.per_layer_matmul // layout.tp + pc.per_layer - pc.per_layer_matmul
     if s > 1 and layout.pp > 1:  # gathered for the whole step, gradients unsharded until the end
         grads, buffers = GRAD_BYTES * params, elem * params
-    elif s > 1 and layout.reshard_after_forward:  # ZeRO-3: the root unit and two blocks gathered; one
-        root = params - layers * layer_params  # unit's gradient and the fp32 copy FSDP reduce-scatters
-        grads = GRAD_BYTES * params / s
-        buffers = elem * (root + 2 * layer_params) + (elem + GRAD_BYTES) * max(root, layer_params)
-    elif s > 1:  # ZeRO-2: every block stays gathered from its forward to its backward + one gradient
-        root = params - layers * layer_params
-        grads = GRAD_BYTES * params / s
-        buffers = elem * params + (elem + GRAD_BYTES) * max(root, layer_params)
+    elif s > 1:  # ZeRO-3: the root unit and two blocks gathered (ZeRO-2: every block), at backward's start
+        root = params - layers * layer_params  # embeddings, final norm, output
+        held = root + 2 * layer_params if layout.reshard_after_forward else params
+        grads = GRAD_BYTES * params / s  # + the output's unsharded gradient, a block's and its fp32 copy
+        buffers = elem * held + elem * max(pc.output_matmul // layout.tp, layer_params) + GRAD_BYTES * layer_params
     else:
         grads, buffers = GRAD_BYTES * params, (elem * params if elem < MASTER_BYTES else 0)
-    if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, then its rows (docstring)
-        grads += GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
     saved, working = layer_activation_bytes(m, seq, layout, elem)
     full = full_layers(m.n_layers, layout, rank)
     if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
@@ -249,6 +244,9 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     if rank == layout.last_rank:
         held = logits_in_flight(layout)
         logits = tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * held
+    if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, last in backward (docstring)
+        table = GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
+        grads += max(0.0, table - (acts + logits))  # the activations are freed by then
     optimizer = ADAM_BYTES * params / s
     if kind in FOREACH_ADAMW:  # the update's temporary, once the step's transients are gone
         optimizer += max(0.0, ADAM_STEP_BYTES * params / s - (acts + logits + buffers))
