@@ -61,12 +61,15 @@ def test_precision_follows_hardware_and_layout(hardware: HardwareConfig, keys: d
 
 def test_fused_adamw_only_when_every_parameter_can_take_it() -> None:
     params = [torch.zeros(2), torch.zeros(3)]
-    assert adamw_impl(params) == "foreach"  # CPU tensors: CPU runs unchanged
+    assert adamw_impl(params) == "fused"  # CPU tensors: torch has the fused kernel on CPU too
+    assert adamw_impl([torch.zeros(2, device="meta")]) == "foreach"  # no fused kernel there
     assert adamw_impl(params, fusable=lambda p: True) == "fused"
     assert adamw_impl(params, fusable=lambda p: p.numel() == 2) == "foreach"  # torch refuses a mix
     optimizer, _ = build_optimizer([torch.nn.Linear(2, 2)], OptimConfig(), 10, fusable=lambda p: True)
     assert optimizer_impl(optimizer) == "fused"
     optimizer, _ = build_optimizer([torch.nn.Linear(2, 2)], OptimConfig(), 10)
+    assert optimizer_impl(optimizer) == "fused"
+    optimizer, _ = build_optimizer([torch.nn.Linear(2, 2)], OptimConfig(), 10, fusable=lambda p: False)
     assert optimizer_impl(optimizer) == "foreach"
 
 

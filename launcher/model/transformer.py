@@ -14,8 +14,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from launcher.config import ModelConfig
+from launcher.model.loss import linear_cross_entropy
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -45,6 +47,29 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
 
 
+def stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Weights (or biases) of several projections stacked along the output dimension. Tensor-parallel
+    shards (DTensors, Shard(0)) are stacked rank by rank, [q_r; k_r; v_r]: a Shard(0) DTensor whose
+    local rows are this rank's whole heads (or hidden units) of each projection."""
+    if not isinstance(tensors[0], DTensor):
+        return torch.cat(tensors)
+    local = torch.cat([t.to_local() for t in tensors])
+    return DTensor.from_local(local, tensors[0].device_mesh, [Shard(0)], run_check=False)
+
+
+def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """`x` through several `nn.Linear`s that share it, as one matmul (x is read once, one larger GEMM
+    forward and backward); returns each projection's (local) output. The parameters stay separate,
+    so names, checkpoints and the tensor-parallel plan are those of the unfused layers."""
+    weights = [lin.weight for lin in linears]
+    bias = stack_rows([lin.bias for lin in linears]) if linears[0].bias is not None else None
+    out = F.linear(x, stack_rows(weights), bias)
+    if isinstance(out, DTensor):  # column-parallel: this rank's columns, Shard(-1)
+        out = out.to_local()
+    rows = [(w.to_local() if isinstance(w, DTensor) else w).shape[0] for w in weights]
+    return out.split(rows, dim=-1)
+
+
 class Attention(nn.Module):
     # the attention core; context parallelism swaps in its own (launcher/parallel/context.py)
     attend = staticmethod(causal_attention)
@@ -63,9 +88,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
         # (batch, heads, seq, head_dim): SDPA's fast path wants 4-D inputs
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in fused_linear(x, self.wq, self.wk, self.wv))
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         # GQA: query head i reads KV head i // n_rep, without materializing repeated K and V
@@ -85,7 +108,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            gate, up = fused_linear(x, self.w1, self.w3)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
@@ -143,8 +167,10 @@ class Transformer(nn.Module):
         if self.rope is not None:
             self.rope = self._rope_tables()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) → logits (batch, seq, vocab); a middle pipeline stage maps h → h."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq) → logits (batch, seq, vocab); a middle pipeline stage maps h → h.
+        With `targets` (batch, seq): the mean token loss instead, computed in chunks (model/loss.py)
+        so the full logits never exist (inside forward: FSDP has the output weight gathered)."""
         h, rope = tokens, self.rope
         pos = self.positions(tokens.device) if self.positions is not None else None
         if rope is not None and pos is not None:
@@ -157,4 +183,8 @@ class Transformer(nn.Module):
             h = layer(h, rope)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if targets is not None:
+            return linear_cross_entropy(h, self.output.weight, targets)
+        return self.output(h)

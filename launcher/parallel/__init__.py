@@ -51,12 +51,15 @@ class Runner:
         self.micro = micro
         self.autocast = autocast
         self.local_loss = 0.0  # this rank's own mean loss of the last pass, before the mean over ranks
+        self.chunked_loss = True  # False under tensor parallelism: the vocabulary-parallel loss instead
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return self.autocast or contextlib.nullcontext()
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
+            if self.chunked_loss:  # output projection and loss together, in chunks (model/loss.py)
+                return self.model(inputs, targets)
             logits = self.model(inputs)
         return cross_entropy(logits, targets)
 
@@ -94,6 +97,7 @@ class DistributedRunner(Runner):
         self.mesh = mesh
         self.layout = layout
         self.device = next(p for part in parts for p in part.parameters()).device
+        self.chunked_loss = layout.tp == 1
 
     def _all_reduce(self, value: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:
         for dim in dims:

@@ -1,8 +1,9 @@
 """AdamW (no decay on norms and biases) and the warmup + cosine learning-rate schedule.
 
 The update runs fused (one kernel for every parameter's update) where every parameter is a floating
-CUDA tensor, DTensor shards included (torch registers `_fused_adamw_` as a pointwise DTensor op);
-elsewhere, multi-tensor `foreach`, as CPU runs always have.
+tensor on a device torch has the kernel for (CPU and CUDA), DTensor shards included (torch registers
+`_fused_adamw_` as a pointwise DTensor op); elsewhere, multi-tensor `foreach`. On this CPU the fused
+step of a 6M-parameter model took 15-20 ms against 70-90 ms for `foreach`.
 """
 
 from __future__ import annotations
@@ -25,17 +26,20 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def on_cuda(p: torch.Tensor) -> bool:
-    return p.device.type == "cuda" and p.is_floating_point()
+FUSED_DEVICES = ("cpu", "cuda")  # where torch 2.13 has `_fused_adamw_`
 
 
-def adamw_impl(params: list[torch.Tensor], fusable: Callable[[torch.Tensor], bool] = on_cuda) -> str:
+def fused_capable(p: torch.Tensor) -> bool:
+    return p.device.type in FUSED_DEVICES and p.is_floating_point()
+
+
+def adamw_impl(params: list[torch.Tensor], fusable: Callable[[torch.Tensor], bool] = fused_capable) -> str:
     """fused | foreach: fused only when every parameter can take it (torch refuses a mix)."""
     return "fused" if params and all(fusable(p) for p in params) else "foreach"
 
 
 def build_optimizer(
-    parts: list[nn.Module], cfg: OptimConfig, total_steps: int, fusable: Callable[[torch.Tensor], bool] = on_cuda
+    parts: list[nn.Module], cfg: OptimConfig, total_steps: int, fusable: Callable[[torch.Tensor], bool] = fused_capable
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]

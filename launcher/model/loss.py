@@ -1,0 +1,67 @@
+"""Cross-entropy of the output projection without the full logits: chunks of tokens at a time.
+
+`F.cross_entropy(output(h))` keeps the (tokens, vocab) logits, in fp32, alive from forward to backward
+(and writes and reads them several times). Here the output projection and the loss run together over
+chunks of `CHUNK_BYTES` of fp32 logits; each chunk's gradients (with respect to the hidden states and
+the output weight) are computed in the forward, while its logits are at hand, and only they are kept
+(Liger-Kernel's fused linear cross-entropy, in plain PyTorch). Same FLOPs as the unchunked loss, no
+recomputation; memory: one chunk of logits instead of all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CHUNK_BYTES = 2**24  # fp32 logits of one chunk: 16 MiB
+
+
+def chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
+
+def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, d loss / d logits) of one chunk: logits in fp32, softmax minus the one-hot."""
+    logits = (h @ weight.t()).float()
+    lse = logits.logsumexp(-1)
+    loss = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
+    grad = logits.sub_(lse[:, None]).exp_()  # the softmax, in place of the logits
+    grad[torch.arange(len(targets), device=grad.device), targets] -= 1
+    return loss, grad
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of `h @ weight.T` (tokens, vocab) against `targets`, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, need_grad: bool) -> torch.Tensor:
+        w = weight.to(h.dtype)  # under autocast h is in the low precision: so is the matmul
+        rows, n = chunk_rows(weight.shape[0]), h.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
+        for lo in range(0, n, rows):
+            hi = min(lo + rows, n)
+            loss, grad = _chunk(h[lo:hi], w, targets[lo:hi])
+            total += loss
+            if grad_h is not None and grad_w is not None:
+                grad = grad.to(h.dtype)
+                torch.mm(grad, w, out=grad_h[lo:hi])
+                grad_w.addmm_(grad.t().float(), h[lo:hi].float())
+        if need_grad:
+            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        ctx.n = n
+        return total / n
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_h, grad_w = ctx.saved_tensors
+        scale = grad_out / ctx.n
+        return grad_h * scale.to(grad_h.dtype), grad_w * scale.to(grad_w.dtype), None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token loss of the logits `h @ weight.T`, never holding them whole: h (..., dim), targets (...)."""
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return LinearCrossEntropy.apply(h.flatten(0, -2), weight, targets.flatten(), need_grad)
