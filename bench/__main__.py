@@ -17,6 +17,7 @@ BENCHES = [
     "recompute",
     "context",
     "hf_import",
+    "peer_shape",
 ]
 ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
 

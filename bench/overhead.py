@@ -19,6 +19,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from launcher.calibration import measure_gemm_flops, offer_gemm_peak
+
 TRAIN = str(Path(sys.executable).parent / "train")
 STEPS, MICRO, SEQ = 40, 8, 256
 
@@ -36,6 +38,7 @@ def launcher_run(tmp: Path, threads: int, cache: str, i: int) -> tuple[float, fl
         "metrics.console=none",
         "metrics.wandb.mode=disabled",
         f"data.cache_dir={cache}",
+        f"cache_dir={cache}",  # the GEMM peak too: this bench raises it when it measures a higher one
         f"run_dir={run_dir}",
     ]
     t0 = time.perf_counter()
@@ -63,13 +66,16 @@ def bare_run(threads: int, cache: str) -> float:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench overhead")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating launcher/bare rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating launcher/bare rounds")
     rounds = parser.parse_args(argv).rounds
     threads = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cache = str(tmp / "cache")
         launcher_run(tmp, threads, cache, -1)  # warm caches: corpus, GEMM calibration
+        raised = offer_gemm_peak(threads, cache, measure_gemm_flops(threads))  # a peak is a maximum
+        if raised:
+            print(raised)
         launcher, bare, mfus, firsts = [], [], [], []
         for i in range(rounds):
             rate, mfu, first = launcher_run(tmp, threads, cache, i)
@@ -78,12 +84,17 @@ def main(argv: list[str]) -> None:
             firsts.append(first)
             bare.append(bare_run(threads, cache))
     ratio = statistics.median(launcher) / statistics.median(bare)
+    per_round = [t / b for t, b in zip(launcher, bare)]
     table = Table(title=f"launcher overhead: small model, batch {MICRO}x{SEQ}, {threads} threads, {rounds} rounds")
     for col in ("figure", "value"):
         table.add_column(col)
     table.add_row("train tokens/s (median of rounds)", f"{statistics.median(launcher):,.0f}")
     table.add_row("bare loop tokens/s (median of rounds)", f"{statistics.median(bare):,.0f}")
-    table.add_row("ratio train / bare (goal ≥ 0.97)", f"{ratio:.3f}")
+    table.add_row("ratio train / bare (goal ≥ 0.98)", f"{ratio:.3f}")
+    table.add_row(
+        "per-round ratios: median, spread",
+        f"{statistics.median(per_round):.3f}, {min(per_round):.3f}-{max(per_round):.3f}",
+    )
     table.add_row("time to first step, warm cache (s)", f"{statistics.median(firsts):.2f}")
     table.add_row("CPU MFU of `small` (vs measured GEMM peak)", f"{statistics.median(mfus):.1%}")
     Console().print(table)

@@ -3,6 +3,7 @@ host time of tensor-parallel dispatch, cached (a few s)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,28 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
         monkeypatch.setattr(calibration, name, fail)
     again = hardware.resolve_hardware(cpu, 1, str(tmp_path))
     assert again.links[0] == link and again.host_overhead_us == resolved.host_overhead_us
+
+
+def test_gemm_peak_is_recorded_with_when_and_how_and_raised_only_by_a_clear_margin(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibration, "measure_gemm_flops", lambda threads: 100e9)
+    assert calibration.gemm_flops(2, str(tmp_path)) == 100e9
+    entry = next(iter(json.loads((tmp_path / "calibration.json").read_text()).values()))
+    assert entry["flops"] == 100e9 and "best of" in entry["how"] and entry["measured_at"].endswith("Z")
+    assert calibration.offer_gemm_peak(2, str(tmp_path), 109e9) is None  # within 10%: noise, kept
+    assert calibration.offer_gemm_peak(2, str(tmp_path), 50e9) is None  # lower: a peak is a maximum
+    line = calibration.offer_gemm_peak(2, str(tmp_path), 130e9)
+    assert line is not None and "100 to 130 GFLOP/s" in line
+    assert calibration.gemm_flops(2, str(tmp_path)) == 130e9
+    assert calibration.offer_gemm_peak(4, str(tmp_path), 130e9) is None  # nothing cached: nothing to raise
+
+
+def test_a_cache_of_bare_numbers_still_reads(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibration, "measure_gemm_flops", lambda threads: 100e9)
+    calibration.gemm_flops(1, str(tmp_path))
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({k: 42e9 for k in json.loads(path.read_text())}))  # the old format
+    assert calibration.gemm_flops(1, str(tmp_path)) == 42e9
+
+
+def test_measured_gemm_peak_is_the_best_trial(monkeypatch):
+    assert calibration.measure_gemm_flops(1, n=128, seconds=0.1, trials=2) > 1e8

@@ -37,8 +37,12 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def _scalar(value: torch.Tensor) -> float:
-    return (value.to_local() if isinstance(value, DTensor) else value).item()
+    return _local(value).item()
 
 
 class Runner:
@@ -70,13 +74,13 @@ class Runner:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Accumulate gradients of the mean loss over this rank's batch; return that mean loss."""
         chunks = self.microbatches(inputs, targets)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         for x, y in chunks:
             loss = self._loss(x, y) / len(chunks)
             loss.backward()
-            total += loss.item()
-        self.local_loss = total
-        return total
+            total += loss.detach()  # on the device: one host sync per step, not per micro-batch
+        self.local_loss = total.item()
+        return self.local_loss
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -105,11 +109,11 @@ class DistributedRunner(Runner):
                 dist.all_reduce(value, group=self.mesh.get_group(dim))
         return value
 
-    def _global_mean(self, local: float, has_loss: bool = True) -> float:
+    def _global_mean(self, local: float | torch.Tensor, has_loss: bool = True) -> float:
         """This rank's mean loss → the mean over data- and context-parallel ranks (each cp rank's over
         the same number of tokens), known to every rank."""
-        self.local_loss = local if has_loss else 0.0
-        value = torch.tensor([local if has_loss else 0.0], dtype=torch.float64, device=self.device)
+        self.local_loss = float(local) if has_loss else 0.0
+        value = torch.as_tensor(local if has_loss else 0.0, dtype=torch.float64, device=self.device).reshape(1)
         dims = ("pp", "dp_replicate", "dp_shard", "cp")
         return self._all_reduce(value, dims).item() / (self.layout.dp * self.layout.cp)
 
@@ -151,13 +155,13 @@ class ParallelRunner(DistributedRunner):
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         chunks = self.microbatches(inputs, targets)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         with loss_context(self.layout.tp):
             for i, (x, y) in enumerate(chunks):
                 set_gradient_sync(self.model, i == len(chunks) - 1)
                 loss = self._loss(x, y) / len(chunks)
                 loss.backward()
-                total += _scalar(loss)
+                total += _local(loss).detach()
         return self._global_mean(total)
 
     @torch.no_grad()
