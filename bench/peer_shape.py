@@ -5,7 +5,9 @@ RMSNorm (6,163,712 parameters); seq_len 2048, local batch 8 (one micro-batch), n
 Layouts: one process, tp=2, FSDP dp_shard=2. Each run is a fresh `train` process; the baseline runs
 from a `git worktree` of `BASELINE` made in a temporary folder (same venv, its own code on
 PYTHONPATH), and the two alternate, layout by layout, round by round, so the machine's noise hits
-both alike. Prints median tokens/s per layout and side, and the ratio of the medians.
+both alike. Prints median tokens/s per layout and side, the ratio of the medians, and the seconds
+from process start to the first step. `--compile`: this code with compiled blocks against eager
+(inductor's CPU backend needs a C++ compiler, g++ here, and compiles in worker processes).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -43,16 +46,24 @@ LAYOUTS["fsdp dp_shard=2"] = ["dp=2", "batch.micro=8", "batch.global=16"]
 ENTRY = "import sys; from launcher.cli import train; sys.argv[0] = 'train'; train()"
 
 
-def run(code: Path, layout: list[str], steps: int, tmp: Path, tag: str) -> float:
-    """Median tokens/s (steps after the first) of one fresh `train` process running `code`."""
+def run(code: Path, layout: list[str], steps: int, tmp: Path, tag: str) -> tuple[float, float]:
+    """(median tokens/s of the steps after the first, seconds from process start to the first step's
+    metrics) of one fresh `train` process running `code`."""
     run_dir = tmp / tag
     args = [*SHAPE, *layout, f"steps={steps}", "eval.every=0", "metrics.console=none", "metrics.wandb.mode=disabled"]
     args += ["checkpoint.every=0", f"run_dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(code), "LAUNCHER_OUTPUTS": str(tmp)}
-    done = subprocess.run([sys.executable, "-c", ENTRY, *args], cwd=code, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{tag} failed ({done.returncode}): {done.stderr.strip().splitlines()[-3:]}")
-    return json.loads((run_dir / "summary.json").read_text())["median_tokens_per_s"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", ENTRY, *args], cwd=code, env=env, stderr=subprocess.PIPE, text=True)
+    jsonl, first = run_dir / "metrics.jsonl", None
+    while proc.poll() is None:
+        if first is None and jsonl.exists() and jsonl.stat().st_size:
+            first = time.perf_counter() - t0
+        time.sleep(0.05)
+    if proc.returncode:
+        raise SystemExit(f"{tag} failed ({proc.returncode}): {proc.stderr.read().strip().splitlines()[-3:]}")
+    rate = json.loads((run_dir / "summary.json").read_text())["median_tokens_per_s"]
+    return rate, first or float("nan")
 
 
 def main(argv: list[str]) -> None:
@@ -60,28 +71,37 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (fresh processes each)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
     parser.add_argument("--baseline", default=BASELINE, help="commit to compare against")
+    parser.add_argument("--compile", action="store_true", help="compare compile=true against eager instead")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of the layouts")
     opts = parser.parse_args(argv)
-    rates: dict[tuple[str, str], list[float]] = {}
+    layouts = {name: LAYOUTS[name] for name in opts.layouts.split(",")}
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         base = tmp / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), opts.baseline], cwd=ROOT, check=True)
+        if opts.compile:  # both sides this code: compiled blocks against eager ones
+            sides = {"compile": (ROOT, ["compile=true"]), "eager": (ROOT, ["compile=false"])}
+        else:
+            subprocess.run(["git", "worktree", "add", "--detach", str(base), opts.baseline], cwd=ROOT, check=True)
+            sides = {"current": (ROOT, []), "baseline": (base, [])}
         try:
             for r in range(opts.rounds):
-                for name, layout in LAYOUTS.items():
-                    for side, code in (("current", ROOT), ("baseline", base)):
+                for name, layout in layouts.items():
+                    for side, (code, extra) in sides.items():
                         tag = f"{side}-{name.split()[0]}-{r}"
-                        rates.setdefault((name, side), []).append(run(code, layout, opts.steps, tmp, tag))
+                        results.setdefault((name, side), []).append(run(code, layout + extra, opts.steps, tmp, tag))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
-    table = Table(title=f"peer shape, fp32, {opts.rounds} alternating rounds vs {opts.baseline} (tokens/s)")
-    for col in ("layout", "current (median)", "baseline (median)", "ratio", "ratios per round"):
+            if base.exists():
+                subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
+    new, old = sides
+    what = "compile=true vs eager" if opts.compile else f"this code vs {opts.baseline}"
+    table = Table(title=f"peer shape, fp32, {opts.rounds} alternating rounds, {what} (tokens/s)")
+    for col in ("layout", f"{new} (median)", f"{old} (median)", "ratio", "per round", "first step s (new, old)"):
         table.add_column(col)
-    for name in LAYOUTS:
-        cur, old = rates[(name, "current")], rates[(name, "baseline")]
-        per_round = " ".join(f"{c / o:.2f}" for c, o in zip(cur, old))
-        ratio = statistics.median(cur) / statistics.median(old)
-        table.add_row(
-            name, f"{statistics.median(cur):,.0f}", f"{statistics.median(old):,.0f}", f"{ratio:.3f}", per_round
-        )
+    for name in layouts:
+        cur, ref = results[(name, new)], results[(name, old)]
+        per_round = " ".join(f"{c[0] / o[0]:.2f}" for c, o in zip(cur, ref))
+        rate_new, rate_old = (statistics.median(x[0] for x in side) for side in (cur, ref))
+        first = ", ".join(f"{statistics.median(x[1] for x in side):.0f}" for side in (cur, ref))
+        table.add_row(name, f"{rate_new:,.0f}", f"{rate_old:,.0f}", f"{rate_new / rate_old:.3f}", per_round, first)
     Console().print(table)

@@ -1,0 +1,120 @@
+"""Fused projections (one matmul for Q/K/V, one for SwiGLU's gate and up) compute what the three
+(two) separate layers did, and a checkpoint of an unfused model loads; the chunked loss equals
+`F.cross_entropy` of the full logits, in value and gradients, without ever holding those logits."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from launcher.config import ModelConfig
+from launcher.model import loss as chunked
+from launcher.model import transformer
+from launcher.model.init import initialized_model
+
+GQA = dict(n_heads=8, n_kv_heads=2)
+
+
+def unfused_attention(self: transformer.Attention, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    """The attention as it was before fusing: three projections, three matmuls."""
+    b, s, _ = x.shape
+    q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+    if rope is not None:
+        q, k = transformer.apply_rope(q, rope), transformer.apply_rope(k, rope)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+    return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def unfused_feed_forward(self: transformer.FeedForward, x: torch.Tensor) -> torch.Tensor:
+    if self.w3 is not None:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+def logits_and_grads(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens)
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", [dict(GQA), dict(mlp="gelu", bias=True, positions="learned")])
+def test_fused_projections_match_the_separate_layers(arch: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = dataclasses.replace(ModelConfig(), n_layers=2, **arch)
+    model = initialized_model(cfg, 3, torch.device("cpu"))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    fused = logits_and_grads(model, tokens)
+    monkeypatch.setattr(transformer.Attention, "forward", unfused_attention)
+    monkeypatch.setattr(transformer.FeedForward, "forward", unfused_feed_forward)
+    separate = logits_and_grads(model, tokens)
+    torch.testing.assert_close(fused[0], separate[0], rtol=1e-5, atol=1e-6)
+    for name, grad in separate[1].items():
+        torch.testing.assert_close(fused[1][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_a_checkpoint_of_the_unfused_model_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with the unfused forward, built here, writes its state; the fused one loads it and
+    computes the same logits."""
+    cfg = dataclasses.replace(ModelConfig(), n_layers=2, **GQA)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with monkeypatch.context() as old:
+        old.setattr(transformer.Attention, "forward", unfused_attention)
+        old.setattr(transformer.FeedForward, "forward", unfused_feed_forward)
+        writer = initialized_model(cfg, 11, torch.device("cpu"))
+        expected = writer(tokens).detach()
+        torch.save(writer.state_dict(), tmp_path / "unfused.pt")
+    reader = initialized_model(cfg, 12, torch.device("cpu"))  # other weights, until it loads
+    reader.load_state_dict(torch.load(tmp_path / "unfused.pt"), strict=True)
+    torch.testing.assert_close(reader(tokens), expected, rtol=1e-5, atol=1e-6)
+
+
+class LargestTensor(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("chunk_bytes", [2**24, 4 * 256 * 7])  # one chunk; chunks of 7 rows, the last short
+def test_chunked_loss_equals_cross_entropy(chunk_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", chunk_bytes)
+    cfg = dataclasses.replace(ModelConfig(), n_layers=1)
+    model = initialized_model(cfg, 5, torch.device("cpu"))
+    tokens = torch.randint(0, cfg.vocab_size, (3, 17), generator=torch.Generator().manual_seed(2))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    reference = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+    reference.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = model(x, y)
+    (loss * 2).backward()  # the incoming gradient is applied
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * expected[name], rtol=1e-4, atol=1e-7, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, y), reference.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_chunked_loss_never_holds_the_full_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * 256 * 16)  # 16 of the 64 tokens at a time
+    cfg = dataclasses.replace(ModelConfig(), n_layers=1, dim=32, n_heads=4, ffn_dim=32)
+    model = initialized_model(cfg, 5, torch.device("cpu"))
+    tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(2))
+    probe = LargestTensor()
+    with probe:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert probe.numel < 64 * cfg.vocab_size  # (tokens, vocab) never materialized
+    assert probe.numel >= 16 * cfg.vocab_size  # one chunk's logits was
