@@ -86,9 +86,9 @@ def main(argv: list[str]) -> None:
             sides = {"current": (ROOT, []), "baseline": (base, [])}
         try:
             for r in range(opts.rounds):
-                for name, layout in layouts.items():
+                for i, (name, layout) in enumerate(layouts.items()):
                     for side, (code, extra) in sides.items():
-                        tag = f"{side}-{name.split()[0]}-{r}"
+                        tag = f"{side}-{i}-{r}"  # no "=" in a path Hydra reads
                         results.setdefault((name, side), []).append(run(code, layout + extra, opts.steps, tmp, tag))
         finally:
             if base.exists():

@@ -35,22 +35,27 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of `h @ weight.T` (tokens, vocab) against `targets`, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, need_grad: bool) -> torch.Tensor:
-        w = weight.to(h.dtype)  # under autocast h is in the low precision: so is the matmul
+    def forward(
+        ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, need_grad: bool, dtype: torch.dtype
+    ) -> torch.Tensor:
+        x, w = h.to(dtype), weight.to(dtype)  # `dtype`: autocast's, chosen outside (autocast is off in here)
         rows, n = chunk_rows(weight.shape[0]), h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if need_grad else None
+        grad_h = torch.empty_like(x) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
         for lo in range(0, n, rows):
             hi = min(lo + rows, n)
-            loss, grad = _chunk(h[lo:hi], w, targets[lo:hi])
+            loss, grad = _chunk(x[lo:hi], w, targets[lo:hi])
             total += loss
             if grad_h is not None and grad_w is not None:
-                grad = grad.to(h.dtype)
-                torch.mm(grad, w, out=grad_h[lo:hi])
-                grad_w.addmm_(grad.t().float(), h[lo:hi].float())
-        if need_grad:
-            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+                grad = grad.to(dtype)
+                grad_h[lo:hi] = grad @ w
+                if dtype == torch.float32:
+                    grad_w.addmm_(grad.t(), x[lo:hi])
+                else:  # the matmul in the low precision, the sum over chunks in fp32
+                    grad_w += grad.t() @ x[lo:hi]
+        if grad_h is not None and grad_w is not None:
+            ctx.save_for_backward(grad_h.to(h.dtype), grad_w.to(weight.dtype))
         ctx.n = n
         return total / n
 
@@ -58,10 +63,13 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n
-        return grad_h * scale.to(grad_h.dtype), grad_w * scale.to(grad_w.dtype), None, None
+        return grad_h * scale.to(grad_h.dtype), grad_w * scale.to(grad_w.dtype), None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token loss of the logits `h @ weight.T`, never holding them whole: h (..., dim), targets (...)."""
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(h.flatten(0, -2), weight, targets.flatten(), need_grad)
+    device = h.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    with torch.autocast(device, enabled=False):
+        return LinearCrossEntropy.apply(h.flatten(0, -2), weight, targets.flatten(), need_grad, dtype)
