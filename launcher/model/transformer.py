@@ -10,11 +10,12 @@ checkpoints load across layouts).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial
 
 from launcher.config import ModelConfig
 from launcher.model.loss import linear_cross_entropy
@@ -47,27 +48,47 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
 
 
-def stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Weights (or biases) of several projections stacked along the output dimension. Tensor-parallel
-    shards (DTensors, Shard(0)) are stacked rank by rank, [q_r; k_r; v_r]: a Shard(0) DTensor whose
-    local rows are this rank's whole heads (or hidden units) of each projection."""
-    if not isinstance(tensors[0], DTensor):
-        return torch.cat(tensors)
-    local = torch.cat([t.to_local() for t in tensors])
-    return DTensor.from_local(local, tensors[0].device_mesh, [Shard(0)], run_check=False)
+class StackedLinear(torch.autograd.Function):
+    """x @ [w_1; w_2; ...].T as one matmul. The stacked copy lives only inside forward and backward:
+    autograd keeps x and the weights themselves (as separate `nn.Linear`s would), not a copy of them
+    per layer (under FSDP, that copy would outlive the resharded weights until backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, *weights)
+        ctx.dtype = dtype
+        return x.to(dtype) @ torch.cat(weights).to(dtype).t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        stacked, g = torch.cat(weights).to(ctx.dtype), grad.to(ctx.dtype)
+        grad_x = (g @ stacked).to(x.dtype)
+        grad_w = g.flatten(0, -2).t() @ x.to(ctx.dtype).flatten(0, -2)
+        rows = [w.shape[0] for w in weights]
+        return grad_x, None, *(gw.to(w.dtype) for gw, w in zip(grad_w.split(rows), weights))
 
 
 def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """`x` through several `nn.Linear`s that share it, as one matmul (x is read once, one larger GEMM
-    forward and backward); returns each projection's (local) output. The parameters stay separate,
-    so names, checkpoints and the tensor-parallel plan are those of the unfused layers."""
+    """`x` through several `nn.Linear`s that share it, as one matmul (x read once, one larger GEMM
+    forward and backward); returns each projection's output. The parameters stay separate, so names,
+    checkpoints and the tensor-parallel plan are those of the unfused layers. Under tensor parallelism
+    (weights Shard(0) DTensors, x a replicated DTensor) the stack is of the local shards, [q_r; k_r;
+    v_r]: this rank's whole heads (hidden units) of each projection; x's gradient is then a partial
+    sum, reduced where the replicated input came from (launcher/parallel/tensor.py)."""
     weights = [lin.weight for lin in linears]
-    bias = stack_rows([lin.bias for lin in linears]) if linears[0].bias is not None else None
-    out = F.linear(x, stack_rows(weights), bias)
-    if isinstance(out, DTensor):  # column-parallel: this rank's columns, Shard(-1)
-        out = out.to_local()
-    rows = [(w.to_local() if isinstance(w, DTensor) else w).shape[0] for w in weights]
-    return out.split(rows, dim=-1)
+    biases = [lin.bias for lin in linears if lin.bias is not None]
+    if isinstance(x, DTensor):
+        x = x.to_local(grad_placements=[Partial()])
+        weights = [w.to_local() for w in weights]
+        biases = [b.to_local() for b in biases]
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    with torch.autocast(device, enabled=False):  # the Function casts to autocast's dtype itself
+        out = StackedLinear.apply(x, dtype, *weights)
+        if biases:
+            out = out + torch.cat(biases).to(dtype)
+    return out.split([w.shape[0] for w in weights], dim=-1)
 
 
 class Attention(nn.Module):
