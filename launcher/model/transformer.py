@@ -112,6 +112,7 @@ class Attention(nn.Module):
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in fused_linear(x, self.wq, self.wk, self.wv))
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+            v = v.contiguous()  # SDPA saves v: a view of the fused output would keep pre-rotation q, k alive
         # GQA: query head i reads KV head i // n_rep, without materializing repeated K and V
         dropout = self.dropout if self.training else 0.0
         out = self.attend(q, k, v, dropout, self.n_rep > 1)
