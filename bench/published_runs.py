@@ -57,7 +57,6 @@ class Run:
     schedule: str = "auto"
     dp_shard: int | str = 1  # 1: DDP; the dp degree: FSDP / ZeRO (optimizer and gradients sharded)
     fused_attention: bool = True  # False: the score matrix materialized (Megatron before FlashAttention)
-    pending: str = ""  # why the runtime cannot run the layout yet (the planner refuses it, rightly)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -80,11 +79,6 @@ MPT_SHAPES = {  # name: (d_model, n_heads, n_layers)
 }  # fmt: skip
 
 
-# MPT's fused cross-entropy keeps 2 bytes per logit; this runtime's loss keeps the fp32 upcast and the
-# log-softmax too (10 bytes): 23 GiB of logits at micro 24, 31 GiB at 32
-MPT_LOGITS = "logits of micro 24-32 x 2048 tokens x 50368 at 10 B each (the loss holds them whole)"
-
-
 def _mpt(
     size: str,
     hw: str,
@@ -94,14 +88,12 @@ def _mpt(
     accum: int,
     recompute: bool,
     tokens_per_gpu: float,
-    pending: str = "",
 ) -> Run:
     dim, heads, layers = MPT_SHAPES[size]
     model = dict(gpt(f"mpt-{size}", dim, layers, heads, seq, 1, vocab=50368), bias=False, dropout=0.0)
     return Run(
         f"MPT {size} {gpus}x{hw} seq {seq}", MPT, model, hw, gpus, 1, 1, seq, micro * accum * gpus, tokens_per_gpu,
         metric="tokens", recompute="full" if recompute else "none", micro=micro, dp_shard="dp",
-        pending=pending,
     )  # fmt: skip
 
 
@@ -148,7 +140,7 @@ RUNS: tuple[Run, ...] = (
         dict(gpt("176b", 14336, 70, 112, 2048, 12, vocab=250880), positions="rope", dropout=0.0), "a100",
         384, 4, 12, 2048, 2048, 150.0, recompute="full", micro=2, schedule="1f1b", dp_shard="dp",
         fused_attention=False),
-    _mpt("760m", "h100_sxm", 8, 2048, 24, 2, False, 63147, MPT_LOGITS),
+    _mpt("760m", "h100_sxm", 8, 2048, 24, 2, False, 63147),
     _mpt("1b", "h100_sxm", 8, 2048, 14, 1, False, 45455),
     _mpt("3b", "h100_sxm", 16, 2048, 10, 3, False, 24142),
     _mpt("7b", "h100_sxm", 8, 2048, 6, 1, False, 10643),
@@ -156,8 +148,8 @@ RUNS: tuple[Run, ...] = (
     _mpt("30b", "h100_sxm", 8, 2048, 3, 21, True, 2002),
     _mpt("70b", "h100_sxm", 64, 2048, 8, 4, True, 1039),
     _mpt("125m", "a100", 8, 2048, 32, 2, False, 141737),
-    _mpt("350m", "a100", 8, 2048, 32, 2, False, 58782, MPT_LOGITS),
-    _mpt("760m", "a100", 8, 2048, 24, 2, False, 32434, MPT_LOGITS),
+    _mpt("350m", "a100", 8, 2048, 32, 2, False, 58782),
+    _mpt("760m", "a100", 8, 2048, 24, 2, False, 32434),
     _mpt("1b", "a100", 8, 2048, 14, 4, False, 20513),
     _mpt("3b", "a100", 8, 2048, 10, 2, False, 10811),
     _mpt("7b", "a100", 8, 2048, 6, 2, False, 4641),

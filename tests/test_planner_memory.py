@@ -1,5 +1,5 @@
 """The planner's memory terms beyond parameters and activations: FSDP's gathered units and
-reduce-scatter copy, the foreach AdamW temporary, the fixed overhead; and the CPU workers' allocator
+reduce-scatter copy, the fused AdamW and chunked loss terms, the fixed overhead; and the CPU workers' allocator
 setting that makes peak RSS measure the run (bench memory has the measured figures)."""
 
 from __future__ import annotations
@@ -26,16 +26,19 @@ def test_fsdp_holds_the_root_unit_two_blocks_the_outputs_gradient_and_a_blocks_c
         assert got == elem * (root + 2 * layer) + elem * m.vocab_size * m.dim + memory.GRAD_BYTES * layer
 
 
-def test_foreach_adamw_temporary_is_counted_where_the_update_is_not_fused():
+def test_fused_adamw_has_no_temporary_and_the_chunked_loss_no_logits():
+    """One process: the update adds only the two moments; the loss keeps d loss / d h and one 16 MiB
+    chunk of fp32 logits (model/loss.py), not tokens x vocab; under tp the vocabulary-parallel logits."""
+    from launcher.model.loss import CHUNK_BYTES
+
     m = make_cfg("125m").model
-    lay = Layout(micro=1)
-    cpu, cuda = (memory.rank_memory(m, 128, lay, 4, kind, 0) for kind in ("cpu", "cuda"))
-    params = memory.rank_params(m, lay, 0)
-    transient = cpu.activations + cpu.logits + cpu.buffers
-    assert cuda.optimizer == memory.ADAM_BYTES * params
-    assert cpu.optimizer == memory.ADAM_BYTES * params + memory.ADAM_STEP_BYTES * params - transient
-    many = memory.rank_memory(m, 2048, Layout(micro=8), 4, "cpu", 0)  # activations larger than the temporary
-    assert many.optimizer == memory.ADAM_BYTES * params
+    lay = Layout(micro=8)
+    one = memory.rank_memory(m, 2048, lay, 4, "cpu", 0)
+    assert one.optimizer == memory.ADAM_BYTES * memory.rank_params(m, lay, 0)
+    assert memory.LOSS_CHUNK_BYTES == CHUNK_BYTES
+    assert one.logits == 8 * 2048 * m.dim * 4 + CHUNK_BYTES
+    tp = memory.rank_memory(m, 2048, Layout(tp=2, micro=8), 4, "cpu", 0)
+    assert tp.logits == 8 * 2048 * m.vocab_size / 2 * (4 + memory.LOGIT_EXTRA_BYTES)
 
 
 def test_cpu_overhead_is_the_worker_process():

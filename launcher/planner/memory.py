@@ -2,28 +2,26 @@
 
 Precision (what the runtime does under bf16 autocast, and AdamW): fp32 parameters (4 B), fp32
 gradients (4 B), two fp32 Adam moments (8 B), plus a working copy in the compute dtype (the autocast
-weight cache, or FSDP's gathered bf16 layers). The multi-tensor (`foreach`) AdamW update, used
-where the fused kernel is not (train/optim.py), builds one more fp32 tensor per parameter (sqrt of
-the second moment) while the activations are already freed: the step's peak is the larger of the
-two. Sharding: FSDP/ZeRO-3 divides the fp32 state by dp_shard; with pp = 1 it gathers two blocks at
-a time (current + prefetched) in the compute dtype, and the root unit (embeddings, final norm,
-output) is gathered for the output projection's backward, first of all, while every activation is
-still held, beside the output's unsharded gradient and a block's gradient with the fp32 copy FSDP
-reduce-scatters (measured: 125m FSDP dp=2 peaks at 1.96 GiB of RSS); with
-pp > 1, torch.distributed.pipelining keeps the stage's parameters gathered and its gradients
-unsharded from the first microbatch to the last (one gather and one reduce-scatter per step), which
-costs compute-dtype + fp32 bytes for every parameter of the stage. ZeRO-2
+weight cache, or FSDP's gathered bf16 layers). AdamW runs fused on CPU and CUDA (train/optim.py),
+with no temporary per parameter. Sharding: FSDP/ZeRO-3 divides the fp32 state by dp_shard; with pp =
+1 it gathers two blocks at a time (current + prefetched) in the compute dtype, and the root unit
+(embeddings, final norm, output) is gathered for the output projection's backward, first of all,
+while every activation is still held, beside the output's unsharded gradient and a block's gradient
+with the fp32 copy FSDP reduce-scatters (measured: 125m FSDP dp=2 peaks at 1.96 GiB of RSS); with pp
+> 1, torch.distributed.pipelining keeps the stage's parameters gathered and its gradients unsharded
+from the first microbatch to the last (one gather and one reduce-scatter per step), which costs
+compute-dtype + fp32 bytes for every parameter of the stage. ZeRO-2
 (fsdp.reshard_after_forward=never, pp = 1) keeps every gathered layer from its forward to its
-backward: the rank's parameters whole in the compute dtype at the end of forward.
-Under tensor parallelism the vocabulary-parallel embedding's backward (DTensor's strategy for
+backward: the rank's parameters whole in the compute dtype at the end of forward. Under tensor
+parallelism the vocabulary-parallel embedding's backward (DTensor's strategy for
 `embedding_dense_backward`, torch 2.13) allocates the gradient of the whole (vocab x h) table in
 fp32 on every rank (the profiler shows the full-table `aten::zeros`), then keeps this rank's rows:
 (1 + 1/t) x vocab x h x 4 bytes at the end of the first rank's backward, when the activations are
-freed: the step's peak is the larger of the two (peak RSS: 1.3-1.5x that table on 125m tp=2 and
-1b tp=4, bench memory), counted with the gradients.
-Fixed overhead per device: the CUDA context, NCCL's buffers and cuBLAS workspaces on a GPU; on a CPU
-the worker process itself (Python, torch and the launcher imported, a gloo group: 0.29-0.36 GiB of
-resident memory measured before the model is built).
+freed: the step's peak is the larger of the two (peak RSS: 1.3-1.5x that table on 125m tp=2 and 1b
+tp=4, bench memory), counted with the gradients. Fixed overhead per device: the CUDA context, NCCL's
+buffers and cuBLAS workspaces on a GPU; on a CPU the worker process itself (Python, torch and the
+launcher imported, a gloo group: 0.29-0.36 GiB of resident memory measured before the model is
+built).
 
 Activations per layer follow Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes for GPT with fp16
 activations and dropout), rebuilt term by term so that other shapes fit:
@@ -64,8 +62,7 @@ GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
 OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.35}  # context, collective buffers, workspaces; cpu: the process
-FOREACH_ADAMW = ("cpu",)  # device kinds whose AdamW runs multi-tensor, not fused (train/optim.py)
-ADAM_STEP_BYTES = 4  # the foreach update's temporary: one fp32 tensor per parameter
+LOSS_CHUNK_BYTES = 2**24  # fp32 logits of one chunk of the chunked loss (model/loss.py CHUNK_BYTES)
 FUSED_ATTENTION = True  # the runtime calls scaled_dot_product_attention
 
 
@@ -199,6 +196,13 @@ def in_flight(layout: Layout, rank: int) -> float:
     return float(min(m, p - rank))
 
 
+def chunked_loss(layout: Layout) -> bool:
+    """The runtime's loss: chunked (model/loss.py: the output projection and the loss in chunks, each
+    chunk's gradients computed in forward) without tensor or pipeline parallelism; otherwise the
+    full logits (vocabulary-parallel under tp, the schedule's loss function under pp)."""
+    return layout.tp == 1 and layout.pp == 1
+
+
 def logits_in_flight(layout: Layout) -> int:
     """Microbatches whose logits (and the loss's fp32 log-softmax) the last stage holds at once:
     GPipe all; interleaved_zb p (its loss's graph lives from the input to the weight backward,
@@ -241,15 +245,15 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     if full:
         acts += working * tokens
     logits = 0.0
-    if rank == layout.last_rank:
+    if rank == layout.last_rank and chunked_loss(layout):  # d loss / d h, and one chunk's fp32 logits
+        logits = tokens * m.dim * elem + min(LOSS_CHUNK_BYTES, MASTER_BYTES * tokens * m.vocab_size)
+    elif rank == layout.last_rank:
         held = logits_in_flight(layout)
         logits = tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * held
     if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, last in backward (docstring)
         table = GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
         grads += max(0.0, table - (acts + logits))  # the activations are freed by then
-    optimizer = ADAM_BYTES * params / s
-    if kind in FOREACH_ADAMW:  # the update's temporary, once the step's transients are gone
-        optimizer += max(0.0, ADAM_STEP_BYTES * params / s - (acts + logits + buffers))
+    optimizer = ADAM_BYTES * params / s  # fused AdamW (train/optim.py): no temporary per parameter
     return Memory(
         params=MASTER_BYTES * params / s,
         grads=grads,
