@@ -18,6 +18,7 @@ BENCHES = [
     "context",
     "hf_import",
     "peer_shape",
+    "moe",
 ]
 ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
 

@@ -126,6 +126,23 @@ def foreach_mul_(tensors: list[torch.Tensor], scale: float) -> None:
     torch._foreach_mul_(tensors, scale)
 
 
+def all_to_all_autograd(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+    """`all_to_all_single` whose backward runs the reverse exchange (expert parallelism's dispatch and
+    combine). torch.distributed.nn.functional's version is deprecated in favour of this one, which
+    has no public name yet."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(x, output_splits, input_splits, group))
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread: a forward run inside
+    one is activation recompute (MoE token counts must not count it twice)."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
 def attention_and_collective_ops() -> set[Any]:
     """The non-matmul ops selective recompute keeps the outputs of, under their private names: the
     attention kernels `scaled_dot_product_attention` dispatches to (CPU, flash, efficient, cuDNN),

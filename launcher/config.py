@@ -56,6 +56,23 @@ def ranged(default: Any, **bounds: Any) -> Any:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts (launcher/model/moe.py); `experts=0`: a dense model."""
+
+    experts: int = ranged(0, ge=0)  # routed experts per MoE layer; 0: dense MLP everywhere
+    top_k: int = ranged(2, ge=1)  # routed experts per token
+    shared_experts: int = ranged(0, ge=0)  # experts every token passes through (DeepSeek)
+    expert_ffn_dim: int | None = ranged(None, ge=1, integer=True)  # None: model.ffn_dim
+    first_dense_layers: int = ranged(0, ge=0)  # leading layers keeping a dense MLP (DeepSeek: 3)
+    score: str = "sigmoid"  # sigmoid (DeepSeek-V3) | softmax; top-k weights normalized to sum 1
+    capacity_factor: float | None = ranged(None, gt=0)  # tokens per expert / fair share; None: dropless
+    balance: str = "bias"  # bias (auxiliary-loss-free) | aux | none
+    bias_update_rate: float = ranged(0.001, ge=0)  # gamma: step of the selection bias per optimizer step
+    aux_loss_coef: float = ranged(0.01, ge=0)  # balance=aux: weight of the load-balancing loss
+    seq_aux_loss_coef: float = ranged(0.0, ge=0)  # sequence-wise balance loss (any balance); 0: off
+
+
+@dataclass
 class ModelConfig:
     """Architecture. Defaults are the CPU-sized `small` model (byte-level vocabulary)."""
 
@@ -64,6 +81,7 @@ class ModelConfig:
     n_layers: int = ranged(4, ge=1)
     n_heads: int = ranged(8, ge=1)
     n_kv_heads: int | None = ranged(None, ge=1, integer=True)  # None: as many as n_heads (no GQA)
+    head_dim: int | None = ranged(None, ge=1, integer=True)  # None: dim / n_heads (Qwen3: 128 at any width)
     ffn_dim: int = ranged(688, ge=1)  # hidden width of the MLP (per gate for SwiGLU)
     vocab_size: int = ranged(256, ge=1)
     max_seq_len: int = ranged(1024, ge=1)
@@ -77,6 +95,7 @@ class ModelConfig:
     bias: bool = False  # biases in linear layers (GPT-2 style)
     dropout: float = ranged(0.0, ge=0, lt=1)
     init_std: float = ranged(0.02, gt=0)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -271,6 +290,7 @@ class TrainConfig:
 
     # layout: degrees are ints or "auto" (checked by launcher/layout.py, not by a Range)
     nodes: int = ranged(1, ge=1)
+    ep: Any = 1  # expert parallel: routed experts split over ep ranks carved from dp_shard (int or auto)
     tp: Any = 1
     pp: Any = 1
     cp: Any = 1  # context parallel: each sequence split over cp ranks (2 cp chunks, load-balanced)
@@ -334,6 +354,8 @@ CHOICES = {
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("swiglu", "gelu"),
     "model.positions": ("rope", "learned"),
+    "model.moe.score": ("sigmoid", "softmax"),
+    "model.moe.balance": ("bias", "aux", "none"),
     "data.name": ("stdlib", "tokens", "text"),
     "data.dtype": ("uint16", "uint32"),
     "pp_schedule": (*SCHEDULES, "auto"),  # auto: the planner's choice
@@ -421,12 +443,12 @@ def validate(cfg: TrainConfig) -> None:
         raise LauncherError(f"compile={cfg.compile}: choose one of true, false, auto")
     check_async_tp(cfg)
     m = cfg.model
-    if m.dim % m.n_heads:
+    if m.head_dim is None and m.dim % m.n_heads:
         raise LauncherError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: change either")
     if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
         raise LauncherError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
-    if m.positions == "rope" and (m.dim // m.n_heads) % 2:
-        raise LauncherError(f"head dim {m.dim // m.n_heads} is odd: RoPE needs an even model.dim / model.n_heads")
+    if m.positions == "rope" and (m.head_dim or m.dim // m.n_heads) % 2:
+        raise LauncherError(f"head dim {m.head_dim or m.dim // m.n_heads} is odd: RoPE needs an even model.head_dim")
     if cfg.seq_len > m.max_seq_len:
         raise LauncherError(
             f"seq_len={cfg.seq_len} exceeds model.max_seq_len={m.max_seq_len} of model '{m.name}': "
@@ -437,6 +459,7 @@ def validate(cfg: TrainConfig) -> None:
             "data.val_path is a token file for data=tokens: data=text holds out whole documents (data.val_fraction)"
         )
     check_profile(cfg)
+    check_moe(m, cfg.ep if isinstance(cfg.ep, int) else 1)
     if cfg.data.name == "stdlib" and m.vocab_size < 256:
         raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
 
@@ -450,4 +473,22 @@ def check_profile(cfg: TrainConfig) -> None:
         raise LauncherError(
             "profile.memory=true dumps a CUDA memory snapshot: set profile.start=N on a cuda hardware profile, "
             "or drop profile.memory"
+        )
+
+
+def check_moe(m: ModelConfig, ep: int) -> None:
+    """The model-side MoE rules (ep against the data-parallel ranks is launcher/layout.py's)."""
+    moe = m.moe
+    if not moe.experts:
+        if ep > 1:
+            raise LauncherError(f"ep={ep} needs a mixture-of-experts model: set ep=1 or model.moe.experts>0")
+        return
+    if moe.top_k > moe.experts:
+        raise LauncherError(f"model.moe.top_k={moe.top_k} exceeds model.moe.experts={moe.experts}: lower top_k")
+    if moe.experts % ep:
+        raise LauncherError(f"ep={ep} does not divide model.moe.experts={moe.experts}: use an ep that divides it")
+    if moe.first_dense_layers >= m.n_layers:
+        raise LauncherError(
+            f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of "
+            f"model.n_layers={m.n_layers}: lower it or set model.moe.experts=0"
         )

@@ -10,6 +10,9 @@ Conventions (as in PaLM, Chowdhery et al. 2022, appendix B):
 - Attention scores (QK^T) and the weighted sum (AV) cost 2 * 2 * seq * n_heads * head_dim per token
   and layer forward, x3 for forward + backward. Causal attention is counted in full (not halved),
   as PaLM does, so MFU stays comparable across implementations.
+- Mixture of experts: a MoE layer's MLP is its router (E x dim), its routed experts and its shared
+  experts (SwiGLU, 3 x dim x expert_ffn_dim each). Parameters count every expert; FLOPs count the
+  *active* weights a token passes through: router, top_k routed and the shared experts.
 - MFU uses model FLOPs: recomputation does not count. Hardware FLOPs (HFU, used by the planner to
   predict time) add one extra forward of the recomputed part.
 """
@@ -17,7 +20,7 @@ Conventions (as in PaLM, Chowdhery et al. 2022, appendix B):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 GIB = float(2**30)  # bytes: hardware.memory_gib, and every memory the planner and the dry run report
 
@@ -29,6 +32,7 @@ class ModelShape(Protocol):
     n_layers: int
     n_heads: int
     n_kv_heads: int | None
+    head_dim: int | None
     ffn_dim: int
     vocab_size: int
     max_seq_len: int
@@ -38,22 +42,19 @@ class ModelShape(Protocol):
     positions: str
     tied_embeddings: bool
     bias: bool
+    moe: Any  # config.MoEConfig
 
 
 @dataclass(frozen=True)
 class ParamCounts:
     embedding: int  # token embedding (+ learned positions)
-    per_layer: int  # one transformer block, all parameters
-    per_layer_matmul: int  # one block, matmul weights only
+    per_layer: int  # one transformer block, all parameters (MoE: the mean over blocks)
+    per_layer_matmul: int  # one block, matmul weights only (MoE: every expert; the mean over blocks)
     final_norm: int
     output: int  # untied output projection (0 when tied)
     output_matmul: int  # the logits matmul, counted even when tied
-
-    def total(self, n_layers: int) -> int:
-        return self.embedding + n_layers * self.per_layer + self.final_norm + self.output
-
-    def matmul(self, n_layers: int) -> int:
-        return n_layers * self.per_layer_matmul + self.output_matmul
+    layers: int = 0  # every block's parameters, exactly
+    layers_active_matmul: int = 0  # matmul weights one token passes through in every block
 
 
 def kv_heads(m: ModelShape) -> int:
@@ -61,11 +62,23 @@ def kv_heads(m: ModelShape) -> int:
 
 
 def head_dim(m: ModelShape) -> int:
-    return m.dim // m.n_heads
+    return m.head_dim or m.dim // m.n_heads
 
 
 def norm_params(m: ModelShape) -> int:
     return m.dim * (2 if m.norm == "layernorm" else 1)
+
+
+def moe_layer_counts(m: ModelShape) -> tuple[int, int]:
+    """(parameters, active matmul weights) of one MoE layer's MLP: router, routed and shared experts."""
+    moe = m.moe
+    expert = 3 * m.dim * (moe.expert_ffn_dim or m.ffn_dim)
+    router = moe.experts * m.dim
+    return router + (moe.experts + moe.shared_experts) * expert, router + (moe.top_k + moe.shared_experts) * expert
+
+
+def moe_layer_count(m: ModelShape) -> int:
+    return m.n_layers - m.moe.first_dense_layers if m.moe.experts else 0
 
 
 def param_counts(m: ModelShape) -> ParamCounts:
@@ -75,23 +88,38 @@ def param_counts(m: ModelShape) -> ParamCounts:
     mlp_mats = 3 if m.mlp == "swiglu" else 2
     mlp = mlp_mats * d * m.ffn_dim
     matmul = attn + mlp
-    biases = 0
+    biases = mlp_biases = 0
     if m.bias:
-        biases = q_out + 2 * kv_out + d + (m.ffn_dim * (mlp_mats - 1)) + d
+        mlp_biases = m.ffn_dim * (mlp_mats - 1) + d
+        biases = q_out + 2 * kv_out + d + mlp_biases
     embedding = m.vocab_size * d + (m.max_seq_len * d if m.positions == "learned" else 0)
     final_norm = norm_params(m) if m.norm_position == "pre" else 0
+    dense_layer = matmul + biases + 2 * norm_params(m)
+    moe_total, moe_active = moe_layer_counts(m)
+    n_moe = moe_layer_count(m)  # each replaces a dense MLP (with its biases) by a MoE one
+    layers = m.n_layers * dense_layer + n_moe * (moe_total - mlp - mlp_biases)
+    layers_matmul = m.n_layers * matmul + n_moe * (moe_total - mlp)
     return ParamCounts(
         embedding=embedding,
-        per_layer=matmul + biases + 2 * norm_params(m),
-        per_layer_matmul=matmul,
+        per_layer=layers // m.n_layers,
+        per_layer_matmul=layers_matmul // m.n_layers,
         final_norm=final_norm,
         output=0 if m.tied_embeddings else m.vocab_size * d,
         output_matmul=m.vocab_size * d,
+        layers=layers,
+        layers_active_matmul=m.n_layers * matmul + n_moe * (moe_active - mlp),
     )
 
 
 def num_params(m: ModelShape) -> int:
-    return param_counts(m).total(m.n_layers)
+    pc = param_counts(m)
+    return pc.embedding + pc.layers + pc.final_norm + pc.output
+
+
+def active_params(m: ModelShape) -> int:
+    """Parameters one token uses: every non-expert parameter, and top_k routed + shared experts."""
+    total, active = moe_layer_counts(m)
+    return num_params(m) - moe_layer_count(m) * (total - active)
 
 
 def attention_flops_per_token(m: ModelShape, seq_len: int) -> float:
@@ -101,7 +129,8 @@ def attention_flops_per_token(m: ModelShape, seq_len: int) -> float:
 
 def flops_per_token(m: ModelShape, seq_len: int) -> float:
     """Model FLOPs per trained token (forward + backward), the numerator of MFU."""
-    return 6.0 * param_counts(m).matmul(m.n_layers) + attention_flops_per_token(m, seq_len)
+    pc = param_counts(m)
+    return 6.0 * (pc.layers_active_matmul + pc.output_matmul) + attention_flops_per_token(m, seq_len)
 
 
 def hardware_flops_per_token(m: ModelShape, seq_len: int, recomputed_layers: float = 0) -> float:
@@ -116,7 +145,7 @@ def hardware_flops_per_token(m: ModelShape, seq_len: int, recomputed_layers: flo
     base = flops_per_token(m, seq_len)
     if not recomputed_layers:
         return base
-    block = 6.0 * m.n_layers * param_counts(m).per_layer_matmul + attention_flops_per_token(m, seq_len)
+    block = 6.0 * param_counts(m).layers_active_matmul + attention_flops_per_token(m, seq_len)
     return base + block / 3.0 * recomputed_layers / m.n_layers
 
 

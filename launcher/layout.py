@@ -30,7 +30,7 @@ from launcher.config import LauncherError, ModelConfig, TrainConfig
 MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")  # schedules with virtual stages
 V_SHAPED = ("zbv", "dualpipev")  # exactly two stages per rank, in a V: rank r holds r and 2 pp - 1 - r
 ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # backward split into input and weight gradients
-DEGREES = ("tp", "pp", "cp", "dp", "dp_shard", "dp_replicate")  # the config keys of the parallel degrees
+DEGREES = ("tp", "pp", "cp", "dp", "dp_shard", "dp_replicate", "ep")  # the config keys of the parallel degrees
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first: the rank order above
 
 
@@ -49,7 +49,9 @@ class Layout:
     recompute_layers: int = 0  # blocks of each stage (model chunk) recomputed in full, the first ones
     reshard: str = "auto"  # fsdp.reshard_after_forward: always (ZeRO-3) | never (ZeRO-2) | auto (by stage)
     cp: int = 1  # context parallel: each sequence split over cp ranks (launcher/parallel/context.py)
-    # the expert-parallel degree (ep) joins here, and in MESH_DIMS, when it arrives
+    # expert parallel: routed experts split over ep ranks carved from dp_shard (as torchtitan does);
+    # the other parameters stay FSDP-sharded over all of dp_shard (`expert_mesh`)
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -134,6 +136,7 @@ class Layout:
             "tp": tp_rank,
             "dp": replicate * self.dp_shard + shard,
             "dp_shard_cp": shard * self.cp + cp_rank,  # FSDP's flattened dimension (build_mesh)
+            "ep": shard % self.ep,  # the inner part of dp_shard (`expert_mesh`)
         }
 
     def settings(self) -> dict[str, Any]:
@@ -153,6 +156,7 @@ class Layout:
             "recompute_layers": self.recompute_layers,
             "sequence_parallel": self.sequence_parallel,
             "fsdp.reshard_after_forward": self.reshard,
+            "ep": self.ep,
         }
 
 
@@ -254,12 +258,12 @@ def split_dp(dp: int, shard: int | None, replicate: int | None) -> tuple[int, in
     return replicate, shard
 
 
-def fixed_degrees(degrees: dict[str, int | None], world: int | None) -> tuple[int, int, int, int, int]:
+def fixed_degrees(degrees: dict[str, int | None], world: int | None, ep: int = 1) -> tuple[int, int, int, int, int]:
     """(tp, pp, cp, dp_replicate, dp_shard) when tp, pp and cp are given: dp takes the ranks that
-    remain (1 when the world size is free)."""
+    remain (when the world size is free: ep, the fewest data-parallel ranks expert parallelism runs on)."""
     check_world(world, degrees)
     tp, pp, cp = degrees["tp"] or 1, degrees["pp"] or 1, degrees["cp"] or 1
-    dp = degrees["dp"] or (world // (tp * pp * cp) if world else 1)
+    dp = degrees["dp"] or (world // (tp * pp * cp) if world else ep)
     return tp, pp, cp, *split_dp(dp, degrees["dp_shard"], degrees["dp_replicate"])
 
 
@@ -410,8 +414,33 @@ def _recompute(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
     return None
 
 
+def _expert_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+    if lay.ep > 1 and not m.moe.experts:
+        return f"ep={lay.ep} needs a mixture-of-experts model: set ep=1 or model.moe.experts>0"
+    if m.moe.experts % lay.ep:
+        return f"ep={lay.ep} does not divide model.moe.experts={m.moe.experts}: use an ep that divides it"
+    if lay.dp_shard % lay.ep:
+        return (
+            f"ep={lay.ep} does not divide dp_shard={lay.dp_shard} (expert parallelism is carved from the "
+            f"data-parallel ranks that shard): raise dp_shard or lower ep"
+        )
+    if lay.ep > 1 and lay.cp > 1:
+        return f"ep={lay.ep} with cp={lay.cp} is not supported yet: set ep=1 or cp=1"
+    if lay.sequence_parallel and m.moe.experts:
+        return "sequence_parallel=true is not supported with a mixture-of-experts model: set sequence_parallel=false"
+    return None
+
+
 Rule = Callable[[Layout, ModelConfig, int], str | None]
-RULES: tuple[Rule, ...] = (_tensor_parallel, _context_parallel, _sequence_parallel, _stages, _microbatches, _recompute)
+RULES: tuple[Rule, ...] = (
+    _tensor_parallel,
+    _context_parallel,
+    _sequence_parallel,
+    _stages,
+    _microbatches,
+    _recompute,
+    _expert_parallel,
+)
 
 
 def violations(lay: Layout, m: ModelConfig, seq_len: int) -> Iterator[str]:
@@ -433,7 +462,9 @@ def check(lay: Layout, m: ModelConfig, seq_len: int) -> None:
 def from_config(cfg: TrainConfig, world: int | None) -> Layout:
     """The layout a config fixes completely (no `auto` but the dp degrees), checked."""
     batch = cfg.batch
-    tp, pp, cp, replicate, shard = fixed_degrees(given_degrees(cfg), world)
+    degrees = given_degrees(cfg)
+    ep = degrees["ep"] or 1
+    tp, pp, cp, replicate, shard = fixed_degrees(degrees, world, ep)
     micro = int_or_auto("batch.micro", batch.get("micro"))
     if micro is None:
         raise LauncherError("batch.micro=auto is the planner's choice: give a world size or a value")
@@ -448,7 +479,7 @@ def from_config(cfg: TrainConfig, world: int | None) -> Layout:
     if layers is None:
         raise LauncherError("recompute_layers=auto is the planner's choice: give a world size or a value")
     sp, reshard = bool(cfg.sequence_parallel), cfg.fsdp.reshard_after_forward
-    lay = Layout(tp, pp, replicate, shard, micro, count, cfg.pp_schedule, v, cfg.recompute, sp, layers, reshard, cp)
+    lay = Layout(tp, pp, replicate, shard, micro, count, cfg.pp_schedule, v, cfg.recompute, sp, layers, reshard, cp, ep)
     check(lay, cfg.model, cfg.seq_len)
     if lay.zero_bubble and cfg.compile is True:
         raise LauncherError(
@@ -491,6 +522,16 @@ def build_mesh(layout: Layout, device_type: str = "cpu", copies: int = 1):  # ->
 
         flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
     return mesh
+
+
+def expert_mesh(layout: Layout, device_type: str = "cpu"):  # -> DeviceMesh
+    """The mesh expert parallelism runs on: dp_shard split into (edp, ep), ep inner, so the ranks are
+    those of `build_mesh` (dims pp, dp_replicate, edp, ep, cp, tp). The experts are sharded over "ep"; ranks
+    holding the same experts (edp x dp_replicate) sum their gradients (launcher/parallel/expert.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.cp, layout.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "edp", "ep", "cp", "tp"))
 
 
 def check_environment(cfg: TrainConfig, layout: Layout, local: bool) -> None:

@@ -50,7 +50,8 @@ def _get(cfg: Any, dotted: str) -> Any:
 def tasks_needed(cfg: Any) -> int:
     """Ranks per node the config's degrees ask for (`auto` counts as 1: the layout rule with a free
     world size). An emitted script's config pins the resolved Layout, so this is its world size."""
-    tp, pp, cp, replicate, shard = fixed_degrees(given_degrees(cfg), None)
+    degrees = given_degrees(cfg)
+    tp, pp, cp, replicate, shard = fixed_degrees(degrees, None, degrees["ep"] or 1)
     return workers_per_node(tp * pp * cp * replicate * shard, _get(cfg, "nodes"))
 
 

@@ -264,11 +264,20 @@ def plot_losses(rows: list[dict[str, Any]], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    moe = any("moe_load_imbalance" in p for _, points in curves for p in points)
+    fig, axes = plt.subplots(1, 2 if moe else 1, figsize=(13 if moe else 7.5, 4.2), squeeze=False)
+    ax = axes[0][0]
     for label, points in curves:
         (line,) = ax.plot([p["step"] for p in points], [p["loss"] for p in points], label=label, lw=1.2)
         val = [p for p in points if "val_loss" in p]
         ax.plot([p["step"] for p in val], [p["val_loss"] for p in val], "o", color=line.get_color(), ms=4)
+    if moe:  # a mixture of experts: its load imbalance beside the loss (launcher/model/moe.py)
+        side = axes[0][1]
+        for label, points in curves:
+            side.plot([p["step"] for p in points], [p.get("moe_load_imbalance") for p in points], label=label, lw=1.2)
+        side.set_xlabel("step")
+        side.set_ylabel("moe_load_imbalance (max / mean tokens per expert)")
+        side.grid(alpha=0.3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (dots: validation)")
     ax.set_title("sweep: loss curves")

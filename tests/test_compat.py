@@ -284,3 +284,14 @@ def test_enable_async_tp_sets_inductors_micro_pipeline_pass(monkeypatch):
     monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)  # restored after the test
     compat.enable_async_tp()
     assert inductor_config._micro_pipeline_tp is True
+
+
+def test_in_backward_is_true_only_inside_autograd() -> None:
+    in_backward = compat.in_backward
+    seen: list[bool] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(in_backward()) or g)
+    assert not in_backward()
+    y.sum().backward()
+    assert seen == [True]

@@ -26,6 +26,9 @@ def test_the_promised_recipes_exist() -> None:
         "cpu_tp_demo",
         "norm_position_study",
         "sweep_layouts_cpu",
+        "moe_balance_study",
+        "mixtral_8x7b_h100x16",
+        "qwen3_235b_h100x64",
     } <= set(RECIPES)
 
 
@@ -38,7 +41,7 @@ def test_recipe_is_accepted_and_header_states_the_prediction(name: str) -> None:
     assert stated == pytest.approx(100 * prediction.mfu, abs=0.1), "re-run the planner and update the header"
 
 
-@pytest.mark.parametrize("name", ["cpu_tp_demo", "sweep_layouts_cpu", "norm_position_study"])
+@pytest.mark.parametrize("name", ["cpu_tp_demo", "sweep_layouts_cpu", "norm_position_study", "moe_balance_study"])
 def test_cpu_recipes_compose_and_validate(name: str) -> None:
     cfg = compose_config(f"+recipe={name}")
     validate(cfg)

@@ -24,9 +24,10 @@ from torch.distributed.tensor import DTensor
 
 from launcher.compat import local_shard_extent
 from launcher.config import ModelConfig
+from launcher.model.moe import MoE
 from launcher.model.transformer import Transformer
 
-RESIDUAL = ("wo.weight", "w2.weight")  # projections into the residual stream (GPT-2: scaled by depth)
+RESIDUAL = ("wo.weight", "w2.weight", "experts.w2")  # projections into the residual stream (GPT-2: scaled by depth)
 BLOCK = 2**24  # elements of a parameter generated at once: 64 MiB of fp32, the most initializing adds
 
 
@@ -139,6 +140,9 @@ def materialize(parts: list[nn.Module], seed: int, device: torch.device, source:
             else:
                 fill_(local, part.cfg, seed, name, tuple(p.shape), offset)
         part.reset_buffers()
+        for module in part.modules():  # MoE routing biases and counters start at zero
+            if isinstance(module, MoE):
+                module.reset_buffers()
 
 
 def initialized_model(cfg: ModelConfig, seed: int, device: torch.device) -> Transformer:

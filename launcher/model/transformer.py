@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from launcher.config import ModelConfig
 from launcher.model.loss import linear_cross_entropy
+from launcher.model.moe import MoE, is_moe_layer
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -97,7 +98,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
         self.n_rep = cfg.n_heads // (cfg.n_kv_heads or cfg.n_heads)
         kv_width = (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=cfg.bias)
@@ -136,13 +137,13 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.pre_norm = cfg.norm_position == "pre"
         self.attention_norm = make_norm(cfg)
         self.attention = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg, FeedForward) if is_moe_layer(cfg, layer) else FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
@@ -166,7 +167,7 @@ class Transformer(nn.Module):
         self.pos_embeddings: nn.Embedding | None = (
             nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
         )
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg) if cfg.norm_position == "pre" else None
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -176,7 +177,9 @@ class Transformer(nn.Module):
         if self.cfg.positions != "rope":
             return None
         device = next(self.parameters()).device
-        return rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        return rope_tables(
+            self.cfg.head_dim or self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device
+        )
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection again, after anything that replaced parameters

@@ -21,11 +21,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from launcher.compat import enable_async_tp, foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
-from launcher.layout import Layout, build_mesh
+from launcher.layout import Layout, build_mesh, expert_mesh
 from launcher.model.hf import init_source
 from launcher.model.init import materialize
+from launcher.model.moe import balance_step, discount, moe_counters, moe_layers
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
+from launcher.parallel.expert import parallelize_experts, sync_expert_grads
 from launcher.parallel.pipeline import build_schedule, stage_module
 from launcher.parallel.recompute import apply_recompute
 from launcher.parallel.tensor import apply_tensor_parallel, loss_context
@@ -87,6 +89,10 @@ class Runner:
         losses = [self._loss(x, y).item() for x, y in self.microbatches(inputs, targets)]
         return sum(losses) / len(losses)
 
+    def update_balance(self) -> dict[str, float]:
+        """After the optimizer step: MoE routing biases moved towards balance; the balance metrics."""
+        return balance_step(moe_layers(self.parts), lambda t: t, lambda t: t)
+
     def clip_grad_norm(self, max_norm: float) -> float:
         params = [p for part in self.parts for p in part.parameters()]
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
@@ -95,10 +101,13 @@ class Runner:
 class DistributedRunner(Runner):
     """Shared by the parallel runners: global loss and gradient norm over the mesh."""
 
-    def __init__(self, parts: list[nn.Module], micro: int, autocast: Any, mesh: Any, layout: Layout) -> None:
+    def __init__(
+        self, parts: list[nn.Module], micro: int, autocast: Any, mesh: Any, layout: Layout, expert_mesh: Any = None
+    ) -> None:
         super().__init__(parts[0], micro, autocast)
         self.parts = parts
         self.mesh = mesh
+        self.expert_mesh = expert_mesh  # ep > 1 (launcher/parallel/expert.py)
         self.layout = layout
         self.device = next(p for part in parts for p in part.parameters()).device
         self.chunked_loss = layout.tp == 1
@@ -116,6 +125,17 @@ class DistributedRunner(Runner):
         value = torch.as_tensor(local if has_loss else 0.0, dtype=torch.float64, device=self.device).reshape(1)
         dims = ("pp", "dp_replicate", "dp_shard", "cp")
         return self._all_reduce(value, dims).item() / (self.layout.dp * self.layout.cp)
+
+    def _sync_experts(self) -> None:
+        if self.expert_mesh is not None:
+            sync_expert_grads(self.parts, self.expert_mesh, self.layout.dp)
+
+    def update_balance(self) -> dict[str, float]:
+        """Token counts summed over the data-parallel ranks (tp ranks see the same tokens), metrics over stages."""
+        dp_dims = ("dp_replicate", "dp_shard", "cp")  # cp ranks route different chunks of the sequences
+        return balance_step(
+            moe_layers(self.parts), lambda t: self._all_reduce(t, dp_dims), lambda t: self._all_reduce(t, ("pp",))
+        )
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every shard of every stage; scale gradients down to max_norm.
@@ -162,6 +182,7 @@ class ParallelRunner(DistributedRunner):
                 loss = self._loss(x, y) / len(chunks)
                 loss.backward()
                 total += _local(loss).detach()
+        self._sync_experts()
         return self._global_mean(total)
 
     @torch.no_grad()
@@ -207,7 +228,23 @@ class PipelineRunner(DistributedRunner):
         return self._global_mean(local, self.last)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), inputs, targets)
+        calls: list[list[list[torch.Tensor]]] = [[] for _ in self.parts]
+        hooks = [  # each forward of each stage: the MoE counters before it
+            part.register_forward_pre_hook(lambda *_, i=i: calls[i].append(moe_counters(moe_layers([self.parts[i]]))))
+            for i, part in enumerate(self.parts)
+        ]
+        try:
+            loss = self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), inputs, targets)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        # the schedule infers shapes with one extra forward per stage on placeholder inputs (at the
+        # first step, and after each switch from eval): its routing counts are not the data's
+        for part, seen in zip(self.parts, calls):
+            if len(seen) > self.layout.microbatches:
+                discount(moe_layers([part]), seen[0], seen[1])
+        self._sync_experts()
+        return loss
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -230,6 +267,8 @@ def parallelize(
     `mesh`: the layout's DeviceMesh (`layout.build_mesh`); built here from the default process
     group when not given.
     """
+    for moe in moe_layers([model]):  # auxiliary losses enter each micro-batch's gradient at its scale
+        moe.aux_scale = 1.0 / layout.microbatches
     if layout.world_size == 1 and mesh is None:
         apply_recompute(model, layout)
         _compile(model, cfg)
@@ -237,15 +276,18 @@ def parallelize(
         return Runner(model, layout.micro, autocast)
     if mesh is None:
         mesh = build_mesh(layout, "cuda" if device.type == "cuda" else "cpu")
-    parts, stages = shard_model(model, layout, cfg, mesh)
+    emesh = expert_mesh(layout, mesh.device_type) if layout.ep > 1 else None
+    parts, stages = shard_model(model, layout, cfg, mesh, emesh)
     materialize(parts, cfg.seed, device, init_source(cfg))
-    kw = {"autocast": autocast, "mesh": mesh}
+    kw = {"autocast": autocast, "mesh": mesh, "expert_mesh": emesh}
     if layout.pp > 1:
         return PipelineRunner(parts, stages, layout, **kw)
     return ParallelRunner(parts, layout.micro, layout=layout, **kw)
 
 
-def shard_model(model: nn.Module, layout: Layout, cfg: TrainConfig, mesh: Any) -> tuple[list[nn.Module], list[int]]:
+def shard_model(
+    model: nn.Module, layout: Layout, cfg: TrainConfig, mesh: Any, emesh: Any = None
+) -> tuple[list[nn.Module], list[int]]:
     """This rank's model parts, cut and wrapped in the fixed order, and the pipeline stage of each."""
     pipelined = layout.pp > 1
     stages = layout.pp_stages(mesh["pp"].get_local_rank()) if pipelined else [0]
@@ -255,6 +297,7 @@ def shard_model(model: nn.Module, layout: Layout, cfg: TrainConfig, mesh: Any) -
             apply_tensor_parallel(part, mesh["tp"], layout.sequence_parallel, local_logits=pipelined)
         if layout.cp > 1:
             apply_context_parallel(part, mesh["cp"], cfg.seq_len)
+        parallelize_experts(part, mesh["tp"] if layout.tp > 1 else None, emesh["ep"] if emesh is not None else None)
         apply_recompute(part, layout)
         if not layout.zero_bubble:  # torch splits no compiled backward into input and weight parts
             _compile(part, cfg)
@@ -269,4 +312,11 @@ def _compile(model: nn.Module, cfg: TrainConfig) -> None:
         if cfg.async_tp:  # config.check_async_tp: cuda, sequence parallel
             enable_async_tp()
         for block in model.layers.values():
-            block.compile()
+            # a MoE layer's token counts and all-to-all splits are data-dependent: compile around it
+            parts = (block.attention_norm, block.attention, block.ffn_norm) if _is_moe(block) else (block,)
+            for part in parts:
+                part.compile()
+
+
+def _is_moe(block: nn.Module) -> bool:
+    return bool(moe_layers([block.feed_forward]))

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from launcher.compat import replicate, sub_mesh
 from launcher.layout import Layout
+from launcher.parallel.expert import expert_params
 
 
 def apply_data_parallel(
@@ -64,8 +65,11 @@ def shard_blocks(
 ) -> None:
     """FSDP2 over `dp_mesh`: each block one unit, the rest the root unit."""
     policy = mp_policy or MixedPrecisionPolicy()  # FSDP's own default: parameters in their dtype
+    ignored = expert_params(model)  # sharded over ep already; their gradients: expert.sync_expert_grads
     for module in (*model.layers.values(), model):
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(
+            module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored
+        )
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

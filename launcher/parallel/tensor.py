@@ -40,6 +40,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from launcher.model.moe import MoE
+
 
 class Duplicate(ParallelStyle):
     """Parameters replicated as DTensors; inputs and outputs stay local tensors (no communication).
@@ -91,7 +93,10 @@ def plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) 
             styles[block + proj] = ColwiseParallel()
         for proj in ("attention.wo", "feed_forward.w2"):
             styles[block + proj] = RowwiseParallel(output_layouts=stream)
-        if model.layers[name].feed_forward.w3 is None:
+        if isinstance(model.layers[name].feed_forward, MoE):  # whole on every tp rank (parallel/expert.py)
+            for key in ("feed_forward", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):
+                del styles[block + key]
+        elif model.layers[name].feed_forward.w3 is None:
             del styles[block + "feed_forward.w3"]
     if model.norm is not None:
         styles["norm"] = norm

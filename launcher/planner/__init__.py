@@ -25,7 +25,7 @@ from launcher.planner.search import Prediction, Problem, Result, predict, search
 __all__ = ["resolve", "run_plan", "plan", "Prediction", "Layout"]
 
 # `auto` here: the planner chooses
-SEARCHED = ("tp", "pp", "cp", "pp_schedule", "recompute", "recompute_layers", "batch.micro")
+SEARCHED = ("tp", "pp", "cp", "ep", "pp_schedule", "recompute", "recompute_layers", "batch.micro")
 
 
 def plan(cfg: TrainConfig, world: int, explore: bool = False) -> tuple[Problem, Result]:

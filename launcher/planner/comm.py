@@ -92,3 +92,18 @@ def send(levels: tuple[Level, ...], nbytes: float, distance: int) -> float:
         return 0.0
     level = level_of(levels, 2 * distance)
     return nbytes / level.bandwidth + level.latency
+
+
+def all_to_all(levels: tuple[Level, ...], nbytes: float, stride: int, size: int) -> float:
+    """Seconds for an all-to-all in which each rank sends `nbytes` in all, an equal share to every
+    member: the shares to members behind level i (not inside a smaller domain) cross level i, and
+    the levels carry their shares at once, so the slowest level sets the time."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    slowest, latency, inside = 0.0, 0.0, 1
+    for level, n in split(levels, stride, size):
+        share = (inside * n - inside) / size  # members reached first through this level
+        slowest = max(slowest, nbytes * share / level.bandwidth)
+        latency += hops(n) * level.latency
+        inside *= n
+    return slowest + latency

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from launcher.config import ModelConfig
 from launcher.flops import flops_per_token, hardware_flops_per_token, head_dim, kv_heads
 from launcher.layout import Layout
-from launcher.planner import comm, memory
+from launcher.planner import comm, memory, moe
 from launcher.planner.device import Machine
 from launcher.planner.memory import GRAD_BYTES, counts, full_layers, rank_layers, rank_params, recomputed_layers
 
@@ -100,14 +100,16 @@ class StepTime:
     cp_level: str
     dp_level: str
     pp_level: str
+    ep_comm: float = 0.0  # MoE all-to-alls (launcher/planner/moe.py)
+    ep_level: str = ""
 
     @property
     def total(self) -> float:
-        comm = self.tp_comm + self.cp_comm + self.tp_host + self.pp_p2p + self.dp_exposed
+        comm = self.tp_comm + self.cp_comm + self.tp_host + self.pp_p2p + self.dp_exposed + self.ep_comm
         return self.compute + comm + self.pp_bubble
 
     def as_dict(self) -> dict[str, float]:
-        keys = ("compute", "tp_comm", "cp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
+        keys = ("compute", "tp_comm", "cp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total", "ep_comm")
         out = {k: getattr(self, k) for k in keys}
         out["total"] = self.total
         return out
@@ -169,7 +171,7 @@ def step_time(
     t, p, v, mb, cp = layout.tp, layout.pp, layout.chunks, layout.microbatches, layout.cp
     tokens = layout.micro * seq // cp  # this rank's share of the microbatch
     f_model = flops_per_token(m, seq)
-    f_hw = hardware_flops_per_token(m, seq, recomputed_layers(m.n_layers, layout))
+    f_hw = hardware_flops_per_token(m, seq, recomputed_layers(m.n_layers, layout)) + moe.extra_routed_flops(m, layout)
     f_out = 6.0 * counts(m).output_matmul
     f_layer = (f_model - f_out) / m.n_layers  # without recompute; a fully recomputed block: x 4/3
     layers = rank_layers(m.n_layers, p, v, layout.v_shape)
@@ -210,7 +212,8 @@ def step_time(
         per_layer_cp = gathers * comm.all_gather(lv, kv_bytes, t, cp) + comm.reduce_scatter(lv, kv_bytes, t, cp)
         t_cp = layers[busiest] * per_layer_cp
     t_p2p = 2 * v * comm.send(lv, act_bytes / t, t * cp * layout.dp) if p > 1 else 0.0
-    slot = t_comp + t_tp + t_cp + t_host + t_p2p
+    t_a2a = moe.all_to_all_time(m, layout, lv, tokens, elem, busiest)
+    slot = t_comp + t_tp + t_cp + t_host + t_p2p + t_a2a
 
     # data parallel: parameters of the busiest rank, over the dp_shard then dp_replicate groups
     params = rank_params(m, layout, busiest)
@@ -238,6 +241,11 @@ def step_time(
     elif rep > 1:
         dp_total = comm.all_reduce(lv, GRAD_BYTES * params, t, rep)
         dp_exposed = _exposed(dp_total, bwd, buckets, c)
+    experts = moe.rank_expert_params(m, layout, busiest)
+    if experts and layout.dp > layout.ep:  # expert gradients: all-reduced over the ranks holding the same ones
+        expert_sync = comm.all_reduce(lv, GRAD_BYTES * experts, t * layout.ep, layout.dp // layout.ep)
+        dp_total += expert_sync
+        dp_exposed += _exposed(expert_sync, bwd, buckets, c)
 
     return StepTime(
         compute=mb * t_comp,
@@ -252,6 +260,8 @@ def step_time(
         cp_level=_outer(machine, t, cp),
         dp_level=_outer(machine, t, layout.dp * cp),
         pp_level=comm.level_of(lv, 2 * t * cp * layout.dp).name if p > 1 else "",
+        ep_comm=mb * t_a2a,
+        ep_level=moe.expert_level(lv, layout),
     )
 
 

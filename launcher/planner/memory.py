@@ -56,6 +56,7 @@ from functools import cache
 from launcher.config import ModelConfig
 from launcher.flops import GIB, ParamCounts, head_dim, kv_heads, param_counts
 from launcher.layout import Layout, rank_stages, stage_layers, stage_size
+from launcher.planner.moe import mean_routed_per_layer, rank_expert_params
 
 MASTER_BYTES = 4  # fp32 parameters
 GRAD_BYTES = 4  # fp32 gradients
@@ -109,7 +110,8 @@ def rank_layers(n_layers: int, pp: int, chunks: int, v_shape: bool = False) -> t
 
 
 def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
-    """Parameters held by one device of pipeline rank `rank` (before FSDP sharding).
+    """Parameters held by one device of pipeline rank `rank` (before FSDP sharding), routed experts
+    excepted (`moe.rank_expert_params`: sharded over ep, not by FSDP).
 
     TP shards every projection and the vocabulary dimension of the embedding and output by t; norms
     and biases are counted as replicated. Learned positions live on the first rank (tied embeddings
@@ -117,7 +119,9 @@ def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
     """
     pc, t = counts(m), layout.tp
     n = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
-    total = n * (pc.per_layer_matmul // t + pc.per_layer - pc.per_layer_matmul)
+    experts = mean_routed_per_layer(m)  # MoE layers' routed experts run whole on every tp rank,
+    pooled = experts if layout.ep == 1 else 0  # and with ep > 1 leave FSDP's pool
+    total = n * ((pc.per_layer_matmul - experts) // t + pooled + pc.per_layer - pc.per_layer_matmul)
     if rank == 0:
         positions = m.max_seq_len * m.dim if m.positions == "learned" else 0
         total += (pc.embedding - positions) // t + positions
@@ -146,6 +150,10 @@ def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) 
     """(saved bytes per token of one layer under `layout.recompute`, bytes per token of one layer's
     full working set)."""
     h, t, f = m.dim, layout.tp, m.ffn_dim
+    routed = 0.0
+    if m.moe.experts:  # a token's MLP: top_k routed + shared experts; its k dispatched copies, there and back
+        f = (m.moe.top_k + m.moe.shared_experts) * (m.moe.expert_ffn_dim or m.ffn_dim)
+        routed = 2 * elem * m.moe.top_k * h * t  # not split by tp: the MoE layer runs whole on each tp rank
     hq, hkv, a = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m), m.n_heads
     mask = 1 if m.dropout > 0 else 0
     norm_stats = 0
@@ -153,7 +161,7 @@ def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) 
         norm_stats = 2 * elem * (h + 1) if m.norm == "rmsnorm" else 2 * elem * 2
     replicated = 4 * elem * h + 2 * mask * h + norm_stats
     # attention saves K and V as its core reads them: all-gathered over the cp ranks (cp x the local ones)
-    sharded = elem * (2 * hq + 2 * hkv * layout.cp) + (4 if m.mlp == "swiglu" else 2) * elem * f
+    sharded = elem * (2 * hq + 2 * hkv * layout.cp) + (4 if m.mlp == "swiglu" else 2) * elem * f + routed
     if FUSED_ATTENTION:
         core = 4.0 * a
     else:
@@ -223,7 +231,8 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     s = layout.fsdp_shard
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
     pc = counts(m)
-    layer_params = pc.per_layer_matmul // layout.tp + pc.per_layer - pc.per_layer_matmul
+    layer_params = (pc.per_layer_matmul - mean_routed_per_layer(m)) // layout.tp + pc.per_layer - pc.per_layer_matmul
+    experts = rank_expert_params(m, layout, rank)  # whole on the rank: parameters, gradients, optimizer
     if s > 1 and layout.pp > 1:  # gathered for the whole step, gradients unsharded until the end
         grads, buffers = GRAD_BYTES * params, elem * params
     elif s > 1:  # ZeRO-3: the root unit and two blocks gathered (ZeRO-2: every block), at backward's start
@@ -255,9 +264,9 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
         grads += max(0.0, table - (acts + logits))  # the activations are freed by then
     optimizer = ADAM_BYTES * params / s  # fused AdamW (train/optim.py): no temporary per parameter
     return Memory(
-        params=MASTER_BYTES * params / s,
-        grads=grads,
-        optimizer=optimizer,
+        params=MASTER_BYTES * (params / s + experts),
+        grads=grads + GRAD_BYTES * experts,
+        optimizer=optimizer + ADAM_BYTES * experts,
         buffers=buffers,
         activations=acts,
         logits=logits,

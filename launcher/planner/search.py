@@ -18,6 +18,7 @@ kept for the error when nothing is valid.
   of those the faster; full recompute only when neither fits with every block of a stage recomputed.
 - fsdp.reshard_after_forward: as given; `explore` tries ZeRO-3 (always) and ZeRO-2 (never) wherever
   FSDP shards without pipelining (with pipelining `auto` already keeps the stage gathered).
+- ep (mixture of experts): divisors of dp_shard that divide the routed experts.
 - sequence_parallel: as given; `explore` (the `plan` app) turns it on whenever tp > 1, where it
   always wins (the same bytes as the all-reduces it replaces, activations divided by t).
 """
@@ -100,6 +101,7 @@ class Prediction:
             "recompute_layers": lay.recompute_layers,
             "sequence_parallel": lay.sequence_parallel,
             "zero": (3 if lay.reshard_after_forward else 2) if lay.dp_shard > 1 else 0,
+            "ep": lay.ep,
             "memory_gib": round(self.memory.total / GIB, 3),
             "memory": self.memory.as_gib(),
             "fits": self.fits,
@@ -149,6 +151,7 @@ def bottleneck(t: StepTime, efficiency: float) -> str:
         "pipeline bubble": t.pp_bubble,
         f"DP communication over {t.dp_level}": t.dp_exposed,
         f"pipeline sends over {t.pp_level}": t.pp_p2p,
+        f"MoE all-to-all over {t.ep_level}": t.ep_comm,
     }
     name, share = max(((k, v / total) for k, v in parts.items()), key=lambda kv: kv[1])
     if share >= 0.1:
@@ -223,9 +226,17 @@ def _inner(problem: Problem, space: Space, tp: int, cp: int, sp: bool) -> Iterat
                     yield str(err)
                     continue
                 for schedule, v in _schedules(space, pp):
-                    rec = space.recompute or "none"
-                    lay = Layout(tp, pp, replicate, shard, micro, count, schedule, v, rec, sp, cp=cp)
-                    yield _first(lay, m, seq) or lay
+                    for ep in _ep_options(m, deg["ep"], shard):
+                        rec = space.recompute or "none"
+                        lay = Layout(tp, pp, replicate, shard, micro, count, schedule, v, rec, sp, cp=cp, ep=ep)
+                        yield _first(lay, m, seq) or lay
+
+
+def _ep_options(m: ModelConfig, ep: int | None, shard: int) -> list[int]:
+    """ep as given, else every degree dividing both the experts and dp_shard (1 for a dense model)."""
+    if ep:
+        return [ep]
+    return [e for e in divisors(shard) if m.moe.experts % e == 0] if m.moe.experts else [1]
 
 
 def _first(lay: Layout, m: ModelConfig, seq: int) -> str | None:

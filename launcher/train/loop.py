@@ -177,10 +177,11 @@ def train(
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
+        balance = runner.update_balance()  # MoE: routing biases after the step, and their metrics
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         profiler.end(step)
-        row = meter.stop(step, loss, lr, grad_norm)
+        row = meter.stop(step, loss, lr, grad_norm) | balance
         if cfg.optim.skip_nonfinite:
             row["skipped_steps"] = guard.skipped
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
@@ -213,6 +214,7 @@ def train(
     timed = rows[1:] or rows  # the first step pays one-time costs (allocations, caches)
     summary = {
         "final_loss": rows[-1]["loss"],
+        **{k: v for k, v in rows[-1].items() if k.startswith("moe_")},  # MoE balance at the last step
         "val_loss": val_loss,
         "steps": cfg.steps,
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),

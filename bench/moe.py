@@ -1,0 +1,85 @@
+"""Mixture-of-experts figures on this CPU: `python -m bench moe [--quick]`.
+
+1. Speed: moe_small on 2 workers (FSDP over dp=2) at ep=1 and ep=2, one after the other: tokens/s,
+   MFU by active FLOPs (flops.py), and the planner's predicted step time beside the measured median;
+   and one process's MFU. Every run is a real `train` (its own workers), so ratios are of runs
+   under the same machine load, measured minutes apart.
+2. Balance: moe_small on the byte corpus for 100 steps (`+recipe=moe_balance_study`'s settings) with
+   balance = bias, aux, none: moe_load_imbalance at step 100 and the validation loss at step 100.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+TRAIN = str(Path(sys.executable).parent / "train")
+QUIET = ["metrics.console=none", "metrics.wandb.mode=disabled", "checkpoint.every=0", "threads=1"]
+
+
+def train(out: Path, name: str, *overrides: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    run_dir = out / name
+    cmd = [TRAIN, *QUIET, f"run_dir={run_dir}", *overrides]
+    env = {**os.environ, "LAUNCHER_OUTPUTS": str(out)}
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=out, env=env)
+    if result.returncode:
+        raise SystemExit(f"{name}: {result.stderr.strip()[-2000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((run_dir / "summary.json").read_text()), rows
+
+
+def speed(out: Path, steps: int) -> None:
+    common = ["+model=moe_small", f"steps={steps}", "seq_len=128", "batch.micro=8", "eval.every=0"]
+    table = Table(title="moe_small: expert parallelism on 2 workers (tokens/s, MFU by active FLOPs)")
+    for col in ("layout", "tokens/s", "MFU", "step s measured", "step s predicted", "predicted / measured"):
+        table.add_column(col, justify="right")
+    measured = {}
+    for name, keys in (("one process", []), ("dp=2 ep=1", ["dp=2", "ep=1"]), ("dp=2 ep=2", ["dp=2", "ep=2"])):
+        summary, rows = train(out, name.replace(" ", "_").replace("=", ""), *common, *keys)
+        step_s = sorted(r["step_time_s"] for r in rows[1:])[len(rows[1:]) // 2]
+        predicted = (summary.get("prediction") or {}).get("step_time_s")
+        measured[name] = summary["median_tokens_per_s"]
+        table.add_row(
+            name,
+            f"{summary['median_tokens_per_s']:,.0f}",
+            f"{summary['median_mfu']:.2%}",
+            f"{step_s:.3f}",
+            f"{predicted:.3f}" if predicted else "-",
+            f"{predicted / step_s:.2f}" if predicted else "-",
+        )
+    Console().print(table)
+    print(f"ep=2 / ep=1 tokens/s on 2 workers: {measured['dp=2 ep=2'] / measured['dp=2 ep=1']:.2f}")
+
+
+def balance(out: Path, steps: int) -> None:
+    common = ["+model=moe_small", f"steps={steps}", "seq_len=128", "batch.micro=8", f"eval.every={steps}"]
+    common += ["eval.batches=8", "model.moe.bias_update_rate=0.01", "optim.warmup_steps=10"]
+    table = Table(title=f"moe_small balancing, {steps} steps on the byte corpus")
+    for col in ("balance", f"moe_load_imbalance @ {steps}", "mean over last 10", f"val loss @ {steps}", "train loss"):
+        table.add_column(col, justify="right")
+    for mode in ("bias", "aux", "none"):
+        summary, rows = train(out, f"balance_{mode}", *common, f"model.moe.balance={mode}")
+        last = [r["moe_load_imbalance"] for r in rows[-10:]]
+        table.add_row(
+            mode,
+            f"{rows[-1]['moe_load_imbalance']:.3f}",
+            f"{sum(last) / len(last):.3f}",
+            f"{summary['val_loss']:.4f}",
+            f"{summary['final_loss']:.4f}",
+        )
+    Console().print(table)
+
+
+def main(argv: list[str]) -> None:
+    quick = "--quick" in argv
+    with tempfile.TemporaryDirectory(prefix="bench_moe_") as tmp:
+        speed(Path(tmp), 6 if quick else 12)
+        balance(Path(tmp), 20 if quick else 100)

@@ -1,0 +1,226 @@
+"""Mixture of experts: router, SwiGLU experts, shared experts, load balancing.
+
+A MoE layer replaces a block's dense MLP (`model.moe.experts` > 0, after `first_dense_layers` dense
+ones). Per token the router scores every routed expert (sigmoid as DeepSeek-V3, or softmax), picks
+the top k and weighs their outputs by the picked scores normalized to sum 1; shared experts see
+every token. Tokens are grouped by expert, run through each expert's SwiGLU, and summed back.
+
+Balancing (`model.moe.balance`):
+- `bias` (DeepSeek-V3's auxiliary-loss-free balancing): a per-expert bias is added to the scores for
+  the top-k *selection only*; the gating weights use the raw scores. After each optimizer step the
+  bias moves by gamma towards balance (`balance_step`), from token counts summed over the data-parallel
+  ranks, so no extra loss term pulls against the language-modelling loss.
+- `aux`: the classic load-balancing loss (Switch/GShard: E * sum_i f_i P_i) over the micro-batch.
+- `seq_aux_loss_coef` > 0: DeepSeek-V3's sequence-wise version of the same loss, on top of any balance.
+Auxiliary losses enter through the gradient only (`_AddAuxLoss`): the reported loss stays the LM loss.
+
+Expert parallelism (launcher/parallel/expert.py) sets `ep_group`: the experts' weights are then this
+rank's slice, and `route` exchanges tokens with an all-to-all before and after them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from launcher.compat import in_backward
+from launcher.config import ModelConfig
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.moe.experts > 0 and layer >= cfg.moe.first_dense_layers
+
+
+def expert_width(cfg: ModelConfig) -> int:
+    return cfg.moe.expert_ffn_dim or cfg.ffn_dim
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (DTensor under tensor or expert parallelism)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts stacked along dim 0: w1, w3 (E, dim, hidden), w2 (E, hidden, dim)."""
+
+    def __init__(self, n: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: rows grouped by local expert, counts[e] rows for expert e (a loop over experts: the CPU
+        path; each chunk is one matmul per weight)."""
+        # unbind, not w[e]: indexing's backward writes a whole (E, ...) zero gradient per expert
+        weights = zip(local(self.w1).unbind(0), local(self.w3).unbind(0), local(self.w2).unbind(0))
+        outs = [(F.silu(c @ w1) * (c @ w3)) @ w2 for c, (w1, w3, w2) in zip(x.split(counts), weights)]
+        return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[-1])
+
+
+def balance_loss(scores: torch.Tensor, idx: torch.Tensor, experts: int) -> torch.Tensor:
+    """E * sum_i f_i P_i averaged over groups: scores (groups, tokens, E), idx (groups, tokens, k).
+    f_i: share of the group's top-k picks that went to expert i; P_i: its mean normalized score."""
+    groups, tokens, k = idx.shape
+    picks = torch.zeros(groups, experts, device=scores.device).scatter_add_(
+        1, idx.reshape(groups, -1), torch.ones(groups, tokens * k, device=scores.device)
+    )
+    f = picks / (tokens * k)
+    p = (scores / scores.sum(-1, keepdim=True)).mean(1)
+    return experts * (f * p).sum(-1).mean()
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """y unchanged forward; backward also sends d(scale * aux)/d(aux) = scale into the aux loss."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.like = scale, aux
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full_like(ctx.like, ctx.scale), None
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, shared_mlp: Callable[[ModelConfig], nn.Module]) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.n_experts, self.top_k = moe.experts, moe.top_k
+        self.score, self.balance, self.capacity_factor = moe.score, moe.balance, moe.capacity_factor
+        self.aux_coef = moe.aux_loss_coef if moe.balance == "aux" else 0.0
+        self.seq_aux_coef = moe.seq_aux_loss_coef
+        self.bias_rate = moe.bias_update_rate
+        self.aux_scale = 1.0  # the loss's scale per micro-batch (1 / microbatches): set by `parallelize`
+        self.ep_group: Any = None  # the expert-parallel process group (launcher/parallel/expert.py)
+        self.router = nn.Parameter(torch.empty(moe.experts, cfg.dim))
+        self.experts = Experts(moe.experts, cfg.dim, expert_width(cfg))
+        self.shared: nn.Module | None = None
+        if moe.shared_experts:  # one SwiGLU as wide as all shared experts together
+            width = expert_width(cfg) * moe.shared_experts
+            self.shared = shared_mlp(replace(cfg, ffn_dim=width, mlp="swiglu", bias=False))
+        self.register_buffer("expert_bias", torch.zeros(moe.experts))  # in the checkpoint
+        # routed and dropped (token, expert) picks since the last `balance_step`: not checkpointed
+        self.register_buffer("tokens_per_expert", torch.zeros(moe.experts), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
+
+    def reset_buffers(self) -> None:
+        for buf in (self.expert_bias, self.tokens_per_expert, self.dropped):
+            buf.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = F.linear(flat.float(), local(self.router).float())  # routing in fp32
+        scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
+        choose = scores + self.expert_bias if self.balance == "bias" else scores
+        idx = choose.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, idx)
+        weights = weights / weights.sum(-1, keepdim=True)
+        y = self.route(flat, idx, weights.to(x.dtype))
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        y = y.view(shape)
+        if torch.is_grad_enabled():
+            y = self._aux_losses(y, scores, idx, shape)
+        return y
+
+    def _aux_losses(self, y: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        batch, seq = (shape[0], shape[1]) if len(shape) == 3 else (1, shape[0])
+        aux = scores.new_zeros(())
+        if self.aux_coef:
+            whole = balance_loss(scores.view(1, -1, self.n_experts), idx.view(1, -1, self.top_k), self.n_experts)
+            aux = aux + self.aux_coef * whole
+        if self.seq_aux_coef:
+            per_seq = balance_loss(scores.view(batch, seq, -1), idx.view(batch, seq, -1), self.n_experts)
+            aux = aux + self.seq_aux_coef * per_seq
+        return _AddAuxLoss.apply(y, aux, self.aux_scale) if aux.requires_grad else y
+
+    def route(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Send each token to its top-k experts, sum their outputs weighted by the gates."""
+        tokens, k = idx.shape
+        expert = idx.reshape(-1)
+        token = torch.arange(tokens, device=x.device).repeat_interleave(k)
+        gate = weights.reshape(-1)
+        order = expert.argsort(stable=True)  # grouped by expert, in token order inside a group
+        expert, token, gate = expert[order], token[order], gate[order]
+        counts = torch.bincount(expert, minlength=self.n_experts)
+        routed = counts.sum()
+        if self.capacity_factor is not None:  # each expert keeps its first `capacity` tokens
+            capacity = math.ceil(self.capacity_factor * tokens * k / self.n_experts)
+            starts = torch.cumsum(counts, 0) - counts
+            keep = torch.arange(expert.numel(), device=x.device) - starts[expert] < capacity
+            expert, token, gate = expert[keep], token[keep], gate[keep]
+            counts = counts.clamp(max=capacity)
+        if torch.is_grad_enabled() and not in_backward():  # training forward (not a recompute)
+            self.tokens_per_expert += counts
+            self.dropped += routed - counts.sum()
+        out = self._experts(x[token], counts)
+        return torch.zeros_like(x).index_add_(0, token, out * gate[:, None])
+
+    def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.ep_group is None:
+            return self.experts(x, counts.tolist())
+        from launcher.parallel.expert import exchange  # the model does not import parallel code eagerly
+
+        return exchange(x, counts, self.experts, self.ep_group)
+
+
+def moe_layers(parts: list[nn.Module]) -> list[MoE]:
+    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+
+
+def moe_counters(layers: list[MoE]) -> list[torch.Tensor]:
+    return [torch.cat([m.tokens_per_expert, m.dropped.view(1)]) for m in layers]
+
+
+@torch.no_grad()
+def discount(layers: list[MoE], before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+    """Take back what the layers counted between two `moe_counters` snapshots."""
+    for m, b, a in zip(layers, before, after):
+        m.tokens_per_expert -= (a - b)[:-1]
+        m.dropped -= (a - b)[-1]
+
+
+@torch.no_grad()
+def balance_step(
+    layers: list[MoE],
+    sum_over_data: Callable[[torch.Tensor], torch.Tensor],
+    sum_over_stages: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, float]:
+    """After an optimizer step: token counts summed over the data-parallel ranks (`sum_over_data`),
+    the selection biases moved by gamma (`bias_update_rate`) towards balance (balance=bias), the counts reset; the
+    metrics over every MoE layer of every pipeline stage (`sum_over_stages`)."""
+    if not layers:
+        return {}
+    counts = sum_over_data(torch.stack([m.tokens_per_expert for m in layers] + [_dropped_row(layers)]))
+    dropped, counts = counts[-1, 0], counts[:-1]
+    mean = counts.mean(1, keepdim=True)
+    for m, c in zip(layers, counts):
+        if m.balance == "bias":
+            m.expert_bias += m.bias_rate * torch.sign(c.mean() - c)  # up if under-loaded, down if over
+        m.tokens_per_expert.zero_()
+        m.dropped.zero_()
+    imbalance = (counts.max(1).values / mean[:, 0].clamp(min=1e-9)).sum()
+    bias = torch.stack([m.expert_bias.abs().mean() for m in layers]).sum()
+    picks = counts.sum() + dropped
+    totals = sum_over_stages(torch.stack([imbalance, bias, dropped, picks, counts.new_tensor(float(len(layers)))]))
+    n = totals[4].item()
+    return {
+        "moe_load_imbalance": totals[0].item() / n,
+        "moe_bias_abs_mean": totals[1].item() / n,
+        "moe_dropped_share": totals[2].item() / max(totals[3].item(), 1.0),
+    }
+
+
+def _dropped_row(layers: list[MoE]) -> torch.Tensor:
+    row = torch.zeros_like(layers[0].tokens_per_expert)
+    row[0] = sum(m.dropped for m in layers)
+    return row

@@ -1,0 +1,110 @@
+"""Expert parallelism: each rank of an ep group holds experts/ep of every MoE layer's routed experts.
+
+The ep ranks are carved from dp_shard (`layout.expert_mesh`, as torchtitan does): they hold
+different data, and so different tokens. Per MoE layer (launcher/model/moe.py) each rank groups its
+(token, expert) picks by expert, and `exchange`:
+1. all-to-all of the per-expert counts (how many rows each rank will receive from each other rank);
+2. all-to-all of the rows themselves (dispatch), grouped on arrival by local expert, run through
+   this rank's experts;
+3. the reverse all-to-all (combine) returns every output row to the rank its token lives on.
+The row all-to-alls are autograd-aware (`compat.all_to_all_autograd`):
+backward runs the same two exchanges the other way (four all-to-alls per layer and step).
+
+Parameters: expert weights are DTensors sharded along the expert dimension over "ep" (checkpoints
+hold whole tensors, so an ep=2 checkpoint loads at ep=1); FSDP leaves them alone (`expert_params`),
+and `sync_expert_grads` sums their gradients over the ranks holding the same experts (edp x
+dp_replicate) and divides by dp, as FSDP averages the rest. Router and shared experts are ordinary
+parameters (FSDP-sharded, replicated over tensor parallelism: `tensor_parallel_moe`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from launcher.compat import all_to_all_autograd
+from launcher.model.moe import MoE, moe_layers
+
+
+def exchange(x: torch.Tensor, counts: torch.Tensor, experts: nn.Module, group: dist.ProcessGroup) -> torch.Tensor:
+    """x: this rank's rows grouped by (global) expert, counts[e] rows each → the experts' outputs,
+    in the same order, computed on the ranks that hold the experts."""
+    ep = dist.get_world_size(group)
+    per_rank = counts.numel() // ep  # experts held by each rank, contiguous: rank r holds [r*n, (r+1)*n)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)  # row r: rank r's rows for each of my experts
+    received = received.view(ep, per_rank)
+    send = counts.view(ep, per_rank).sum(1).tolist()
+    recv = received.sum(1).tolist()
+    rows = all_to_all_autograd(x, recv, send, group)
+    # arrived grouped by source rank, then expert: regroup by expert (stable: by source inside)
+    local_expert = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(received.flatten())
+    order = local_expert.argsort(stable=True)
+    out = experts(rows[order], received.sum(0).tolist())
+    back = torch.empty_like(out).index_copy_(0, order, out)
+    return all_to_all_autograd(back, send, recv, group)
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's routed experts of `model` (meta) over the 1-D "ep" mesh, in place."""
+    for moe in moe_layers([model]):
+        for name, param in list(moe.experts.named_parameters(recurse=False)):
+            shard = distribute_tensor(param, mesh, [Shard(0)], src_data_rank=None)
+            moe.experts.register_parameter(name, nn.Parameter(shard))
+        moe.ep_group = mesh.get_group()
+
+
+def tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, expert_parallel: bool) -> None:
+    """Under tensor parallelism a MoE layer runs whole on every tp rank (the same tokens): its
+    parameters become replicated DTensors on the tp mesh, as every parameter there is, except the
+    experts already sharded over ep. Router and experts are read through `to_local`; the shared
+    experts compute on local tensors too (`Duplicate`)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from launcher.parallel.tensor import Duplicate
+
+    params = [(moe, "router")]
+    if not expert_parallel:
+        params += [(moe.experts, name) for name in ("w1", "w2", "w3")]
+    for owner, name in params:
+        replicated = distribute_tensor(getattr(owner, name), tp_mesh, [Replicate()], src_data_rank=None)
+        owner.register_parameter(name, nn.Parameter(replicated))
+    if moe.shared is not None:
+        parallelize_module(moe.shared, tp_mesh, Duplicate())
+
+
+def expert_params(model: nn.Module) -> set[nn.Parameter]:
+    """The expert-parallel parameters of `model`: FSDP must not shard them again."""
+    return {
+        p
+        for moe in moe_layers([model])
+        for p in moe.experts.parameters()
+        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",)
+    }
+
+
+def sync_expert_grads(parts: list[nn.Module], mesh: DeviceMesh, dp: int) -> None:
+    """Sum expert gradients over the ranks holding the same experts, then / dp: the mean gradient
+    of the global loss, as FSDP gives the other parameters."""
+    grads = [p.grad.to_local() for part in parts for p in expert_params(part) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    for dim in ("edp", "dp_replicate"):
+        if mesh[dim].size() > 1:
+            dist.all_reduce(flat, group=mesh.get_group(dim))
+    flat /= dp
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+def parallelize_experts(model: nn.Module, tp_mesh: DeviceMesh | None, ep_mesh: DeviceMesh | None) -> None:
+    """The MoE layers' share of `parallelize`: experts over ep, the rest replicated over tp."""
+    if ep_mesh is not None:
+        apply_expert_parallel(model, ep_mesh)
+    if tp_mesh is not None:
+        for moe in moe_layers([model]):
+            tensor_parallel_moe(moe, tp_mesh, ep_mesh is not None)

@@ -1,0 +1,74 @@
+"""What a mixture of experts adds to the planner (launcher/model/moe.py, launcher/parallel/expert.py).
+
+- Memory: with ep > 1, the routed experts of the MoE layers a rank holds, divided by ep and *not* by
+  FSDP (the runtime replicates a rank's experts over the edp x dp_replicate ranks holding the same
+  ones, and all-reduces their gradients); at ep=1 FSDP shards them with everything else. Under
+  tensor parallelism a MoE layer runs whole on every tp rank.
+- Compute: active FLOPs (flops.py); with ep > 1 the busiest rank receives IMBALANCE times the mean
+  of the routed tokens, so its routed-expert FLOPs grow by that factor.
+- Communication: four all-to-alls per MoE layer and microbatch (dispatch and combine, forward and
+  backward), each rank sending its top_k copies of every token's hidden state, (ep - 1) / ep of it
+  to other ranks, on the link levels the ep group spans (ep ranks spaced tp apart); they do not
+  overlap compute here. Expert gradients: one all-reduce over the dp / ep ranks holding the same
+  experts, overlapped like the other data-parallel traffic.
+"""
+
+from __future__ import annotations
+
+from launcher.config import ModelConfig
+from launcher.flops import moe_layer_count
+from launcher.layout import Layout, rank_stages, stage_layers
+from launcher.planner import comm
+from launcher.planner.device import Level
+
+# Busiest ep rank's routed tokens over the mean. Bias balancing keeps moe_load_imbalance (the busiest
+# *expert* over the mean) near 1.3-2 on moe_small; an ep rank holds experts/ep experts, which averages
+# most of that out: 1.1 is the planner's assumption, not a measurement at scale.
+IMBALANCE = 1.1
+
+
+def routed_params(m: ModelConfig) -> int:
+    """Routed-expert weights of one MoE layer (3 SwiGLU matrices per expert)."""
+    return m.moe.experts * 3 * m.dim * (m.moe.expert_ffn_dim or m.ffn_dim)
+
+
+def mean_routed_per_layer(m: ModelConfig) -> int:
+    """Routed-expert weights per layer, averaged over all layers (as flops.ParamCounts averages)."""
+    return moe_layer_count(m) * routed_params(m) // m.n_layers
+
+
+def rank_moe_layers(m: ModelConfig, layout: Layout, rank: int) -> int:
+    """MoE layers held by pipeline rank `rank` (its stages' layers after the leading dense ones)."""
+    if not m.moe.experts:
+        return 0
+    split = stage_layers(m.n_layers, layout.stages)
+    held = [i for s in rank_stages(rank, layout.pp, layout.chunks, layout.v_shape) for i in split[s]]
+    return sum(i >= m.moe.first_dense_layers for i in held)
+
+
+def rank_expert_params(m: ModelConfig, layout: Layout, rank: int) -> int:
+    """Routed-expert weights a rank holds outside FSDP (ep > 1; at ep=1 FSDP shards them with the rest)."""
+    return rank_moe_layers(m, layout, rank) * routed_params(m) // layout.ep if layout.ep > 1 else 0
+
+
+def extra_routed_flops(m: ModelConfig, layout: Layout) -> float:
+    """FLOPs per token the busiest ep rank adds over the mean (forward + backward)."""
+    if layout.ep == 1 or not m.moe.experts:
+        return 0.0
+    per_token = 6.0 * m.moe.top_k * 3 * m.dim * (m.moe.expert_ffn_dim or m.ffn_dim) * moe_layer_count(m)
+    return (IMBALANCE - 1.0) * per_token
+
+
+def all_to_all_time(
+    m: ModelConfig, layout: Layout, levels: tuple[Level, ...], tokens: int, elem: int, rank: int
+) -> float:
+    """Seconds of the four all-to-alls of every MoE layer of pipeline rank `rank`, one microbatch."""
+    if layout.ep == 1:
+        return 0.0
+    sent = IMBALANCE * tokens * m.moe.top_k * m.dim * elem  # the busiest rank's rows, all destinations
+    return 4 * rank_moe_layers(m, layout, rank) * comm.all_to_all(levels, sent, layout.tp, layout.ep)
+
+
+def expert_level(levels: tuple[Level, ...], layout: Layout) -> str:
+    parts = comm.split(levels, layout.tp, layout.ep)
+    return parts[-1][0].name if parts else ""

@@ -1,0 +1,77 @@
+"""The planner on mixtures of experts: ep is searched, expert memory divides by ep, the all-to-alls
+appear on the link level the ep group spans; and the seed's claim about pipeline parallelism at
+DeepSeek-V3 scale, stated as numbers.
+
+The claim: for a DeepSeek-V3-like shape (61 layers, width 7168, 256 routed experts of width 2048 + 1
+shared, top-8) on 2048 devices, the best layout without pipeline parallelism is within 5% of the best
+overall on gb200_nvl72 and tpu_v5p, and clearly worse on h100_sxm. The planner agrees on tpu_v5p and
+h100_sxm and disagrees on gb200_nvl72 (about 0.65): see docs/parallelism.md, "Mixture of experts".
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.config import compose_config
+from launcher.layout import Layout
+from launcher.planner import plan
+from launcher.planner.memory import memory
+from launcher.planner.request import problem
+from launcher.planner.search import predict
+
+DEVICES_PER_NODE = {"h100_sxm": 8, "gb200_nvl72": 4, "tpu_v5p": 4}
+
+
+def no_pp_ratio(hardware: str) -> float:
+    """tokens/s of the best layout with pp=1 over the best layout of all, 2048 devices."""
+    cfg = compose_config(
+        "+model=dsv3_like",
+        f"hardware={hardware}",
+        f"nodes={2048 // DEVICES_PER_NODE[hardware]}",
+        "seq_len=4096",
+        "batch.global=8192",  # 33.5M tokens a step (DeepSeek-V3 trained with up to 63M)
+        *("tp=auto", "pp=auto", "ep=auto", "batch.micro=auto", "pp_schedule=auto", "recompute=auto"),
+    )
+    _, res = plan(cfg, 2048)
+    best = res.ranked[0]
+    no_pp = next(p for p in res.ranked if p.layout.pp == 1)
+    return no_pp.tokens_per_s / best.tokens_per_s
+
+
+@pytest.mark.parametrize(
+    ("hardware", "claim"),
+    [
+        ("tpu_v5p", "within 5%"),
+        ("h100_sxm", "clearly worse"),
+        pytest.param(
+            "gb200_nvl72",
+            "within 5%",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the planner puts pp=1 at ~0.65 of the best: each rank then holds 1/ep of every "
+                "layer's experts, replicated over the other data-parallel ranks (the runtime does not "
+                "FSDP-shard experts), so their fp32 gradients cross InfiniBand every step and their "
+                "memory forces full recompute",
+            ),
+        ),
+    ],
+)
+def test_pipeline_parallelism_at_deepseek_v3_scale(hardware: str, claim: str) -> None:
+    ratio = no_pp_ratio(hardware)
+    if claim == "within 5%":
+        assert ratio >= 0.95, ratio
+    else:
+        assert ratio < 0.8, ratio
+
+
+def test_expert_memory_divides_by_ep_and_all_to_all_spans_its_level() -> None:
+    cfg = compose_config("+model=mixtral_8x7b", "hardware=h100_sxm", "nodes=2", "seq_len=4096")
+    prob = problem(cfg, 16)
+    one, two = (Layout(dp_shard=16, micro=1, ep=ep) for ep in (1, 8))
+    # the routed experts (45.1B of 46.7B parameters) move from FSDP over 16 to ep over 8 and are replicated
+    assert memory(prob.model, 4096, two, 2, "cuda").params > memory(prob.model, 4096, one, 2, "cuda").params
+    inside = predict(prob, Layout(dp_shard=16, micro=1, ep=8))  # 8 consecutive GPUs: one node
+    assert inside.time.ep_level == "nvlink4" and inside.time.ep_comm > 0
+    wide = predict(prob, Layout(tp=2, dp_shard=8, micro=1, ep=8))  # ep ranks spaced tp=2 apart: 16 GPUs
+    assert wide.time.ep_level == "infiniband_ndr" and wide.time.ep_comm > inside.time.ep_comm
+    assert predict(prob, one).time.ep_comm == 0
