@@ -424,6 +424,9 @@ def _expert_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
             f"ep={lay.ep} does not divide dp_shard={lay.dp_shard} (expert parallelism is carved from the "
             f"data-parallel ranks that shard): raise dp_shard or lower ep"
         )
+    shared = m.moe.shared_experts * (m.moe.expert_ffn_dim or m.ffn_dim) if m.moe.experts else 0
+    if shared % lay.tp:
+        return f"tp={lay.tp} does not divide the shared experts' width {shared} (split like the MLP): change tp"
     if lay.ep > 1 and lay.cp > 1:
         return f"ep={lay.ep} with cp={lay.cp} is not supported yet: set ep=1 or cp=1"
     if lay.sequence_parallel and m.moe.experts:

@@ -58,13 +58,16 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, expert_parallel: bool) -> None:
-    """Under tensor parallelism a MoE layer runs whole on every tp rank (the same tokens): its
-    parameters become replicated DTensors on the tp mesh, as every parameter there is, except the
-    experts already sharded over ep. Router and experts are read through `to_local`; the shared
-    experts compute on local tensors too (`Duplicate`)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from launcher.parallel.tensor import Duplicate
+    """Under tensor parallelism a MoE layer's routing runs whole on every tp rank (the same tokens):
+    router and experts become replicated DTensors on the tp mesh, as every parameter there is, except
+    experts already sharded over ep (both are read through `to_local`). The shared experts are cut
+    like the dense MLP (w1, w3 column-parallel, w2 row-parallel: one all-reduce)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     params = [(moe, "router")]
     if not expert_parallel:
@@ -73,7 +76,15 @@ def tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, expert_parallel: bool) ->
         replicated = distribute_tensor(getattr(owner, name), tp_mesh, [Replicate()], src_data_rank=None)
         owner.register_parameter(name, nn.Parameter(replicated))
     if moe.shared is not None:
-        parallelize_module(moe.shared, tp_mesh, Duplicate())
+        styles = {
+            "": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "w1": ColwiseParallel(),
+            "w3": ColwiseParallel(),
+            "w2": RowwiseParallel(output_layouts=Replicate()),
+        }
+        for style in styles.values():
+            style.src_data_rank = None  # meta tensors: cut, nothing to scatter
+        parallelize_module(moe.shared, tp_mesh, styles)
 
 
 def expert_params(model: nn.Module) -> set[nn.Parameter]:
