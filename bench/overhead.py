@@ -13,12 +13,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from bench.fresh import timed_train
 from launcher.calibration import measure_gemm_flops, offer_gemm_peak
 
 TRAIN = str(Path(sys.executable).parent / "train")
@@ -41,17 +41,8 @@ def launcher_run(tmp: Path, threads: int, cache: str, i: int) -> tuple[float, fl
         f"cache_dir={cache}",  # the GEMM peak too: this bench raises it when it measures a higher one
         f"run_dir={run_dir}",
     ]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(args, cwd=tmp, env={**os.environ, "LAUNCHER_OUTPUTS": str(tmp)})
-    jsonl, first = run_dir / "metrics.jsonl", None
-    while proc.poll() is None:
-        if first is None and jsonl.exists() and jsonl.stat().st_size:
-            first = time.perf_counter() - t0
-        time.sleep(0.01)
-    if proc.returncode:
-        raise SystemExit(f"train failed with exit code {proc.returncode}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return summary["median_tokens_per_s"], summary["median_mfu"], first or float("nan")
+    summary, first = timed_train(args, tmp, {**os.environ, "LAUNCHER_OUTPUTS": str(tmp)}, run_dir)
+    return summary["median_tokens_per_s"], summary["median_mfu"], first
 
 
 def bare_run(threads: int, cache: str) -> float:

@@ -13,17 +13,17 @@ from process start to the first step. `--compile`: this code with compiled block
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from bench.fresh import timed_train
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "1ad153d"  # main before issue 15's work
@@ -53,17 +53,8 @@ def run(code: Path, layout: list[str], steps: int, tmp: Path, tag: str) -> tuple
     args = [*SHAPE, *layout, f"steps={steps}", "eval.every=0", "metrics.console=none", "metrics.wandb.mode=disabled"]
     args += ["checkpoint.every=0", f"run_dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(code), "LAUNCHER_OUTPUTS": str(tmp)}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", ENTRY, *args], cwd=code, env=env, stderr=subprocess.PIPE, text=True)
-    jsonl, first = run_dir / "metrics.jsonl", None
-    while proc.poll() is None:
-        if first is None and jsonl.exists() and jsonl.stat().st_size:
-            first = time.perf_counter() - t0
-        time.sleep(0.05)
-    if proc.returncode:
-        raise SystemExit(f"{tag} failed ({proc.returncode}): {proc.stderr.read().strip().splitlines()[-3:]}")
-    rate = json.loads((run_dir / "summary.json").read_text())["median_tokens_per_s"]
-    return rate, first or float("nan")
+    summary, first = timed_train([sys.executable, "-c", ENTRY, *args], code, env, run_dir)
+    return summary["median_tokens_per_s"], first
 
 
 def main(argv: list[str]) -> None:
