@@ -12,12 +12,8 @@ import pytest
 import torch
 
 from launcher.config import compose_config
-from launcher.layout import build_mesh, from_config
-from launcher.model.init import meta_model
-from launcher.parallel import parallelize
-from launcher.train.optim import build_optimizer
 from tests.dist import run_many
-from tests.test_parallel import batch, full
+from tests.test_parallel import train_case as parallel_case
 
 STEPS, SEQ, GLOBAL_BATCH = 5, 16, 8
 CASES = {"ep2": dict(ep=2), "ep2-tp2": dict(ep=2, tp=2), "ep2-pp2": dict(ep=2, pp=2, batch={"micro": 2, "global": 8})}
@@ -31,25 +27,17 @@ def make_cfg(**keys: Any) -> Any:
 
 
 def train_case(cfg: Any, world_size: int) -> dict[str, Any]:
-    layout = from_config(cfg, world_size)
-    mesh = build_mesh(layout, "cpu") if world_size > 1 else None
-    runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), mesh)
-    optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
-    dp_rank = layout.coordinates(torch.distributed.get_rank())["dp"] if mesh is not None else 0
-    local = GLOBAL_BATCH // layout.dp
-    losses, norms, imbalance, grads = [], [], [], {}
-    for step in range(1, cfg.steps + 1):
-        x, y = (t[dp_rank * local : (dp_rank + 1) * local] for t in batch(step))
-        losses.append(runner.forward_backward(x, y))
-        if step == 1:
-            grads = {n: full(p.grad) for part in runner.parts for n, p in part.named_parameters()}
-        norms.append(runner.clip_grad_norm(cfg.optim.grad_clip))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
+    """test_parallel's case, plus the load imbalance after every step and the biases after the last."""
+    imbalance: list[float] = []
+    parts: list[torch.nn.Module] = []
+
+    def each_step(runner: Any) -> None:
         imbalance.append(runner.update_balance()["moe_load_imbalance"])
-    biases = {n: b.clone() for part in runner.parts for n, b in part.named_buffers() if n.endswith("expert_bias")}
-    return {"losses": losses, "norms": norms, "imbalance": imbalance, "grads": grads, "biases": biases}
+        parts[:] = runner.parts
+
+    out = parallel_case(cfg, world_size, each_step=each_step)
+    biases = {n: b.clone() for part in parts for n, b in part.named_buffers() if n.endswith("expert_bias")}
+    return {**out, "imbalance": imbalance, "biases": biases}
 
 
 def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:

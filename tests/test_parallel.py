@@ -11,6 +11,7 @@ Each case builds its own DeviceMesh on the world's process group.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -130,8 +131,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def train_case(cfg: TrainConfig, world_size: int, probe: bool = False) -> dict[str, Any]:
-    """The case on this rank (world_size 1: the reference): losses, gradients after step 1."""
+def train_case(
+    cfg: TrainConfig, world_size: int, probe: bool = False, each_step: Callable[[Any], None] | None = None
+) -> dict[str, Any]:
+    """The case on this rank (world_size 1: the reference): losses, gradients after step 1;
+    `each_step(runner)` after every optimizer step (what a caller records beyond these)."""
     layout = from_config(cfg, world_size)
     mesh = build_mesh(layout, "cpu") if world_size > 1 else None
     runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), mesh)
@@ -153,6 +157,8 @@ def train_case(cfg: TrainConfig, world_size: int, probe: bool = False) -> dict[s
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
+        if each_step is not None:
+            each_step(runner)
     return {
         "losses": losses,
         "norms": norms,
