@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from dataclasses import replace
@@ -87,6 +88,7 @@ def held_bytes(blocks: list[nn.Module], rope: torch.Tensor, x: torch.Tensor) -> 
         out = x
         for block in blocks:
             out = block(out, rope)
+    gc.collect()  # garbage in reference cycles (the rest of a process's work) is not held for backward
     exclude = _ptrs([p for b in blocks for p in b.parameters()] + [rope, out, x])
     held = meter.alive(exclude) + sum(s.nbytes() for s in _storages(x))
     out.sum().backward()

@@ -14,7 +14,7 @@ Balancing (`model.moe.balance`):
 - `seq_aux_loss_coef` > 0: DeepSeek-V3's sequence-wise version of the same loss, on top of any balance.
 Auxiliary losses enter through the gradient only (`_AddAuxLoss`): the reported loss stays the LM loss.
 
-Expert parallelism (launcher/parallel/expert.py) sets `ep_group`: the experts' weights are then this
+Expert parallelism (launcher/parallel/expert.py) sets `exchange`: the experts' weights are then this
 rank's slice, and `route` exchanges tokens with an all-to-all before and after them.
 """
 
@@ -99,7 +99,8 @@ class MoE(nn.Module):
         self.seq_aux_coef = moe.seq_aux_loss_coef
         self.bias_rate = moe.bias_update_rate
         self.aux_scale = 1.0  # the loss's scale per micro-batch (1 / microbatches): set by `parallelize`
-        self.ep_group: Any = None  # the expert-parallel process group (launcher/parallel/expert.py)
+        # expert parallelism's (x, counts) -> outputs over the ep ranks, set by launcher/parallel/expert.py
+        self.exchange: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.router = nn.Parameter(torch.empty(moe.experts, cfg.dim))
         self.experts = Experts(moe.experts, cfg.dim, expert_width(cfg))
         self.shared: nn.Module | None = None
@@ -166,11 +167,9 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, out * gate[:, None])
 
     def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if self.ep_group is None:
+        if self.exchange is None:
             return self.experts(x, counts.tolist())
-        from launcher.parallel.expert import exchange  # the model does not import parallel code eagerly
-
-        return exchange(x, counts, self.experts, self.ep_group)
+        return self.exchange(x, counts)
 
 
 def moe_layers(parts: list[nn.Module]) -> list[MoE]:

@@ -19,6 +19,8 @@ parameters (FSDP-sharded, replicated over tensor parallelism: `tensor_parallel_m
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -54,7 +56,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         for name, param in list(moe.experts.named_parameters(recurse=False)):
             shard = distribute_tensor(param, mesh, [Shard(0)], src_data_rank=None)
             moe.experts.register_parameter(name, nn.Parameter(shard))
-        moe.ep_group = mesh.get_group()
+        moe.exchange = partial(exchange, experts=moe.experts, group=mesh.get_group())
 
 
 def tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, expert_parallel: bool) -> None:
