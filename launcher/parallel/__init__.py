@@ -10,6 +10,7 @@ rank), and the global gradient norm.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any
 
@@ -24,7 +25,7 @@ from launcher.config import TrainConfig, compile_enabled
 from launcher.layout import Layout, build_mesh, expert_mesh
 from launcher.model.hf import init_source
 from launcher.model.init import materialize
-from launcher.model.moe import balance_step, discount, moe_counters, moe_layers
+from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
 from launcher.parallel.expert import parallelize_experts, sync_expert_grads
@@ -59,6 +60,15 @@ class Runner:
         self.local_loss = 0.0  # this rank's own mean loss of the last pass, before the mean over ranks
         self.chunked_loss = True  # False under tensor parallelism: the vocabulary-parallel loss instead
 
+    @functools.cached_property
+    def stage_moe(self) -> list[list[MoE]]:
+        """Each part's MoE layers, found once (the loop asks every step; empty for a dense model)."""
+        return [moe_layers([part]) for part in self.parts]
+
+    @property
+    def moe(self) -> list[MoE]:
+        return [m for layers in self.stage_moe for m in layers]
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         return self.autocast or contextlib.nullcontext()
 
@@ -91,7 +101,7 @@ class Runner:
 
     def update_balance(self) -> dict[str, float]:
         """After the optimizer step: MoE routing biases moved towards balance; the balance metrics."""
-        return balance_step(moe_layers(self.parts), lambda t: t, lambda t: t)
+        return balance_step(self.moe, lambda t: t, lambda t: t)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         params = [p for part in self.parts for p in part.parameters()]
@@ -133,9 +143,7 @@ class DistributedRunner(Runner):
     def update_balance(self) -> dict[str, float]:
         """Token counts summed over the data-parallel ranks (tp ranks see the same tokens), metrics over stages."""
         dp_dims = ("dp_replicate", "dp_shard", "cp")  # cp ranks route different chunks of the sequences
-        return balance_step(
-            moe_layers(self.parts), lambda t: self._all_reduce(t, dp_dims), lambda t: self._all_reduce(t, ("pp",))
-        )
+        return balance_step(self.moe, lambda t: self._all_reduce(t, dp_dims), lambda t: self._all_reduce(t, ("pp",)))
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every shard of every stage; scale gradients down to max_norm.
@@ -229,9 +237,10 @@ class PipelineRunner(DistributedRunner):
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         calls: list[list[list[torch.Tensor]]] = [[] for _ in self.parts]
-        hooks = [  # each forward of each stage: the MoE counters before it
-            part.register_forward_pre_hook(lambda *_, i=i: calls[i].append(moe_counters(moe_layers([self.parts[i]]))))
+        hooks = [  # each forward of each MoE stage: the MoE counters before it
+            part.register_forward_pre_hook(lambda *_, i=i: calls[i].append(moe_counters(self.stage_moe[i])))
             for i, part in enumerate(self.parts)
+            if self.stage_moe[i]
         ]
         try:
             loss = self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), inputs, targets)
@@ -240,9 +249,9 @@ class PipelineRunner(DistributedRunner):
                 hook.remove()
         # the schedule infers shapes with one extra forward per stage on placeholder inputs (at the
         # first step, and after each switch from eval): its routing counts are not the data's
-        for part, seen in zip(self.parts, calls):
+        for layers, seen in zip(self.stage_moe, calls):
             if len(seen) > self.layout.microbatches:
-                discount(moe_layers([part]), seen[0], seen[1])
+                discount(layers, seen[0], seen[1])
         self._sync_experts()
         return loss
 

@@ -35,9 +35,9 @@ TEST_NAN_ENV = "LAUNCHER_TEST_NAN"
 
 
 class Guard:
-    def __init__(self, skip: bool, rank: int, checkpointer: Checkpointer, skipped: int = 0) -> None:
+    def __init__(self, skip: bool, rank: int, checkpointer: Checkpointer) -> None:
         self.skip, self.rank, self.checkpointer = skip, rank, checkpointer
-        self.skipped = skipped  # steps skipped so far in this run (resumed from the checkpoint's count)
+        self.skipped = 0  # steps skipped so far in this run (the loop resumes the checkpoint's count)
 
     def update(self, step: int, loss: float, grad_norm: float, runner: Runner) -> bool:
         """Whether this step's gradients may update the model: True when finite; False when skipped
@@ -66,12 +66,17 @@ def first_bad_rank(local_loss: float, rank: int) -> int:
     return next((r for r, flag in enumerate(flags) if flag.item()), 0)
 
 
+def injected_nan_step(rank: int) -> int | None:
+    """Tests only: the step whose model output turns NaN on this rank (LAUNCHER_TEST_NAN=STEP[:RANK]),
+    read once before the loop."""
+    at, _, who = os.environ.get(TEST_NAN_ENV, "").partition(":")
+    return int(at) if at and int(who or 0) == rank else None
+
+
 @contextlib.contextmanager
-def injected_nan(parts: list[torch.nn.Module], step: int, rank: int) -> Iterator[None]:
-    """Tests only: with LAUNCHER_TEST_NAN=STEP[:RANK] set, this rank's model output at that step is NaN."""
-    spec = os.environ.get(TEST_NAN_ENV, "")
-    at, _, who = spec.partition(":")
-    if not spec or int(at) != step or int(who or 0) != rank:
+def injected_nan(parts: list[torch.nn.Module], now: bool) -> Iterator[None]:
+    """With `now`, the first part's output is NaN for the duration (the step `injected_nan_step` named)."""
+    if not now:
         yield
         return
     handle = parts[0].register_forward_hook(lambda module, args, out: out + float("nan"))

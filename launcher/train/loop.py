@@ -32,7 +32,7 @@ from launcher.train.fit import (
     return_freed_memory,
     smoke_step,
 )
-from launcher.train.guard import Guard, injected_nan
+from launcher.train.guard import Guard, injected_nan, injected_nan_step
 from launcher.train.optim import build_optimizer, optimizer_impl
 from launcher.train.preemption import PreemptionFlag
 
@@ -163,13 +163,14 @@ def train(
 
     preemption = PreemptionFlag()
     profiler = StepProfiler(cfg.profile, run_dir, rank, device)
+    nan_step = injected_nan_step(rank)
     rows: list[dict[str, Any]] = []
     val_loss = None
     for step in range(start + 1, cfg.steps + 1):
         meter.start()
         profiler.begin(step)
         inputs, targets = train_loader.next_batch()
-        with injected_nan(runner.parts, step, rank):
+        with injected_nan(runner.parts, step == nan_step):
             loss = runner.forward_backward(inputs.to(device), targets.to(device))
         grad_norm = runner.clip_grad_norm(cfg.optim.grad_clip)
         lr = schedule.get_last_lr()[0]
