@@ -69,10 +69,14 @@ def norm_params(m: ModelShape) -> int:
     return m.dim * (2 if m.norm == "layernorm" else 1)
 
 
+def expert_params(m: ModelShape) -> int:
+    """Weights of one SwiGLU expert (3 matrices)."""
+    return 3 * m.dim * (m.moe.expert_ffn_dim or m.ffn_dim)
+
+
 def moe_layer_counts(m: ModelShape) -> tuple[int, int]:
     """(parameters, active matmul weights) of one MoE layer's MLP: router, routed and shared experts."""
-    moe = m.moe
-    expert = 3 * m.dim * (moe.expert_ffn_dim or m.ffn_dim)
+    moe, expert = m.moe, expert_params(m)
     router = moe.experts * m.dim
     return router + (moe.experts + moe.shared_experts) * expert, router + (moe.top_k + moe.shared_experts) * expert
 

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from launcher.config import ModelConfig
-from launcher.flops import moe_layer_count
+from launcher.flops import expert_params, moe_layer_count
 from launcher.layout import Layout, rank_stages, stage_layers
 from launcher.planner import comm
 from launcher.planner.device import Level
@@ -28,8 +28,8 @@ IMBALANCE = 1.1
 
 
 def routed_params(m: ModelConfig) -> int:
-    """Routed-expert weights of one MoE layer (3 SwiGLU matrices per expert)."""
-    return m.moe.experts * 3 * m.dim * (m.moe.expert_ffn_dim or m.ffn_dim)
+    """Routed-expert weights of one MoE layer."""
+    return m.moe.experts * expert_params(m)
 
 
 def mean_routed_per_layer(m: ModelConfig) -> int:
