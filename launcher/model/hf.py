@@ -13,6 +13,7 @@ inside the functions that need it: `check_folder` runs in the launcher before an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -108,6 +109,17 @@ class HFFolder:
     path: Path
     config: dict[str, Any]
     files: dict[str, str]  # HF tensor name → shard file name
+    # open shards by file name: each header is parsed and mapped once, not once per tensor
+    handles: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def shard(self, hf: str) -> Any:
+        """The open (memory-mapped) shard file holding tensor `hf`."""
+        from safetensors import safe_open
+
+        name = self.files[hf]
+        if name not in self.handles:
+            self.handles[name] = safe_open(self.path / name, framework="pt")
+        return self.handles[name]
 
     @classmethod
     def open(cls, path: str | Path, key: str = "init.from") -> HFFolder:
@@ -132,12 +144,9 @@ class HFFolder:
 
     def shape(self, hf: str) -> tuple[int, ...]:
         """A tensor's shape from its shard's header; a LauncherError naming the file when it is unreadable."""
-        from safetensors import safe_open
-
         file = self.path / self.files[hf]
         try:
-            with safe_open(file, framework="pt") as f:
-                return tuple(f.get_slice(hf).get_shape())
+            return tuple(self.shard(hf).get_slice(hf).get_shape())
         except Exception as err:
             raise LauncherError(
                 f"init.from={self.path}: cannot read {hf} from {file.name} ({type(err).__name__}: {err}): "
@@ -147,12 +156,9 @@ class HFFolder:
     def fill_(self, local: torch.Tensor, name: str, offset: tuple[int, ...]) -> None:
         """Copy the box of parameter `name` at `offset`, of `local`'s shape, from the shard into `local`:
         only that box is read from the memory-mapped file."""
-        from safetensors import safe_open
-
         hf = self.source(name)
         box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
-        with safe_open(self.path / self.files[hf], framework="pt") as f:
-            local.copy_(f.get_slice(hf)[box])
+        local.copy_(self.shard(hf).get_slice(hf)[box])
 
 
 def safetensors_keys(file: Path) -> list[str]:
