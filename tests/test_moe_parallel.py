@@ -1,7 +1,9 @@
 """Expert parallelism matches one process: moe_tiny (dropless, balance=bias) at ep=2, ep=2 x tp=2 and
 ep=2 x pp=2 gives the single-process losses and gradient norms of 5 steps (rtol 1e-4), the same
 gradients after step 1, and the same routing biases after the last step (the token counts are summed
-over the data-parallel ranks, so every rank moves its biases alike)."""
+over the data-parallel ranks, so every rank moves its biases alike). Also with a first pipeline stage
+of dense layers only (`first_dense_layers`): it joins the balance step's sum over stages (a stage
+that skipped it hung the job; the launch's timeout fails such a hang fast)."""
 
 from __future__ import annotations
 
@@ -16,14 +18,22 @@ from tests.dist import run_many
 from tests.test_parallel import train_case as parallel_case
 
 STEPS, SEQ, GLOBAL_BATCH = 5, 16, 8
-CASES = {"ep2": dict(ep=2), "ep2-tp2": dict(ep=2, tp=2), "ep2-pp2": dict(ep=2, pp=2, batch={"micro": 2, "global": 8})}
+PP2 = dict(pp=2, batch={"micro": 2, "global": 8})
+DENSE_FIRST = {"first_dense_layers": 1}  # moe_tiny's 2 layers at pp=2: stage 0 dense only
+CASES = {
+    "ep2": dict(ep=2),
+    "ep2-tp2": dict(ep=2, tp=2),
+    "ep2-pp2": dict(ep=2, **PP2),
+    "dense-stage-ep2-pp2": dict(ep=2, moe=DENSE_FIRST, **PP2),
+}
 
 
-def make_cfg(**keys: Any) -> Any:
+def make_cfg(moe: dict[str, Any] | None = None, **keys: Any) -> Any:
     cfg = compose_config("+model=moe_tiny", "batch.micro=4", f"batch.global={GLOBAL_BATCH}", f"seq_len={SEQ}")
     cfg = replace(cfg, steps=STEPS, seed=7, optim=replace(cfg.optim, lr=1e-2, warmup_steps=1, grad_clip=0.5))
     # a faster bias (gamma) than the default, so the biases steer the routing within 5 steps
-    return replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, bias_update_rate=0.05)), **keys)
+    moe_cfg = replace(cfg.model.moe, bias_update_rate=0.05, **(moe or {}))
+    return replace(cfg, model=replace(cfg.model, moe=moe_cfg), **keys)
 
 
 def train_case(cfg: Any, world_size: int) -> dict[str, Any]:
@@ -46,16 +56,16 @@ def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
-    reference = train_case(make_cfg(), 1)
+    references = {case: train_case(make_cfg(moe=CASES[case].get("moe")), 1) for case in ("ep2", "dense-stage-ep2-pp2")}
     (two,) = run_many([(run_cases, 2, (["ep2"],))])
-    (four,) = run_many([(run_cases, 4, (["ep2-tp2", "ep2-pp2"],))])
+    (four,) = run_many([(run_cases, 4, (["ep2-tp2", "ep2-pp2", "dense-stage-ep2-pp2"],))], timeout=120)
     ranks = {case: [r[case] for r in world] for world in (two, four) for case in world[0]}
-    return {"reference": reference, "ranks": ranks}
+    return {"references": references, "ranks": ranks}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_matches_one_process(results: dict[str, Any], case: str) -> None:
-    ref = results["reference"]
+    ref = results["references"]["dense-stage-ep2-pp2" if "moe" in CASES[case] else "ep2"]
     assert any(b.abs().sum() > 0 for b in ref["biases"].values()), "the biases moved"
     for rank, got in enumerate(results["ranks"][case]):
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-4, atol=0, msg=f"{case} rank {rank} losses")

@@ -193,12 +193,25 @@ def balance_step(
     layers: list[MoE],
     sum_over_data: Callable[[torch.Tensor], torch.Tensor],
     sum_over_stages: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device | None = None,
 ) -> dict[str, float]:
     """After an optimizer step: token counts summed over the data-parallel ranks (`sum_over_data`),
     the selection biases moved by gamma (`bias_update_rate`) towards balance (balance=bias), the counts reset; the
-    metrics over every MoE layer of every pipeline stage (`sum_over_stages`)."""
-    if not layers:
-        return {}
+    metrics over every MoE layer of every pipeline stage (`sum_over_stages`). Every stage of a MoE
+    model calls this, also one holding only dense layers (`first_dense_layers`): it adds zeros to
+    the sum over stages (on `device`), which every stage must join."""
+    totals = _stage_totals(layers, sum_over_data) if layers else torch.zeros(5, device=device)
+    totals = sum_over_stages(totals)
+    n = totals[4].item()
+    return {
+        "moe_load_imbalance": totals[0].item() / n,
+        "moe_bias_abs_mean": totals[1].item() / n,
+        "moe_dropped_share": totals[2].item() / max(totals[3].item(), 1.0),
+    }
+
+
+def _stage_totals(layers: list[MoE], sum_over_data: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Biases moved, counters reset; this stage's (imbalance sum, |bias| mean sum, dropped, picks, layers)."""
     counts = sum_over_data(torch.stack([m.tokens_per_expert for m in layers] + [_dropped_row(layers)]))
     dropped, counts = counts[-1, 0], counts[:-1]
     mean = counts.mean(1, keepdim=True)
@@ -210,13 +223,7 @@ def balance_step(
     imbalance = (counts.max(1).values / mean[:, 0].clamp(min=1e-9)).sum()
     bias = torch.stack([m.expert_bias.abs().mean() for m in layers]).sum()
     picks = counts.sum() + dropped
-    totals = sum_over_stages(torch.stack([imbalance, bias, dropped, picks, counts.new_tensor(float(len(layers)))]))
-    n = totals[4].item()
-    return {
-        "moe_load_imbalance": totals[0].item() / n,
-        "moe_bias_abs_mean": totals[1].item() / n,
-        "moe_dropped_share": totals[2].item() / max(totals[3].item(), 1.0),
-    }
+    return torch.stack([imbalance, bias, dropped, picks, counts.new_tensor(float(len(layers)))])
 
 
 def _dropped_row(layers: list[MoE]) -> torch.Tensor:

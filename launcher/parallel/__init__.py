@@ -69,6 +69,11 @@ class Runner:
     def moe(self) -> list[MoE]:
         return [m for layers in self.stage_moe for m in layers]
 
+    @property
+    def moe_model(self) -> bool:
+        """Whether the model has MoE layers, on this stage or another (a stage may hold only dense ones)."""
+        return self.model.cfg.moe.experts > 0
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         return self.autocast or contextlib.nullcontext()
 
@@ -101,7 +106,7 @@ class Runner:
 
     def update_balance(self) -> dict[str, float]:
         """After the optimizer step: MoE routing biases moved towards balance; the balance metrics."""
-        return balance_step(self.moe, lambda t: t, lambda t: t)
+        return balance_step(self.moe, lambda t: t, lambda t: t) if self.moe_model else {}
 
     def clip_grad_norm(self, max_norm: float) -> float:
         params = [p for part in self.parts for p in part.parameters()]
@@ -141,9 +146,14 @@ class DistributedRunner(Runner):
             sync_expert_grads(self.parts, self.expert_mesh, self.layout.dp)
 
     def update_balance(self) -> dict[str, float]:
-        """Token counts summed over the data-parallel ranks (tp ranks see the same tokens), metrics over stages."""
-        dp_dims = ("dp_replicate", "dp_shard", "cp")  # cp ranks route different chunks of the sequences
-        return balance_step(self.moe, lambda t: self._all_reduce(t, dp_dims), lambda t: self._all_reduce(t, ("pp",)))
+        """Token counts summed over the data-parallel ranks (tp ranks see the same tokens), metrics over
+        stages: every stage of a MoE model joins, with or without MoE layers of its own."""
+        if not self.moe_model:
+            return {}
+        # cp ranks route different chunks of the sequences
+        over_data = functools.partial(self._all_reduce, dims=("dp_replicate", "dp_shard", "cp"))
+        over_stages = functools.partial(self._all_reduce, dims=("pp",))
+        return balance_step(self.moe, over_data, over_stages, self.device)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every shard of every stage; scale gradients down to max_norm.
