@@ -529,8 +529,8 @@ def build_mesh(layout: Layout, device_type: str = "cpu", copies: int = 1):  # ->
 
 def expert_mesh(layout: Layout, device_type: str = "cpu"):  # -> DeviceMesh
     """The mesh expert parallelism runs on: dp_shard split into (edp, ep), ep inner, so the ranks are
-    those of `build_mesh` (dims pp, dp_replicate, edp, ep, cp, tp). The experts are sharded over "ep"; ranks
-    holding the same experts (edp x dp_replicate) sum their gradients (launcher/parallel/expert.py)."""
+    those of `build_mesh` (dims pp, dp_replicate, edp, ep, cp, tp). The experts are sharded over "ep", and
+    FSDP-sharded over "edp" by the ranks holding the same ones (launcher/parallel/expert.py)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.cp, layout.tp)

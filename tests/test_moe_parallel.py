@@ -14,18 +14,22 @@ import pytest
 import torch
 
 from launcher.config import compose_config
+from launcher.model.moe import local
 from tests.dist import run_many
 from tests.test_parallel import train_case as parallel_case
 
 STEPS, SEQ, GLOBAL_BATCH = 5, 16, 8
-PP2 = dict(pp=2, batch={"micro": 2, "global": 8})
+MICRO2 = {"batch": {"micro": 2, "global": 8}}
 DENSE_FIRST = {"first_dense_layers": 1}  # moe_tiny's 2 layers at pp=2: stage 0 dense only
 CASES = {
     "ep2": dict(ep=2),
     "ep2-tp2": dict(ep=2, tp=2),
-    "ep2-pp2": dict(ep=2, **PP2),
-    "dense-stage-ep2-pp2": dict(ep=2, moe=DENSE_FIRST, **PP2),
+    "ep2-pp2": dict(ep=2, pp=2, **MICRO2),
+    "dense-stage-ep2-pp2": dict(ep=2, pp=2, moe=DENSE_FIRST, **MICRO2),
+    "ep2-edp2": dict(ep=2, **MICRO2),  # dp_shard=4: experts FSDP-sharded over edp=2
+    "ep2-hsdp": dict(ep=2, dp_replicate=2, dp_shard=2, **MICRO2),  # edp=1, replicated over dp_replicate
 }
+EXPERT_ROWS = {"ep2-edp2": 2}  # of 8 experts per rank (else 8 / ep: FSDP over edp=1 cuts nothing)
 
 
 def make_cfg(moe: dict[str, Any] | None = None, **keys: Any) -> Any:
@@ -47,7 +51,8 @@ def train_case(cfg: Any, world_size: int) -> dict[str, Any]:
 
     out = parallel_case(cfg, world_size, each_step=each_step)
     biases = {n: b.clone() for part in parts for n, b in part.named_buffers() if n.endswith("expert_bias")}
-    return {**out, "imbalance": imbalance, "biases": biases}
+    rows = {n: local(p).shape[0] for part in parts for n, p in part.named_parameters() if ".experts.w" in n}
+    return {**out, "imbalance": imbalance, "biases": biases, "expert_rows": rows}
 
 
 def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
@@ -59,7 +64,8 @@ def results() -> dict[str, Any]:
     references = {case: train_case(make_cfg(moe=CASES[case].get("moe")), 1) for case in ("ep2", "dense-stage-ep2-pp2")}
     (two,) = run_many([(run_cases, 2, (["ep2"],))])
     (four,) = run_many([(run_cases, 4, (["ep2-tp2", "ep2-pp2", "dense-stage-ep2-pp2"],))], timeout=120)
-    ranks = {case: [r[case] for r in world] for world in (two, four) for case in world[0]}
+    (data,) = run_many([(run_cases, 4, (["ep2-edp2", "ep2-hsdp"],))], timeout=120)
+    ranks = {case: [r[case] for r in world] for world in (two, four, data) for case in world[0]}
     return {"references": references, "ranks": ranks}
 
 
@@ -68,6 +74,7 @@ def test_expert_parallel_matches_one_process(results: dict[str, Any], case: str)
     ref = results["references"]["dense-stage-ep2-pp2" if "moe" in CASES[case] else "ep2"]
     assert any(b.abs().sum() > 0 for b in ref["biases"].values()), "the biases moved"
     for rank, got in enumerate(results["ranks"][case]):
+        assert set(got["expert_rows"].values()) <= {EXPERT_ROWS.get(case, 4)}, got["expert_rows"]  # {}: a dense stage
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-4, atol=0, msg=f"{case} rank {rank} losses")
         torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-4, atol=0)
         torch.testing.assert_close(got["imbalance"], ref["imbalance"], rtol=1e-5, atol=0)

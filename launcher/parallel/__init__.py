@@ -28,7 +28,7 @@ from launcher.model.init import materialize
 from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
-from launcher.parallel.expert import parallelize_experts, sync_expert_grads
+from launcher.parallel.expert import parallelize_experts
 from launcher.parallel.pipeline import build_schedule, stage_module
 from launcher.parallel.recompute import apply_recompute
 from launcher.parallel.tensor import apply_tensor_parallel, loss_context
@@ -116,13 +116,10 @@ class Runner:
 class DistributedRunner(Runner):
     """Shared by the parallel runners: global loss and gradient norm over the mesh."""
 
-    def __init__(
-        self, parts: list[nn.Module], micro: int, autocast: Any, mesh: Any, layout: Layout, expert_mesh: Any = None
-    ) -> None:
+    def __init__(self, parts: list[nn.Module], micro: int, autocast: Any, mesh: Any, layout: Layout) -> None:
         super().__init__(parts[0], micro, autocast)
         self.parts = parts
         self.mesh = mesh
-        self.expert_mesh = expert_mesh  # ep > 1 (launcher/parallel/expert.py)
         self.layout = layout
         self.device = next(p for part in parts for p in part.parameters()).device
         self.chunked_loss = layout.tp == 1
@@ -140,10 +137,6 @@ class DistributedRunner(Runner):
         value = torch.as_tensor(local if has_loss else 0.0, dtype=torch.float64, device=self.device).reshape(1)
         dims = ("pp", "dp_replicate", "dp_shard", "cp")
         return self._all_reduce(value, dims).item() / (self.layout.dp * self.layout.cp)
-
-    def _sync_experts(self) -> None:
-        if self.expert_mesh is not None:
-            sync_expert_grads(self.parts, self.expert_mesh, self.layout.dp)
 
     def update_balance(self) -> dict[str, float]:
         """Token counts summed over the data-parallel ranks (tp ranks see the same tokens), metrics over
@@ -200,7 +193,6 @@ class ParallelRunner(DistributedRunner):
                 loss = self._loss(x, y) / len(chunks)
                 loss.backward()
                 total += _local(loss).detach()
-        self._sync_experts()
         return self._global_mean(total)
 
     @torch.no_grad()
@@ -262,7 +254,6 @@ class PipelineRunner(DistributedRunner):
         for layers, seen in zip(self.stage_moe, calls):
             if len(seen) > self.layout.microbatches:
                 discount(layers, seen[0], seen[1])
-        self._sync_experts()
         return loss
 
     @torch.no_grad()
@@ -298,7 +289,7 @@ def parallelize(
     emesh = expert_mesh(layout, mesh.device_type) if layout.ep > 1 else None
     parts, stages = shard_model(model, layout, cfg, mesh, emesh)
     materialize(parts, cfg.seed, device, init_source(cfg))
-    kw = {"autocast": autocast, "mesh": mesh, "expert_mesh": emesh}
+    kw = {"autocast": autocast, "mesh": mesh}
     if layout.pp > 1:
         return PipelineRunner(parts, stages, layout, **kw)
     return ParallelRunner(parts, layout.micro, layout=layout, **kw)
@@ -320,7 +311,7 @@ def shard_model(
         apply_recompute(part, layout)
         if not layout.zero_bubble:  # torch splits no compiled backward into input and weight parts
             _compile(part, cfg)
-        apply_data_parallel(part, mesh, layout, mp_policy=fsdp_policy(cfg, layout))
+        apply_data_parallel(part, mesh, layout, mp_policy=fsdp_policy(cfg, layout), expert_mesh=emesh)
     return parts, stages
 
 

@@ -33,26 +33,38 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from launcher.compat import replicate, sub_mesh
 from launcher.layout import Layout
-from launcher.parallel.expert import expert_params
+from launcher.model.moe import moe_layers
+from launcher.parallel.expert import expert_data_mesh, shard_experts
 
 
 def apply_data_parallel(
-    model: nn.Module, mesh: DeviceMesh, layout: Layout, mp_policy: MixedPrecisionPolicy | None = None
+    model: nn.Module,
+    mesh: DeviceMesh,
+    layout: Layout,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Wrap `model` (a whole model or a pipeline stage) in FSDP / HSDP / DDP over the dp mesh dims;
-    `mp_policy`: FSDP's mixed precision (launcher/precision.py), None for parameters' own dtype."""
+    `mp_policy`: FSDP's mixed precision (launcher/precision.py), None for parameters' own dtype;
+    `expert_mesh` (ep > 1, `layout.expert_mesh`): the experts shard over its edp dim instead."""
     if layout.dp * layout.cp == 1:
         return
+    experts = expert_data_mesh(expert_mesh, layout.dp_replicate) if expert_mesh is not None else None
     if layout.fsdp_shard > 1:
         shard = shard_dim(layout)
         dp_mesh = sub_mesh(mesh, "dp_replicate", shard) if layout.dp_replicate > 1 else sub_mesh(mesh, shard)
-        shard_blocks(model, dp_mesh, layout.reshard_after_forward, mp_policy)
+        shard_blocks(model, dp_mesh, layout.reshard_after_forward, mp_policy, experts, layout.dp * layout.cp)
     else:
         replicate(model, mesh=mesh["dp_replicate"])
     if dist.get_backend(mesh.get_group(shard_dim(layout) if layout.fsdp_shard > 1 else "dp_replicate")) == "gloo":
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+        if expert_mesh is not None and expert_mesh["edp"].size() == 1:
+            # no reduce-scatter over one rank, so no PREMUL_SUM to avoid; and under forced sums torch
+            # 2.13 divides such a unit's gradients twice (once in place of the reduce-scatter, once after)
+            for moe in moe_layers([model]):
+                moe.experts.set_force_sum_reduction_for_comms(False)
 
 
 def shard_dim(layout: Layout) -> str:
@@ -61,15 +73,21 @@ def shard_dim(layout: Layout) -> str:
 
 
 def shard_blocks(
-    model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy | None,
+    expert_mesh: DeviceMesh | None = None,
+    ranks: int = 1,
 ) -> None:
-    """FSDP2 over `dp_mesh`: each block one unit, the rest the root unit."""
-    policy = mp_policy or MixedPrecisionPolicy()  # FSDP's own default: parameters in their dtype
-    ignored = expert_params(model)  # sharded over ep already; their gradients: expert.sync_expert_grads
-    for module in (*model.layers.values(), model):
-        fully_shard(
-            module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored
-        )
+    """FSDP2 over `dp_mesh`: each block one unit, the rest the root unit; with `expert_mesh`, each
+    MoE layer's experts a unit of their own over it (gradients / `ranks`: the data-parallel ranks)."""
+    fsdp = {"reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for block in model.layers.values():
+        if expert_mesh is not None:
+            shard_experts(block, expert_mesh, ranks, **fsdp)
+        fully_shard(block, mesh=dp_mesh, **fsdp)
+    fully_shard(model, mesh=dp_mesh, **fsdp)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

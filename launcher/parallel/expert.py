@@ -11,24 +11,28 @@ The row all-to-alls are autograd-aware (`compat.all_to_all_autograd`):
 backward runs the same two exchanges the other way (four all-to-alls per layer and step).
 
 Parameters: expert weights are DTensors sharded along the expert dimension over "ep" (checkpoints
-hold whole tensors, so an ep=2 checkpoint loads at ep=1); FSDP leaves them alone (`expert_params`),
-and `sync_expert_grads` sums their gradients over the ranks holding the same experts (edp x
-dp_replicate) and divides by dp, as FSDP averages the rest. Router and shared experts are ordinary
+hold whole tensors, so an ep=2 checkpoint loads at ep=1). The ranks holding the same experts (edp =
+dp_shard / ep, x dp_replicate) FSDP-shard them further over edp (`shard_experts`, as torchtitan does
+over its dp_shard_mod_ep dimension): each MoE layer's experts are their own FSDP unit inside the
+block's, gathered over edp, their gradients reduce-scattered over edp (all-reduced over dp_replicate
+under HSDP) and divided by dp, as FSDP averages the rest. Router and shared experts are ordinary
 parameters (FSDP-sharded, replicated over tensor parallelism: `tensor_parallel_moe`).
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from launcher.compat import all_to_all_autograd
-from launcher.model.moe import MoE, moe_layers
+from launcher.compat import all_to_all_autograd, sub_mesh
+from launcher.model.moe import MoE, local, moe_layers
 
 
 def exchange(x: torch.Tensor, counts: torch.Tensor, experts: nn.Module, group: dist.ProcessGroup) -> torch.Tensor:
@@ -89,29 +93,22 @@ def tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, expert_parallel: bool) ->
         parallelize_module(moe.shared, tp_mesh, styles)
 
 
-def expert_params(model: nn.Module) -> set[nn.Parameter]:
-    """The expert-parallel parameters of `model`: FSDP must not shard them again."""
-    return {
-        p
-        for moe in moe_layers([model])
-        for p in moe.experts.parameters()
-        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",)
-    }
+def expert_data_mesh(emesh: DeviceMesh, dp_replicate: int) -> DeviceMesh:
+    """The ranks holding the same experts: edp, x dp_replicate (HSDP's replicate dimension, outer)."""
+    return sub_mesh(emesh, "dp_replicate", "edp") if dp_replicate > 1 else emesh["edp"]
 
 
-def sync_expert_grads(parts: list[nn.Module], mesh: DeviceMesh, dp: int) -> None:
-    """Sum expert gradients over the ranks holding the same experts, then / dp: the mean gradient
-    of the global loss, as FSDP gives the other parameters."""
-    grads = [p.grad.to_local() for part in parts for p in expert_params(part) if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    for dim in ("edp", "dp_replicate"):
-        if mesh[dim].size() > 1:
-            dist.all_reduce(flat, group=mesh.get_group(dim))
-    flat /= dp
-    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(piece.view_as(g))
+def shard_experts(block: nn.Module, mesh: DeviceMesh, divide_factor: int, **fsdp: Any) -> None:
+    """FSDP over `mesh` (`expert_data_mesh`) for each MoE layer's experts in `block`, before the block
+    is wrapped (so the block's unit leaves them out). Their gradients already hold the ep ranks'
+    tokens (the all-to-all's backward): summed over `mesh` and divided by every data-parallel rank
+    (`divide_factor`), they are the global mean, as for the rest. Dim 0 (experts) is cut when each
+    edp rank gets at least one of the rank's experts, else dim 1 (as torchtitan: no idle shards)."""
+    for moe in moe_layers([block]):
+        held = local(moe.experts.w1).shape[0]
+        dim = 0 if held >= mesh.size(mesh.ndim - 1) else 1
+        fully_shard(moe.experts, mesh=mesh, shard_placement_fn=lambda _, d=dim: Shard(d), **fsdp)
+        moe.experts.set_gradient_divide_factor(float(divide_factor))
 
 
 def parallelize_experts(model: nn.Module, tp_mesh: DeviceMesh | None, ep_mesh: DeviceMesh | None) -> None:
