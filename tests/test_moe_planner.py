@@ -13,9 +13,11 @@ from __future__ import annotations
 import pytest
 
 from launcher.config import compose_config
+from launcher.flops import expert_params
 from launcher.layout import Layout
 from launcher.planner import plan
 from launcher.planner.memory import memory
+from launcher.planner.moe import expert_fsdp_comm
 from launcher.planner.request import problem
 from launcher.planner.search import predict
 
@@ -64,14 +66,31 @@ def test_pipeline_parallelism_at_deepseek_v3_scale(hardware: str, claim: str) ->
         assert ratio < 0.8, ratio
 
 
-def test_expert_memory_divides_by_ep_and_all_to_all_spans_its_level() -> None:
+def test_expert_memory_divides_by_dp_shard_at_any_ep_and_all_to_all_spans_its_level() -> None:
     cfg = compose_config("+model=mixtral_8x7b", "hardware=h100_sxm", "nodes=2", "seq_len=4096")
     prob = problem(cfg, 16)
-    one, two = (Layout(dp_shard=16, micro=1, ep=ep) for ep in (1, 8))
-    # the routed experts (45.1B of 46.7B parameters) move from FSDP over 16 to ep over 8 and are replicated
-    assert memory(prob.model, 4096, two, 2, "cuda").params > memory(prob.model, 4096, one, 2, "cuda").params
-    inside = predict(prob, Layout(dp_shard=16, micro=1, ep=8))  # 8 consecutive GPUs: one node
+    one, eight = (Layout(dp_shard=16, micro=1, ep=ep) for ep in (1, 8))
+    # the routed experts (45.1B of 46.7B parameters): FSDP over 16 at ep=1; over ep=8 x edp=2 at ep=8
+    at_one, at_eight = (memory(prob.model, 4096, lay, 2, "cuda") for lay in (one, eight))
+    for part in ("params", "grads", "optimizer"):
+        assert getattr(at_eight, part) == pytest.approx(getattr(at_one, part), rel=1e-6), part
+    # but a gathered block holds its ep-local experts only (1 of 8 per layer, 1.4B): two such blocks in bf16
+    assert at_one.buffers - at_eight.buffers > 2 * 2 * 7 / 8 * 45e9 / 32
+    inside = predict(prob, eight)  # 8 consecutive GPUs: one node
     assert inside.time.ep_level == "nvlink4" and inside.time.ep_comm > 0
     wide = predict(prob, Layout(tp=2, dp_shard=8, micro=1, ep=8))  # ep ranks spaced tp=2 apart: 16 GPUs
     assert wide.time.ep_level == "infiniband_ndr" and wide.time.ep_comm > inside.time.ep_comm
     assert predict(prob, one).time.ep_comm == 0
+
+
+def test_expert_fsdp_traffic_runs_over_edp() -> None:
+    """ep=8 on dp_shard=16 (2 nodes of 8): the experts' edp=2 pairs are 8 GPUs apart, a node apart,
+    so their gathers and reduce-scatters cross InfiniBand; at ep=16 there is no edp and none."""
+    cfg = compose_config("+model=mixtral_8x7b", "hardware=h100_sxm", "nodes=2", "seq_len=4096")
+    lv = problem(cfg, 16).machine.levels
+    m = problem(cfg, 16).model
+    gather, scatter, cross = expert_fsdp_comm(m, Layout(dp_shard=16, micro=1, ep=8), lv, 0, 2, 4)
+    experts = 32 * 8 * expert_params(m) / 8  # the rank's ep-local experts, whole
+    assert gather == pytest.approx(2 * experts / 2 / lv[-1].bandwidth, rel=0.01)  # half of bf16 over IB
+    assert scatter == pytest.approx(2 * gather, rel=0.01) and cross == 0  # fp32 gradients; no replicas
+    assert expert_fsdp_comm(m, Layout(dp_shard=16, micro=1, ep=16), lv, 0, 2, 4) == (0.0, 0.0, 0.0)

@@ -222,10 +222,11 @@ def step_time(
     buckets = max(1, layers[busiest])
     s, rep = layout.fsdp_shard, layout.dp_replicate
     dp_total = dp_exposed = 0.0
-    if s > 1:
-        gather = comm.all_gather(lv, elem * params, t, s)
-        scatter = comm.reduce_scatter(lv, GRAD_BYTES * params, t, s)
-        cross = comm.all_reduce(lv, GRAD_BYTES * params / s, t * s, rep) if rep > 1 else 0.0
+    if s > 1:  # + the experts' own FSDP units over edp (ep > 1; ep divides dp_shard, so s > 1)
+        e_gather, e_scatter, e_cross = moe.expert_fsdp_comm(m, layout, lv, busiest, elem, GRAD_BYTES)
+        gather = comm.all_gather(lv, elem * params, t, s) + e_gather
+        scatter = comm.reduce_scatter(lv, GRAD_BYTES * params, t, s) + e_scatter
+        cross = (comm.all_reduce(lv, GRAD_BYTES * params / s, t * s, rep) if rep > 1 else 0.0) + e_cross
         if p == 1 and not layout.reshard_after_forward:  # ZeRO-2: one gather per microbatch, kept for backward
             dp_total = mb * (gather + scatter) + cross
             dp_exposed = mb * _exposed(gather, fwd, buckets, c)
@@ -241,11 +242,6 @@ def step_time(
     elif rep > 1:
         dp_total = comm.all_reduce(lv, GRAD_BYTES * params, t, rep)
         dp_exposed = _exposed(dp_total, bwd, buckets, c)
-    experts = moe.rank_expert_params(m, layout, busiest)
-    if experts and layout.dp > layout.ep:  # expert gradients: all-reduced over the ranks holding the same ones
-        expert_sync = comm.all_reduce(lv, GRAD_BYTES * experts, t * layout.ep, layout.dp // layout.ep)
-        dp_total += expert_sync
-        dp_exposed += _exposed(expert_sync, bwd, buckets, c)
 
     return StepTime(
         compute=mb * t_comp,

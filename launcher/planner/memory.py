@@ -56,7 +56,7 @@ from functools import cache
 from launcher.config import ModelConfig
 from launcher.flops import GIB, ParamCounts, head_dim, kv_heads, param_counts
 from launcher.layout import Layout, rank_stages, stage_layers, stage_size
-from launcher.planner.moe import mean_routed_per_layer, rank_expert_params
+from launcher.planner.moe import mean_routed_per_layer, rank_expert_params, rank_moe_layers, routed_params
 
 MASTER_BYTES = 4  # fp32 parameters
 GRAD_BYTES = 4  # fp32 gradients
@@ -110,8 +110,8 @@ def rank_layers(n_layers: int, pp: int, chunks: int, v_shape: bool = False) -> t
 
 
 def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
-    """Parameters held by one device of pipeline rank `rank` (before FSDP sharding), routed experts
-    excepted (`moe.rank_expert_params`: sharded over ep, not by FSDP).
+    """Parameters held by one device of pipeline rank `rank` (before FSDP sharding over dp_shard),
+    routed experts excepted when ep > 1 (`moe.rank_expert_params`: their own FSDP units over edp).
 
     TP shards every projection and the vocabulary dimension of the embedding and output by t; norms
     and biases are counted as replicated. Learned positions live on the first rank (tied embeddings
@@ -231,15 +231,19 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     s = layout.fsdp_shard
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
     pc = counts(m)
-    layer_params = (pc.per_layer_matmul - mean_routed_per_layer(m)) // layout.tp + pc.per_layer - pc.per_layer_matmul
-    experts = rank_expert_params(m, layout, rank)  # whole on the rank: parameters, gradients, optimizer
+    routed = mean_routed_per_layer(m)
+    layer_params = (pc.per_layer_matmul - routed) // layout.tp + pc.per_layer - pc.per_layer_matmul
+    # routed experts: at ep=1 in `params` (FSDP over s); at ep > 1 their own units, sharded over edp
+    experts, edp = rank_expert_params(m, layout, rank), max(1, layout.dp_shard // layout.ep)
+    block = layer_params + (routed_params(m) // layout.ep if rank_moe_layers(m, layout, rank) else 0)  # gathered
     if s > 1 and layout.pp > 1:  # gathered for the whole step, gradients unsharded until the end
-        grads, buffers = GRAD_BYTES * params, elem * params
+        grads, buffers = GRAD_BYTES * (params + experts), elem * (params + experts)
     elif s > 1:  # ZeRO-3: the root unit and two blocks gathered (ZeRO-2: every block), at backward's start
-        root = params - layers * layer_params  # embeddings, final norm, output
-        held = root + 2 * layer_params if layout.reshard_after_forward else params
-        grads = GRAD_BYTES * params / s  # + the output's unsharded gradient, a block's and its fp32 copy
-        buffers = elem * held + elem * max(pc.output_matmul // layout.tp, layer_params) + GRAD_BYTES * layer_params
+        root = params - layers * (layer_params + (routed if layout.ep == 1 else 0))  # embeddings, final norm, output
+        held = root + 2 * block if layout.reshard_after_forward else params + experts
+        # + the output's unsharded gradient, a block's and its fp32 copy
+        grads = GRAD_BYTES * (params / s + experts / edp)
+        buffers = elem * held + elem * max(pc.output_matmul // layout.tp, block) + GRAD_BYTES * block
     else:
         grads, buffers = GRAD_BYTES * params, (elem * params if elem < MASTER_BYTES else 0)
     saved, working = layer_activation_bytes(m, seq, layout, elem)
@@ -262,11 +266,11 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, last in backward (docstring)
         table = GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
         grads += max(0.0, table - (acts + logits))  # the activations are freed by then
-    optimizer = ADAM_BYTES * params / s  # fused AdamW (train/optim.py): no temporary per parameter
+    sharded = params / s + experts / edp
     return Memory(
-        params=MASTER_BYTES * (params / s + experts),
-        grads=grads + GRAD_BYTES * experts,
-        optimizer=optimizer + ADAM_BYTES * experts,
+        params=MASTER_BYTES * sharded,
+        grads=grads,
+        optimizer=ADAM_BYTES * sharded,  # fused AdamW (train/optim.py): no temporary per parameter
         buffers=buffers,
         activations=acts,
         logits=logits,

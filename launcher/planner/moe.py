@@ -1,16 +1,18 @@
 """What a mixture of experts adds to the planner (launcher/model/moe.py, launcher/parallel/expert.py).
 
-- Memory: with ep > 1, the routed experts of the MoE layers a rank holds, divided by ep and *not* by
-  FSDP (the runtime replicates a rank's experts over the edp x dp_replicate ranks holding the same
-  ones, and all-reduces their gradients); at ep=1 FSDP shards them with everything else. Under
-  tensor parallelism a MoE layer runs whole on every tp rank.
+- Memory: at ep=1 FSDP shards the routed experts with everything else. With ep > 1 each MoE layer's
+  experts are an FSDP unit of their own: a rank's ep-local experts (1/ep of the layer's,
+  `rank_expert_params`) sharded over the edp = dp_shard / ep ranks holding the same ones, so their
+  weights, gradients and optimizer state divide by ep x edp = dp_shard; gathered whole (the ep-local
+  part) per block like any FSDP unit. Under tensor parallelism a MoE layer runs whole on every tp rank.
 - Compute: active FLOPs (flops.py); with ep > 1 the busiest rank receives IMBALANCE times the mean
   of the routed tokens, so its routed-expert FLOPs grow by that factor.
 - Communication: four all-to-alls per MoE layer and microbatch (dispatch and combine, forward and
   backward), each rank sending its top_k copies of every token's hidden state, (ep - 1) / ep of it
   to other ranks, on the link levels the ep group spans (ep ranks spaced tp apart); they do not
-  overlap compute here. Expert gradients: one all-reduce over the dp / ep ranks holding the same
-  experts, overlapped like the other data-parallel traffic.
+  overlap compute here. The experts' FSDP traffic (`expert_fsdp_comm`): all-gathers and gradient
+  reduce-scatters over edp (ranks spaced tp x ep apart), with the same schedule and overlap as the
+  other FSDP units, and under HSDP an all-reduce of their shards over dp_replicate.
 """
 
 from __future__ import annotations
@@ -47,8 +49,22 @@ def rank_moe_layers(m: ModelConfig, layout: Layout, rank: int) -> int:
 
 
 def rank_expert_params(m: ModelConfig, layout: Layout, rank: int) -> int:
-    """Routed-expert weights a rank holds outside FSDP (ep > 1; at ep=1 FSDP shards them with the rest)."""
+    """Routed-expert weights in a rank's own expert FSDP units (ep > 1): its ep-local experts, whole,
+    before FSDP shards them over edp; 0 at ep=1 (FSDP shards them with the rest)."""
     return rank_moe_layers(m, layout, rank) * routed_params(m) // layout.ep if layout.ep > 1 else 0
+
+
+def expert_fsdp_comm(
+    m: ModelConfig, layout: Layout, levels: tuple[Level, ...], rank: int, elem: int, grad_bytes: int
+) -> tuple[float, float, float]:
+    """Seconds of one all-gather (compute dtype) and one gradient reduce-scatter of pipeline rank
+    `rank`'s expert units over edp, and of the HSDP all-reduce of their shards over dp_replicate."""
+    experts = rank_expert_params(m, layout, rank)
+    stride, edp = layout.tp * layout.ep, layout.dp_shard // layout.ep  # edp sits just outside ep
+    gather = comm.all_gather(levels, elem * experts, stride, edp)
+    scatter = comm.reduce_scatter(levels, grad_bytes * experts, stride, edp)
+    cross = comm.all_reduce(levels, grad_bytes * experts / edp, stride * edp, layout.dp_replicate)
+    return gather, scatter, cross
 
 
 def extra_routed_flops(m: ModelConfig, layout: Layout) -> float:
