@@ -429,8 +429,6 @@ def _expert_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
         return f"tp={lay.tp} does not divide the shared experts' width {shared} (split like the MLP): change tp"
     if lay.ep > 1 and lay.cp > 1:
         return f"ep={lay.ep} with cp={lay.cp} is not supported yet: set ep=1 or cp=1"
-    if lay.sequence_parallel and m.moe.experts:
-        return "sequence_parallel=true is not supported with a mixture-of-experts model: set sequence_parallel=false"
     return None
 
 

@@ -1,5 +1,6 @@
-"""Expert parallelism matches one process: moe_tiny (dropless, balance=bias) at ep=2, ep=2 x tp=2 and
-ep=2 x pp=2 gives the single-process losses and gradient norms of 5 steps (rtol 1e-4), the same
+"""Expert parallelism matches one process: moe_tiny (dropless, balance=bias) at ep=2, ep=2 x tp=2
+(also with sequence parallelism), ep=2 x pp=2, ep=2 on dp_shard=4 (experts FSDP-sharded over edp=2)
+and ep=2 under HSDP gives the single-process losses and gradient norms of 5 steps (rtol 1e-4), the same
 gradients after step 1, and the same routing biases after the last step (the token counts are summed
 over the data-parallel ranks, so every rank moves its biases alike). Also with a first pipeline stage
 of dense layers only (`first_dense_layers`): it joins the balance step's sum over stages (a stage
@@ -24,6 +25,7 @@ DENSE_FIRST = {"first_dense_layers": 1}  # moe_tiny's 2 layers at pp=2: stage 0 
 CASES = {
     "ep2": dict(ep=2),
     "ep2-tp2": dict(ep=2, tp=2),
+    "ep2-tp2-sp": dict(ep=2, tp=2, sequence_parallel=True),
     "ep2-pp2": dict(ep=2, pp=2, **MICRO2),
     "dense-stage-ep2-pp2": dict(ep=2, pp=2, moe=DENSE_FIRST, **MICRO2),
     "ep2-edp2": dict(ep=2, **MICRO2),  # dp_shard=4: experts FSDP-sharded over edp=2
@@ -63,7 +65,7 @@ def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
 def results() -> dict[str, Any]:
     references = {case: train_case(make_cfg(moe=CASES[case].get("moe")), 1) for case in ("ep2", "dense-stage-ep2-pp2")}
     (two,) = run_many([(run_cases, 2, (["ep2"],))])
-    (four,) = run_many([(run_cases, 4, (["ep2-tp2", "ep2-pp2", "dense-stage-ep2-pp2"],))], timeout=120)
+    (four,) = run_many([(run_cases, 4, (["ep2-tp2", "ep2-tp2-sp", "ep2-pp2", "dense-stage-ep2-pp2"],))], timeout=120)
     (data,) = run_many([(run_cases, 4, (["ep2-edp2", "ep2-hsdp"],))], timeout=120)
     ranks = {case: [r[case] for r in world] for world in (two, four, data) for case in world[0]}
     return {"references": references, "ranks": ranks}

@@ -307,7 +307,8 @@ def shard_model(
             apply_tensor_parallel(part, mesh["tp"], layout.sequence_parallel, local_logits=pipelined)
         if layout.cp > 1:
             apply_context_parallel(part, mesh["cp"], cfg.seq_len)
-        parallelize_experts(part, mesh["tp"] if layout.tp > 1 else None, emesh["ep"] if emesh is not None else None)
+        tp_mesh, ep_mesh = mesh["tp"] if layout.tp > 1 else None, emesh["ep"] if emesh is not None else None
+        parallelize_experts(part, tp_mesh, ep_mesh, layout.sequence_parallel)
         apply_recompute(part, layout)
         if not layout.zero_bubble:  # torch splits no compiled backward into input and weight parts
             _compile(part, cfg)

@@ -63,14 +63,17 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         moe.exchange = partial(exchange, experts=moe.experts, group=mesh.get_group())
 
 
-def tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, expert_parallel: bool) -> None:
+def tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, expert_parallel: bool, sequence_parallel: bool) -> None:
     """Under tensor parallelism a MoE layer's routing runs whole on every tp rank (the same tokens):
     router and experts become replicated DTensors on the tp mesh, as every parameter there is, except
     experts already sharded over ep (both are read through `to_local`). The shared experts are cut
-    like the dense MLP (w1, w3 column-parallel, w2 row-parallel: one all-reduce)."""
+    like the dense MLP (w1, w3 column-parallel, w2 row-parallel: one all-reduce). With sequence
+    parallelism the layer all-gathers the sequence first and keeps its own positions of the output
+    (identical on every tp rank: a slice, no reduction; backward all-gathers the output's gradient)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         RowwiseParallel,
         parallelize_module,
     )
@@ -91,6 +94,16 @@ def tensor_parallel_moe(moe: MoE, tp_mesh: DeviceMesh, expert_parallel: bool) ->
         for style in styles.values():
             style.src_data_rank = None  # meta tensors: cut, nothing to scatter
         parallelize_module(moe.shared, tp_mesh, styles)
+    if sequence_parallel:  # (batch, seq, dim) in and out, the residual stream sharded over seq
+        seq = (Shard(1),)
+        gather = PrepareModuleInputOutput(
+            input_layouts=seq,
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=seq,
+        )
+        parallelize_module(moe, tp_mesh, gather)
 
 
 def expert_data_mesh(emesh: DeviceMesh, dp_replicate: int) -> DeviceMesh:
@@ -111,10 +124,12 @@ def shard_experts(block: nn.Module, mesh: DeviceMesh, divide_factor: int, **fsdp
         moe.experts.set_gradient_divide_factor(float(divide_factor))
 
 
-def parallelize_experts(model: nn.Module, tp_mesh: DeviceMesh | None, ep_mesh: DeviceMesh | None) -> None:
+def parallelize_experts(
+    model: nn.Module, tp_mesh: DeviceMesh | None, ep_mesh: DeviceMesh | None, sequence_parallel: bool = False
+) -> None:
     """The MoE layers' share of `parallelize`: experts over ep, the rest replicated over tp."""
     if ep_mesh is not None:
         apply_expert_parallel(model, ep_mesh)
     if tp_mesh is not None:
         for moe in moe_layers([model]):
-            tensor_parallel_moe(moe, tp_mesh, ep_mesh is not None)
+            tensor_parallel_moe(moe, tp_mesh, ep_mesh is not None, sequence_parallel)
