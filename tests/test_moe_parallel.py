@@ -30,8 +30,11 @@ CASES = {
     "dense-stage-ep2-pp2": dict(ep=2, pp=2, moe=DENSE_FIRST, **MICRO2),
     "ep2-edp2": dict(ep=2, **MICRO2),  # dp_shard=4: experts FSDP-sharded over edp=2
     "ep2-hsdp": dict(ep=2, dp_replicate=2, dp_shard=2, **MICRO2),  # edp=1, replicated over dp_replicate
+    # 2 experts: 1 per ep rank, fewer than edp=2, so FSDP cuts each expert's dim 1 instead
+    "two-experts-ep2-edp2": dict(ep=2, moe={"experts": 2, "top_k": 1}, **MICRO2),
 }
-EXPERT_ROWS = {"ep2-edp2": 2}  # of 8 experts per rank (else 8 / ep: FSDP over edp=1 cuts nothing)
+# each rank's (experts, dim, hidden) shard of w1: 8 / ep experts, unless FSDP cuts them over edp > 1
+W1_SHARD = {"ep2-edp2": (2, 64, 64), "two-experts-ep2-edp2": (1, 32, 64)}
 
 
 def make_cfg(moe: dict[str, Any] | None = None, **keys: Any) -> Any:
@@ -53,8 +56,8 @@ def train_case(cfg: Any, world_size: int) -> dict[str, Any]:
 
     out = parallel_case(cfg, world_size, each_step=each_step)
     biases = {n: b.clone() for part in parts for n, b in part.named_buffers() if n.endswith("expert_bias")}
-    rows = {n: local(p).shape[0] for part in parts for n, p in part.named_parameters() if ".experts.w" in n}
-    return {**out, "imbalance": imbalance, "biases": biases, "expert_rows": rows}
+    w1 = {tuple(local(p).shape) for part in parts for n, p in part.named_parameters() if n.endswith("experts.w1")}
+    return {**out, "imbalance": imbalance, "biases": biases, "w1_shards": w1}
 
 
 def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
@@ -63,20 +66,21 @@ def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
-    references = {case: train_case(make_cfg(moe=CASES[case].get("moe")), 1) for case in ("ep2", "dense-stage-ep2-pp2")}
+    models = {repr(keys.get("moe")): keys.get("moe") for keys in CASES.values()}
+    references = {key: train_case(make_cfg(moe=moe), 1) for key, moe in models.items()}
     (two,) = run_many([(run_cases, 2, (["ep2"],))])
     (four,) = run_many([(run_cases, 4, (["ep2-tp2", "ep2-tp2-sp", "ep2-pp2", "dense-stage-ep2-pp2"],))], timeout=120)
-    (data,) = run_many([(run_cases, 4, (["ep2-edp2", "ep2-hsdp"],))], timeout=120)
+    (data,) = run_many([(run_cases, 4, (["ep2-edp2", "ep2-hsdp", "two-experts-ep2-edp2"],))], timeout=120)
     ranks = {case: [r[case] for r in world] for world in (two, four, data) for case in world[0]}
     return {"references": references, "ranks": ranks}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_matches_one_process(results: dict[str, Any], case: str) -> None:
-    ref = results["references"]["dense-stage-ep2-pp2" if "moe" in CASES[case] else "ep2"]
+    ref = results["references"][repr(CASES[case].get("moe"))]
     assert any(b.abs().sum() > 0 for b in ref["biases"].values()), "the biases moved"
     for rank, got in enumerate(results["ranks"][case]):
-        assert set(got["expert_rows"].values()) <= {EXPERT_ROWS.get(case, 4)}, got["expert_rows"]  # {}: a dense stage
+        assert got["w1_shards"] <= {W1_SHARD.get(case, (4, 64, 64))}, got["w1_shards"]  # {}: a dense stage
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-4, atol=0, msg=f"{case} rank {rank} losses")
         torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-4, atol=0)
         torch.testing.assert_close(got["imbalance"], ref["imbalance"], rtol=1e-5, atol=0)
