@@ -135,6 +135,24 @@ def all_to_all_autograd(x: torch.Tensor, output_splits: list[int], input_splits:
     return wait_tensor(all_to_all_single_autograd(x, output_splits, input_splits, group))
 
 
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of x (M, K) in groups ending at `offsets` (int32), group g times w[g] (G, K, N): one
+    kernel for every expert (the MoE grouped GEMM). No public name yet; autograd-aware."""
+    import torch
+
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+def grouped_mm_kernel(device: torch.device) -> bool:
+    """Whether `grouped_mm` has its fast bf16 kernel on `device`: CUDA sm90+ (Hopper, Blackwell).
+    Elsewhere it runs too (CPU included), as a loop of matmuls inside the op: no gain."""
+    import torch
+
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread: a forward run inside
     one is activation recompute (MoE token counts must not count it twice)."""

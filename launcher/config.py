@@ -176,6 +176,9 @@ class WandbConfig:
 class MetricsConfig:
     log_every: int = ranged(1, ge=1)
     console: str = "auto"  # auto (rich panel on a terminal, lines otherwise) | rich | plain | none
+    # a mixture of experts: a table of each MoE layer's load (max/mean tokens, min/max expert, bias,
+    # dropped) under the console's figures at each logged step (launcher/metrics/moe_load.py)
+    moe_table: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -460,6 +463,10 @@ def validate(cfg: TrainConfig) -> None:
         )
     check_profile(cfg)
     check_moe(m, cfg.ep if isinstance(cfg.ep, int) else 1)
+    if cfg.metrics.moe_table and not m.moe.experts:
+        raise LauncherError(
+            "metrics.moe_table=true shows the layers of a mixture of experts: drop it, or use one (model.moe.experts>0)"
+        )
     if cfg.data.name == "stdlib" and m.vocab_size < 256:
         raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
 

@@ -286,6 +286,15 @@ def test_enable_async_tp_sets_inductors_micro_pipeline_pass(monkeypatch):
     assert inductor_config._micro_pipeline_tp is True
 
 
+def test_grouped_mm_multiplies_each_row_group_by_its_matrix() -> None:
+    """torch._grouped_mm's (2-D x 3-D, int32 group ends) form, which runs on CPU as well; its fast
+    kernel is only on CUDA sm90+."""
+    x, w = torch.randn(10, 8), torch.randn(3, 8, 16)
+    out = compat.grouped_mm(x, w, torch.tensor([2, 2, 10], dtype=torch.int32))
+    torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[2]]))
+    assert not compat.grouped_mm_kernel(torch.device("cpu"))
+
+
 def test_in_backward_is_true_only_inside_autograd() -> None:
     in_backward = compat.in_backward
     seen: list[bool] = []

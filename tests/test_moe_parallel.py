@@ -46,18 +46,22 @@ def make_cfg(moe: dict[str, Any] | None = None, **keys: Any) -> Any:
 
 
 def train_case(cfg: Any, world_size: int) -> dict[str, Any]:
-    """test_parallel's case, plus the load imbalance after every step and the biases after the last."""
+    """test_parallel's case, plus the load imbalance and per-layer loads after every step and the biases
+    after the last."""
     imbalance: list[float] = []
+    loads: list[list[Any]] = []
     parts: list[torch.nn.Module] = []
 
     def each_step(runner: Any) -> None:
-        imbalance.append(runner.update_balance()["moe_load_imbalance"])
+        balance = runner.update_balance(per_layer=True)
+        imbalance.append(balance["moe_load_imbalance"])
+        loads.append(balance["moe_layers"])
         parts[:] = runner.parts
 
     out = parallel_case(cfg, world_size, each_step=each_step)
     biases = {n: b.clone() for part in parts for n, b in part.named_buffers() if n.endswith("expert_bias")}
     w1 = {tuple(local(p).shape) for part in parts for n, p in part.named_parameters() if n.endswith("experts.w1")}
-    return {**out, "imbalance": imbalance, "biases": biases, "w1_shards": w1}
+    return {**out, "imbalance": imbalance, "loads": loads, "biases": biases, "w1_shards": w1}
 
 
 def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
@@ -84,6 +88,10 @@ def test_expert_parallel_matches_one_process(results: dict[str, Any], case: str)
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-4, atol=0, msg=f"{case} rank {rank} losses")
         torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-4, atol=0)
         torch.testing.assert_close(got["imbalance"], ref["imbalance"], rtol=1e-5, atol=0)
+        # every layer's tokens per expert on every rank, pipeline stages included (summed over stages)
+        assert [[(a.layer, a.tokens) for a in step] for step in got["loads"]] == [
+            [(a.layer, a.tokens) for a in step] for step in ref["loads"]
+        ]
         for name, bias in got["biases"].items():  # a pipeline stage holds some layers
             torch.testing.assert_close(bias, ref["biases"][name], rtol=0, atol=1e-6, msg=f"{case} {name}")
         for name, grad in got["grads"].items():

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from launcher.metrics.moe_load import LayerLoad, load_table
 
 COLUMNS = [  # (key, label, format)
     ("step", "step", "{:d}"),
@@ -41,9 +44,10 @@ def metrics_table(row: dict[str, Any], title: str | None = None) -> Table:
 
 
 class ConsoleView:
-    """`rich`: live panel; `plain`: a line every `every` steps; `none`: silent."""
+    """`rich`: live panel; `plain`: a line every `every` steps; `none`: silent. `moe_table`: under the
+    figures (rich), or after the line (plain), a table of each MoE layer's load."""
 
-    def __init__(self, mode: str, total_steps: int, header: str) -> None:
+    def __init__(self, mode: str, total_steps: int, header: str, moe_table: bool = False) -> None:
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
@@ -51,6 +55,8 @@ class ConsoleView:
         self.total = total_steps
         self.every = max(total_steps // 20, 1)
         self.last: dict[str, Any] = {}
+        self.moe_table = moe_table
+        self.loads: Sequence[LayerLoad] = ()
         self.live: Live | None = None
         if mode != "none":
             self.console.print(header)
@@ -68,15 +74,22 @@ class ConsoleView:
             self.live.start()
 
     def _view(self) -> Group:
-        return Group(self.progress, metrics_table(self.last)) if self.last else Group(self.progress)
+        tables = [metrics_table(self.last)] if self.last else []
+        if self.moe_table and self.loads:
+            tables.append(load_table(self.loads))
+        return Group(self.progress, *tables)
 
-    def update(self, row: dict[str, Any]) -> None:
+    def update(self, row: dict[str, Any], loads: Sequence[LayerLoad] = ()) -> None:
+        """A logged step's figures; `loads`: its MoE layers' (shown with `moe_table`)."""
         self.last.update(row)
+        self.loads = loads
         if self.live is not None:
             self.progress.update(self.task, completed=row["step"])
             self.live.update(self._view())
         elif self.mode == "plain" and (row["step"] % self.every == 0 or row["step"] in (1, self.total)):
             print("  ".join(f"{label}={fmt(k, self.last[k])}" for k, label, _ in COLUMNS if k in self.last), flush=True)
+            if self.moe_table and loads:
+                self.console.print(load_table(loads))
 
     def note(self, text: str) -> None:
         if self.mode != "none":

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from launcher.config import LauncherError, WandbConfig
+from launcher.metrics.moe_load import LayerLoad, load_histograms
 
 
 class JsonlSink:
@@ -17,7 +19,8 @@ class JsonlSink:
     def __init__(self, path: Path) -> None:
         self.file = path.open("a", buffering=1)
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any], loads: Sequence[LayerLoad] = ()) -> None:
+        """`row`; MoE layers' loads stay out (their averages are in the row)."""
         self.file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
@@ -52,7 +55,7 @@ class WandbSink:
     offline instead, and one warning line says how to upload it later."""
 
     def __init__(self, cfg: WandbConfig, run_dir: Path, config: dict[str, Any]) -> None:
-        wandb = import_wandb()
+        wandb = self.wandb = import_wandb()
 
         def init(mode: str) -> Any:
             return wandb.init(
@@ -80,8 +83,10 @@ class WandbSink:
                 flush=True,
             )
 
-    def log(self, row: dict[str, Any]) -> None:
-        self.run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+    def log(self, row: dict[str, Any], loads: Sequence[LayerLoad] = ()) -> None:
+        """`row`'s figures, and per MoE layer a histogram of tokens per expert."""
+        charts = load_histograms(loads, self.wandb)
+        self.run.log({k: v for k, v in row.items() if k != "step"} | charts, step=int(row["step"]))
 
     def close(self) -> None:
         self.run.finish()

@@ -3,7 +3,8 @@
 A MoE layer replaces a block's dense MLP (`model.moe.experts` > 0, after `first_dense_layers` dense
 ones). Per token the router scores every routed expert (sigmoid as DeepSeek-V3, or softmax), picks
 the top k and weighs their outputs by the picked scores normalized to sum 1; shared experts see
-every token. Tokens are grouped by expert, run through each expert's SwiGLU, and summed back.
+every token. Tokens are grouped by expert, run through each expert's SwiGLU (launcher/model/experts.py:
+a loop over experts, or one grouped GEMM per weight on CUDA), and summed back.
 
 Balancing (`model.moe.balance`):
 - `bias` (DeepSeek-V3's auxiliary-loss-free balancing): a per-expert bias is added to the scores for
@@ -31,6 +32,8 @@ from torch import nn
 
 from launcher.compat import in_backward
 from launcher.config import ModelConfig
+from launcher.metrics.moe_load import EXTRA, layer_loads, layer_rows
+from launcher.model.experts import Experts, local
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -39,29 +42,6 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 
 def expert_width(cfg: ModelConfig) -> int:
     return cfg.moe.expert_ffn_dim or cfg.ffn_dim
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter (DTensor under tensor or expert parallelism)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-class Experts(nn.Module):
-    """Routed SwiGLU experts stacked along dim 0: w1, w3 (E, dim, hidden), w2 (E, hidden, dim)."""
-
-    def __init__(self, n: int, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
-
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: rows grouped by local expert, counts[e] rows for expert e (a loop over experts: the CPU
-        path; each chunk is one matmul per weight)."""
-        # unbind, not w[e]: indexing's backward writes a whole (E, ...) zero gradient per expert
-        weights = zip(local(self.w1).unbind(0), local(self.w3).unbind(0), local(self.w2).unbind(0))
-        outs = [(F.silu(c @ w1) * (c @ w3)) @ w2 for c, (w1, w3, w2) in zip(x.split(counts), weights)]
-        return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[-1])
 
 
 def balance_loss(scores: torch.Tensor, idx: torch.Tensor, experts: int) -> torch.Tensor:
@@ -90,9 +70,10 @@ class _AddAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, shared_mlp: Callable[[ModelConfig], nn.Module]) -> None:
+    def __init__(self, cfg: ModelConfig, shared_mlp: Callable[[ModelConfig], nn.Module], layer: int = 0) -> None:
         super().__init__()
         moe = cfg.moe
+        self.layer = layer  # the block's index in the whole model (pipeline stages keep it): metrics per layer
         self.n_experts, self.top_k = moe.experts, moe.top_k
         self.score, self.balance, self.capacity_factor = moe.score, moe.balance, moe.capacity_factor
         self.aux_coef = moe.aux_loss_coef if moe.balance == "aux" else 0.0
@@ -194,26 +175,35 @@ def balance_step(
     sum_over_data: Callable[[torch.Tensor], torch.Tensor],
     sum_over_stages: Callable[[torch.Tensor], torch.Tensor],
     device: torch.device | None = None,
-) -> dict[str, float]:
+    table: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """After an optimizer step: token counts summed over the data-parallel ranks (`sum_over_data`),
     the selection biases moved by gamma (`bias_update_rate`) towards balance (balance=bias), the counts reset; the
     metrics over every MoE layer of every pipeline stage (`sum_over_stages`). Every stage of a MoE
     model calls this, also one holding only dense layers (`first_dense_layers`): it adds zeros to
-    the sum over stages (on `device`), which every stage must join."""
-    totals = _stage_totals(layers, sum_over_data) if layers else torch.zeros(5, device=device)
+    the sum over stages (on `device`), which every stage must join. `table` = (n_layers, experts):
+    also "moe_layers", every MoE layer's `LayerLoad` (launcher/metrics/moe_load.py), in the same sum."""
+    size = 5 + (table[0] * (table[1] + EXTRA) if table else 0)
+    totals = _stage_totals(layers, sum_over_data, table) if layers else torch.zeros(size, device=device)
     totals = sum_over_stages(totals)
     n = totals[4].item()
-    return {
+    metrics: dict[str, Any] = {
         "moe_load_imbalance": totals[0].item() / n,
         "moe_bias_abs_mean": totals[1].item() / n,
         "moe_dropped_share": totals[2].item() / max(totals[3].item(), 1.0),
     }
+    if table:
+        metrics["moe_layers"] = layer_loads(totals[5:].view(table[0], -1))
+    return metrics
 
 
-def _stage_totals(layers: list[MoE], sum_over_data: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Biases moved, counters reset; this stage's (imbalance sum, |bias| mean sum, dropped, picks, layers)."""
-    counts = sum_over_data(torch.stack([m.tokens_per_expert for m in layers] + [_dropped_row(layers)]))
-    dropped, counts = counts[-1, 0], counts[:-1]
+def _stage_totals(
+    layers: list[MoE], sum_over_data: Callable[[torch.Tensor], torch.Tensor], table: tuple[int, int] | None
+) -> torch.Tensor:
+    """Biases moved, counters reset; this stage's (imbalance sum, |bias| mean sum, dropped, picks, layers),
+    then its layers' rows of `table` (`layer_rows`)."""
+    counts = sum_over_data(torch.stack(moe_counters(layers)))  # per layer: tokens per expert, then dropped
+    dropped, counts = counts[:, -1], counts[:, :-1]
     mean = counts.mean(1, keepdim=True)
     for m, c in zip(layers, counts):
         if m.balance == "bias":
@@ -222,11 +212,7 @@ def _stage_totals(layers: list[MoE], sum_over_data: Callable[[torch.Tensor], tor
         m.dropped.zero_()
     imbalance = (counts.max(1).values / mean[:, 0].clamp(min=1e-9)).sum()
     bias = torch.stack([m.expert_bias.abs().mean() for m in layers]).sum()
-    picks = counts.sum() + dropped
-    return torch.stack([imbalance, bias, dropped, picks, counts.new_tensor(float(len(layers)))])
-
-
-def _dropped_row(layers: list[MoE]) -> torch.Tensor:
-    row = torch.zeros_like(layers[0].tokens_per_expert)
-    row[0] = sum(m.dropped for m in layers)
-    return row
+    picks = counts.sum() + dropped.sum()
+    scalars = torch.stack([imbalance, bias, dropped.sum(), picks, counts.new_tensor(float(len(layers)))])
+    rows = layer_rows(layers, counts, dropped, table) if table else counts.new_zeros(0)
+    return torch.cat([scalars, rows.flatten()])

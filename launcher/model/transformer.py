@@ -143,7 +143,7 @@ class Block(nn.Module):
         self.attention_norm = make_norm(cfg)
         self.attention = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
-        self.feed_forward = MoE(cfg, FeedForward) if is_moe_layer(cfg, layer) else FeedForward(cfg)
+        self.feed_forward = MoE(cfg, FeedForward, layer) if is_moe_layer(cfg, layer) else FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:

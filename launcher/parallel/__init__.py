@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from launcher.compat import enable_async_tp, foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
 from launcher.layout import Layout, build_mesh, expert_mesh
+from launcher.model.experts import select_impl
 from launcher.model.hf import init_source
 from launcher.model.init import materialize
 from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers
@@ -32,7 +33,7 @@ from launcher.parallel.expert import parallelize_experts
 from launcher.parallel.pipeline import build_schedule, stage_module
 from launcher.parallel.recompute import apply_recompute
 from launcher.parallel.tensor import apply_tensor_parallel, loss_context
-from launcher.precision import fsdp_policy
+from launcher.precision import fsdp_policy, precision_mode
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -104,9 +105,17 @@ class Runner:
         losses = [self._loss(x, y).item() for x, y in self.microbatches(inputs, targets)]
         return sum(losses) / len(losses)
 
-    def update_balance(self) -> dict[str, float]:
-        """After the optimizer step: MoE routing biases moved towards balance; the balance metrics."""
-        return balance_step(self.moe, lambda t: t, lambda t: t) if self.moe_model else {}
+    @property
+    def moe_shape(self) -> tuple[int, int]:
+        """(layers, experts) of the whole model: the per-layer load table every stage agrees on."""
+        return self.model.cfg.n_layers, self.model.cfg.moe.experts
+
+    def update_balance(self, per_layer: bool = False) -> dict[str, Any]:
+        """After the optimizer step: MoE routing biases moved towards balance; the balance metrics,
+        and with `per_layer` each MoE layer's load ("moe_layers")."""
+        if not self.moe_model:
+            return {}
+        return balance_step(self.moe, lambda t: t, lambda t: t, table=self.moe_shape if per_layer else None)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         params = [p for part in self.parts for p in part.parameters()]
@@ -138,7 +147,7 @@ class DistributedRunner(Runner):
         dims = ("pp", "dp_replicate", "dp_shard", "cp")
         return self._all_reduce(value, dims).item() / (self.layout.dp * self.layout.cp)
 
-    def update_balance(self) -> dict[str, float]:
+    def update_balance(self, per_layer: bool = False) -> dict[str, Any]:
         """Token counts summed over the data-parallel ranks (tp ranks see the same tokens), metrics over
         stages: every stage of a MoE model joins, with or without MoE layers of its own."""
         if not self.moe_model:
@@ -146,7 +155,8 @@ class DistributedRunner(Runner):
         # cp ranks route different chunks of the sequences
         over_data = functools.partial(self._all_reduce, dims=("dp_replicate", "dp_shard", "cp"))
         over_stages = functools.partial(self._all_reduce, dims=("pp",))
-        return balance_step(self.moe, over_data, over_stages, self.device)
+        table = self.moe_shape if per_layer else None
+        return balance_step(self.moe, over_data, over_stages, self.device, table)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every shard of every stage; scale gradients down to max_norm.
@@ -277,8 +287,10 @@ def parallelize(
     `mesh`: the layout's DeviceMesh (`layout.build_mesh`); built here from the default process
     group when not given.
     """
+    bf16 = precision_mode(cfg, layout) != "fp32"
     for moe in moe_layers([model]):  # auxiliary losses enter each micro-batch's gradient at its scale
         moe.aux_scale = 1.0 / layout.microbatches
+        moe.experts.impl = select_impl(moe.experts, device, bf16)  # loop, or grouped GEMM on CUDA
     if layout.world_size == 1 and mesh is None:
         apply_recompute(model, layout)
         _compile(model, cfg)

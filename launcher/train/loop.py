@@ -115,7 +115,7 @@ def train(
         f"[bold]{cfg.model.name}[/] {n_params / 1e6:.1f}M params · layout {asdict(layout)} · "
         f"batch {global_batch}x{cfg.seq_len} · {threads} threads/worker · peak {peak / 1e12:.3f} TFLOP/s/device"
     )
-    view = ConsoleView(cfg.metrics.console if owner else "none", cfg.steps, header)
+    view = ConsoleView(cfg.metrics.console if owner else "none", cfg.steps, header, cfg.metrics.moe_table)
     sinks: list[Any] = []
     if owner:
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
@@ -128,6 +128,8 @@ def train(
         summary |= {"world_size": layout.world_size, "layout": asdict(layout), "model": cfg.model.name}
         summary |= {"params": n_params, "precision": precision_mode(cfg, layout), "compile": compile_enabled(cfg)}
         summary |= {"optimizer_impl": optimizer_impl(optimizer), "wall_time_s": time.perf_counter() - t_start}
+        if runner.moe:  # the MoE experts' matmuls: loop, or grouped_mm (launcher/model/experts.py)
+            summary["expert_impl"] = runner.moe[0].experts.impl
         if prediction is not None:
             summary["prediction"] = prediction
         if owner:
@@ -166,6 +168,7 @@ def train(
     nan_step = injected_nan_step(rank)
     rows: list[dict[str, Any]] = []
     val_loss = None
+    per_layer = cfg.metrics.moe_table or cfg.metrics.wandb.mode != "disabled"  # MoE: each layer's load, logged
     for step in range(start + 1, cfg.steps + 1):
         meter.start()
         profiler.begin(step)
@@ -178,11 +181,12 @@ def train(
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
-        balance = runner.update_balance()  # MoE: routing biases after the step, and their metrics
+        balance = runner.update_balance(per_layer)  # MoE: routing biases after the step, and their metrics
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         profiler.end(step)
         row = meter.stop(step, loss, lr, grad_norm) | balance
+        loads = row.pop("moe_layers", [])  # per MoE layer: to the panel and wandb, not kept in `rows`
         if cfg.optim.skip_nonfinite:
             row["skipped_steps"] = guard.skipped
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
@@ -191,8 +195,8 @@ def train(
         if step % cfg.metrics.log_every == 0 or step == cfg.steps or "val_loss" in row:  # alike on every rank
             row.update(memory_summary(gather_ranks(row["mem_gib"]), "mem_gib"))
             for sink in sinks:
-                sink.log(row)
-            view.update(row)
+                sink.log(row, loads)
+            view.update(row, loads)
             log.info("%s", row)
         if preemption.agreed():  # a stop signal on any rank: every rank saves this step, then stops
             save(step)

@@ -1,0 +1,89 @@
+"""The routed experts' SwiGLU over rows grouped by expert: a loop over experts, or one grouped GEMM.
+
+`loop` (every device and dtype): one matmul per expert and weight. `grouped_mm` (CUDA, bf16, sm90+):
+`torch._grouped_mm` runs all experts' matmuls of one weight in one kernel (`compat.grouped_mm`),
+given each group's end row as int32 offsets. Its bf16 kernel wants 16-byte aligned rows and group
+starts, so the widths must be multiples of 8 and every group is padded with zero rows to a multiple
+of 8 (zero rows give zero outputs and add nothing to the weights' gradients). `parallelize` picks
+the path once per run (`select_impl`); the summary records it as `expert_impl`.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from launcher.compat import grouped_mm, grouped_mm_kernel
+
+ALIGN = 8  # rows and widths: 16 bytes of bf16
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (DTensor under tensor or expert parallelism)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def select_impl(experts: Experts, device: torch.device, bf16: bool) -> str:
+    """`grouped_mm` where its fast kernel runs (CUDA sm90+, bf16 compute, widths aligned), else `loop`."""
+    widths = experts.w1.shape[1:]
+    aligned = all(w % ALIGN == 0 for w in widths)
+    return "grouped_mm" if bf16 and aligned and grouped_mm_kernel(device) else "loop"
+
+
+def group_offsets(counts: list[int], device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """Each group padded to a multiple of ALIGN rows: the groups' ends as int32 offsets, the padded
+    rows in all, and where each of the sum(counts) rows goes among them (None: all groups aligned)."""
+    padded = [-(-c // ALIGN) * ALIGN for c in counts]
+    offsets = torch.tensor(list(accumulate(padded)), dtype=torch.int32, device=device)
+    if padded == counts:
+        return offsets, sum(padded), None
+    shift = [p - c for p, c in zip(accumulate([0, *padded[:-1]]), accumulate([0, *counts[:-1]]))]
+    dest = torch.arange(sum(counts), device=device)
+    dest += torch.tensor(shift, device=device).repeat_interleave(torch.tensor(counts, device=device))
+    return offsets, sum(padded), dest
+
+
+def loop_swiglu(
+    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    # unbind, not w[e]: indexing's backward writes a whole (E, ...) zero gradient per expert
+    chunks = zip(x.split(counts), w1.unbind(0), w3.unbind(0), w2.unbind(0))
+    outs = [(F.silu(c @ a) * (c @ b)) @ d for c, a, b, d in chunks]
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+
+def grouped_swiglu(
+    x: torch.Tensor,
+    counts: list[int],
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The same SwiGLU, three grouped GEMMs computed in `dtype` (bf16: what autocast's matmuls do)."""
+    x, w1, w3, w2 = (t.to(dtype) for t in (x, w1, w3, w2))
+    offsets, rows, dest = group_offsets(counts, x.device)
+    if dest is not None:
+        x = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
+    h = F.silu(grouped_mm(x, w1, offsets)) * grouped_mm(x, w3, offsets)
+    out = grouped_mm(h, w2, offsets)
+    return out if dest is None else out[dest]
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts stacked along dim 0: w1, w3 (E, dim, hidden), w2 (E, hidden, dim)."""
+
+    def __init__(self, n: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.impl = "loop"  # or "grouped_mm": `select_impl`, set once by `parallelize`
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: rows grouped by local expert, counts[e] rows for expert e."""
+        compute = grouped_swiglu if self.impl == "grouped_mm" else loop_swiglu
+        return compute(x, counts, local(self.w1), local(self.w3), local(self.w2))
