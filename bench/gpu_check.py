@@ -8,7 +8,11 @@ In a few minutes, through the `train` command a user runs (each run's summary.js
    over one rank, so this one run goes through the Python API on a one-rank mesh;
 3. a checkpoint saved on the GPU and reloaded: the resumed run's next losses equal the original's;
 4. `8b` with `steps=0`: every shard allocated for real, measured memory beside the planner's;
-5. `125m` with `profile.start=2 profile.memory=true`: a CUDA trace and a memory snapshot are written.
+5. `125m` with `profile.start=2 profile.memory=true`: a CUDA trace and a memory snapshot are written;
+6. the MoE experts' grouped GEMM (`torch._grouped_mm`) against the loop over experts on a Qwen3-30B-A3B
+   layer's shapes (bench/gpu_moe.py): bf16 outputs and gradients within GROUPED_RTOL of the largest
+   entry, and the forward + backward time of each; then `moe_small` in bf16 trains on it
+   (`expert_impl` in its summary).
 Measured peak memory is printed beside the planner's prediction for each. Exit 1 if any check fails
 or there is no CUDA device (one line, at once).
 """
@@ -29,6 +33,7 @@ QUIET = ("eval.every=0", "metrics.wandb.mode=disabled", "metrics.console=plain",
 SMALL = ("+model=125m", "steps=10", "seq_len=1024", "batch.micro=8", "compile=false", "optim.warmup_steps=2")
 LOSS_RTOL = 1e-2  # FSDP's bf16 parameters vs autocast's bf16 casts: the same math, rounded differently
 RESUME_RTOL = 1e-3  # the same state on the same GPU: equal up to kernel non-determinism
+GROUPED_RTOL = 2e-2  # bf16 both ways, summed in another order: a few bf16 ulps of the largest entry
 
 
 @dataclass
@@ -131,6 +136,32 @@ def profiled(out: Path, hw: str) -> Check:
     return Check("profile + memory snapshot", ok, f"{files}; {summary.get('profile', ['-'])[0][:90]}")
 
 
+def grouped_gemm(out: Path, hw: str) -> tuple[Check, Check]:
+    """128 experts of 2048 x 768 over 4096 tokens x top-8 (Qwen3-30B-A3B, one layer, ep=1), then moe_small."""
+    import torch
+
+    from bench.gpu_moe import compare_paths
+    from launcher.model.experts import Experts, select_impl
+
+    device = torch.device("cuda")
+    selected = select_impl(Experts(128, 2048, 768), device, bf16=True)
+    r = compare_paths(device, experts=128, dim=2048, hidden=768, rows=4096 * 8)
+    worst = max(r["max_rel_diff"])
+    note = (
+        f"{selected}; outputs, grads within {worst:.1e} (tolerance {GROUPED_RTOL:.0e}); fwd+bwd "
+        f"loop {r['loop_ms']:.2f} ms, grouped {r['grouped_ms']:.2f} ms ({r['loop_ms'] / r['grouped_ms']:.1f}x)"
+    )
+    kernel = Check("MoE grouped GEMM = loop", selected == "grouped_mm" and worst <= GROUPED_RTOL, note)
+    rc, summary, last = train_cli(
+        out / "moe_small", "+model=moe_small", *on_one_gpu(hw), "steps=10", "seq_len=1024", "batch.micro=8",
+        "dtype=bf16", "compile=false", "checkpoint.every=0",
+    )  # fmt: skip
+    if rc:
+        return kernel, Check("moe_small bf16", False, f"exit {rc}: {last}")
+    impl = summary.get("expert_impl")
+    return kernel, Check("moe_small bf16", impl == "grouped_mm", f"expert_impl={impl}", summary)
+
+
 def table(checks: list[Check]) -> str:
     rows = [("check", "result", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "planned GiB", "note")]
     for c in checks:
@@ -161,7 +192,13 @@ def main(argv: list[str]) -> None:
     out = Path(opts.get("out", Path("outputs") / "gpu-check" / time.strftime("%Y%m%d-%H%M%S"))).resolve()
     print(f"gpu-check on {name} (hardware={hw}); runs under {out}", flush=True)
     t0 = time.perf_counter()
-    checks = [throughput(out, hw), *fsdp_equality(out, hw), build_only(out, hw), profiled(out, hw)]
+    checks = [
+        throughput(out, hw),
+        *fsdp_equality(out, hw),
+        build_only(out, hw),
+        profiled(out, hw),
+        *grouped_gemm(out, hw),
+    ]
     print(table(checks))
     print(f"{sum(c.ok for c in checks)}/{len(checks)} checks passed in {time.perf_counter() - t0:.0f} s")
     if not all(c.ok for c in checks):

@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from bench.gpu_check import close, profile_for
+from bench.gpu_check import GROUPED_RTOL, close, profile_for
+from bench.gpu_moe import compare_paths
 from tests.conftest import ROOT
 
 
@@ -37,3 +39,11 @@ def test_profile_from_device_name(name: str, profile: str) -> None:
 def test_losses_compared_step_by_step() -> None:
     assert close({1: 10.0, 2: 9.0}, {1: 10.05, 2: 9.0, 3: 8.0}, 1e-2)[0]
     assert not close({1: 10.0, 2: 9.5}, {1: 10.0, 2: 9.0}, 1e-2)[0]
+
+
+def test_expert_paths_compared_on_uneven_unaligned_groups() -> None:
+    """gpu_check's grouped-vs-loop comparison, run here on CPU (torch._grouped_mm runs there too)."""
+    r = compare_paths(torch.device("cpu"), experts=8, dim=64, hidden=32, rows=300, repeats=1)
+    assert sum(r["counts"]) == 300 and r["counts"][0] == 0 and any(c % 8 for c in r["counts"])
+    assert len(r["max_rel_diff"]) == 5 and max(r["max_rel_diff"]) <= GROUPED_RTOL
+    assert r["loop_ms"] > 0 and r["grouped_ms"] > 0

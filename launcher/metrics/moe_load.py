@@ -4,17 +4,19 @@
 `balance_step` (launcher/model/moe.py) already sums each layer's token counts over the data-parallel
 ranks; `layer_rows` lays this stage's layers out at their global index in a table of every layer,
 zeros elsewhere, and that table rides in the tensor `balance_step` sums over pipeline stages anyway:
-no extra collective. `layer_loads` reads the summed table back as plain numbers.
+no extra collective. `layer_loads` reads the summed table back as plain numbers. torch and rich are
+imported where used: the sinks import this module, and `plan` (calibration's cache) imports the sinks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from rich.table import Table
+if TYPE_CHECKING:
+    import torch
+    from rich.table import Table
 
 EXTRA = 4  # columns after the experts': dropped picks, bias |mean|, 1 (a MoE layer), 1 if a capacity is set
 HISTOGRAM_BINS = 512  # wandb.Histogram's most bins: more experts than that are shown as a distribution
@@ -52,6 +54,8 @@ def layer_rows(
 ) -> torch.Tensor:
     """(n_layers, experts + EXTRA) for `shape` = (n_layers, experts): each of `layers` at its global
     index, with its counts (rows of `counts`, `dropped`), zeros at every other layer."""
+    import torch
+
     rows = counts.new_zeros(shape[0], shape[1] + EXTRA)
     if layers:
         biases = torch.stack([m.expert_bias.abs().mean() for m in layers])
@@ -73,6 +77,8 @@ def layer_loads(rows: torch.Tensor) -> list[LayerLoad]:
 
 def load_table(loads: Sequence[LayerLoad]) -> Table:
     """The panel's table: one row per MoE layer."""
+    from rich.table import Table
+
     capacity = any(load.dropped is not None for load in loads)
     table = Table(title="MoE load per layer (tokens per expert, this step)", header_style="bold")
     labels = ["layer", "max/mean", "min", "max", "bias |mean|"] + (["dropped"] if capacity else [])

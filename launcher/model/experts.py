@@ -10,8 +10,6 @@ the path once per run (`select_impl`); the summary records it as `expert_impl`.
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,15 +33,18 @@ def select_impl(experts: Experts, device: torch.device, bf16: bool) -> str:
 
 def group_offsets(counts: list[int], device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """Each group padded to a multiple of ALIGN rows: the groups' ends as int32 offsets, the padded
-    rows in all, and where each of the sum(counts) rows goes among them (None: all groups aligned)."""
+    rows in all, and where each of the sum(counts) rows goes among them (None: all groups aligned).
+    One copy to the device, from pinned memory: no wait for the device's queue."""
     padded = [-(-c // ALIGN) * ALIGN for c in counts]
-    offsets = torch.tensor(list(accumulate(padded)), dtype=torch.int32, device=device)
+    host = torch.tensor([counts, padded])
+    sizes = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    ends = sizes.cumsum(1)
     if padded == counts:
-        return offsets, sum(padded), None
-    shift = [p - c for p, c in zip(accumulate([0, *padded[:-1]]), accumulate([0, *counts[:-1]]))]
-    dest = torch.arange(sum(counts), device=device)
-    dest += torch.tensor(shift, device=device).repeat_interleave(torch.tensor(counts, device=device))
-    return offsets, sum(padded), dest
+        return ends[1].to(torch.int32), sum(padded), None
+    shift = (ends[1] - sizes[1]) - (ends[0] - sizes[0])  # each group's padded start minus its start
+    rows = sum(counts)
+    dest = torch.arange(rows, device=device) + shift.repeat_interleave(sizes[0], output_size=rows)
+    return ends[1].to(torch.int32), sum(padded), dest
 
 
 def loop_swiglu(
@@ -85,5 +86,6 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: rows grouped by local expert, counts[e] rows for expert e."""
-        compute = grouped_swiglu if self.impl == "grouped_mm" else loop_swiglu
+        # no rows at all (an ep rank sent nothing this micro-batch): the loop, not a grouped GEMM of none
+        compute = grouped_swiglu if self.impl == "grouped_mm" and x.shape[0] else loop_swiglu
         return compute(x, counts, local(self.w1), local(self.w3), local(self.w2))
