@@ -144,13 +144,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 def grouped_mm_kernel(device: torch.device) -> bool:
-    """Whether `grouped_mm` has its fast bf16 kernel on `device`: CUDA sm90+ (Hopper, Blackwell).
-    Elsewhere it runs too (CPU included), as a loop of matmuls inside the op: no gain."""
+    """Whether `grouped_mm` has its fast bf16 (CUTLASS) kernel on `device`: CUDA compute capability 9.x
+    or 10.x (H100/H200, B200). Elsewhere it runs too (CPU included), as a loop of matmuls inside the
+    op (on CUDA after copying the offsets to the host): no gain."""
     import torch
 
     if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 def in_backward() -> bool:

@@ -288,11 +288,18 @@ def test_enable_async_tp_sets_inductors_micro_pipeline_pass(monkeypatch):
 
 def test_grouped_mm_multiplies_each_row_group_by_its_matrix() -> None:
     """torch._grouped_mm's (2-D x 3-D, int32 group ends) form, which runs on CPU as well; its fast
-    kernel is only on CUDA sm90+."""
+    kernel is only on CUDA sm90 and sm100."""
     x, w = torch.randn(10, 8), torch.randn(3, 8, 16)
     out = compat.grouped_mm(x, w, torch.tensor([2, 2, 10], dtype=torch.int32))
     torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[2]]))
     assert not compat.grouped_mm_kernel(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("capability", "fast"), [((9, 0), True), ((10, 0), True), ((8, 0), False), ((12, 0), False)])
+def test_grouped_mm_fast_kernel_by_compute_capability(monkeypatch, capability: tuple[int, int], fast: bool) -> None:
+    """H100/H200 (9.0) and B200 (10.0) have the CUTLASS kernel; A100 (8.0) and sm120 loop inside the op."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert compat.grouped_mm_kernel(torch.device("cuda", 0)) == fast
 
 
 def test_in_backward_is_true_only_inside_autograd() -> None:

@@ -1,6 +1,6 @@
 """The experts' two paths: the grouped GEMM (`torch._grouped_mm`, which runs on CPU too, as a loop
 inside the op) gives the loop's outputs and gradients, groups padded or not; and the path is chosen
-once: grouped only on a CUDA sm90+ device computing in bf16 with aligned widths."""
+once: grouped only on a CUDA sm90/sm100 device computing in bf16 with aligned widths."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The routed experts' SwiGLU over rows grouped by expert: a loop over experts, or one grouped GEMM.
 
-`loop` (every device and dtype): one matmul per expert and weight. `grouped_mm` (CUDA, bf16, sm90+):
+`loop` (every device and dtype): one matmul per expert and weight. `grouped_mm` (CUDA sm90/sm100, bf16):
 `torch._grouped_mm` runs all experts' matmuls of one weight in one kernel (`compat.grouped_mm`),
 given each group's end row as int32 offsets. Its bf16 kernel wants 16-byte aligned rows and group
 starts, so the widths must be multiples of 8 and every group is padded with zero rows to a multiple
@@ -25,7 +25,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def select_impl(experts: Experts, device: torch.device, bf16: bool) -> str:
-    """`grouped_mm` where its fast kernel runs (CUDA sm90+, bf16 compute, widths aligned), else `loop`."""
+    """`grouped_mm` where its fast kernel runs (CUDA sm90/sm100, bf16 compute, widths aligned), else `loop`."""
     widths = experts.w1.shape[1:]
     aligned = all(w % ALIGN == 0 for w in widths)
     return "grouped_mm" if bf16 and aligned and grouped_mm_kernel(device) else "loop"
