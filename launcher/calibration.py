@@ -4,8 +4,15 @@
   trials after a warm-up (a peak is a maximum: a trial at a busy moment must not lower it), cached
   with when and how it was measured; a later measurement (`make bench`) that beats it by more than
   `PEAK_MARGIN` replaces it, with one line saying so;
+- the sustained GEMM rate: the median trial with every core busy (one process of `threads` threads
+  per `threads` cores, as the workers run), over the peak: the cpu profile's matmul efficiency. A
+  lone core's best trial runs faster (turbo, a quiet moment) than training sustains: 220 vs
+  185 GFLOP/s on this machine;
 - the gloo link: latency and all-reduce / all-gather / reduce-scatter bandwidth between 2 local processes;
-- the tensor-parallel host overhead: DTensor's dispatch time per block and microbatch.
+- the tensor-parallel host overhead: DTensor's dispatch time per block and microbatch;
+- the block host time: what one block's forward and backward cost when its FLOPs are negligible (the
+  framework's dispatch of its ~100 ops, autograd's bookkeeping): a CPU pays it per block and
+  microbatch on top of the FLOPs, an accelerator's host runs ahead and hides it.
 
 Each is measured once per machine (CPU model, torch version, threads) and cached in
 `<cache_dir>/calibration.json`, so later runs start instantly. The multi-process harnesses run in
@@ -29,6 +36,7 @@ from launcher.metrics.sinks import write_json
 
 GLOO_BYTES = 16 * 2**20  # large enough that bandwidth, not latency, sets its time
 GEMM_N, GEMM_TRIALS, GEMM_WARMUP_S = 1024, 5, 0.2
+BLOCK_PROBE_LAYERS = 4
 PEAK_MARGIN = 0.10  # a later GEMM measurement this much above the cached peak replaces it
 
 
@@ -93,6 +101,38 @@ def measure_gemm_flops(threads: int, n: int = GEMM_N, seconds: float = 1.0, tria
         return best
     finally:
         torch.set_num_threads(old)
+
+
+def _gemm_worker(rank: int, world: int, port: int, seconds: float) -> str:
+    """One of `world` processes running GEMMs at once: its median trial, FLOP/s (rank and port unused)."""
+    import torch
+
+    threads = int(os.environ.get("LAUNCHER_GEMM_THREADS", "1"))
+    torch.set_num_threads(threads)
+    a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
+    end = time.perf_counter() + GEMM_WARMUP_S
+    while time.perf_counter() < end:
+        torch.mm(a, b)
+    rates, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        rates.append(4 * 2 * GEMM_N**3 / (time.perf_counter() - t0))
+    return str(statistics.median(rates))
+
+
+def measure_gemm_sustained(threads: int, seconds: float = 1.5) -> float:
+    """Median fp32 GEMM FLOP/s of one of the processes filling the cores (`threads` threads each)."""
+    procs = max(1, (os.cpu_count() or 1) // threads)
+    return float(_run_ranks("_gemm_worker", procs, seconds, {"LAUNCHER_GEMM_THREADS": str(threads)}))
+
+
+def gemm_efficiency(threads: int, cache_dir: str) -> float:
+    """The sustained GEMM rate with every core busy over the peak (at most 1), measured once, cached."""
+    key = f"gemm_fp32_sustained|threads={threads}"
+    sustained = float(cached_measure(cache_dir, key, lambda: measure_gemm_sustained(threads)))
+    return min(1.0, sustained / gemm_flops(threads, cache_dir))
 
 
 def _gemm_key(threads: int) -> str:
@@ -231,7 +271,44 @@ def _tp_overhead_worker(rank: int, world: int, port: int, seconds: float) -> str
         dist.destroy_process_group()
 
 
-def _run_ranks(worker: str, world: int, seconds: float) -> str:
+def measure_block_overhead(seconds: float = 1.0) -> float:
+    """Microseconds of host time per block forward + backward, 1 thread: the blocks of a model too
+    narrow for its FLOPs to matter (the `small` model's architecture at width 64, 8 tokens), the
+    median step over `BLOCK_PROBE_LAYERS` blocks. A step of `small` at 2 x 256 tokens per microbatch
+    costs this plus its FLOPs per block: the intercept of step time against tokens, measured."""
+    import torch
+
+    from launcher.config import ModelConfig
+    from launcher.model.transformer import Block, rope_tables
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = ModelConfig(name="probe", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
+        torch.manual_seed(0)
+        blocks = [Block(cfg) for _ in range(BLOCK_PROBE_LAYERS)]
+        rope = rope_tables(cfg.dim // cfg.n_heads, 8, cfg.rope_theta, torch.device("cpu"))
+        x = torch.randn(1, 8, cfg.dim)
+
+        def step() -> None:
+            h = x.requires_grad_()
+            for block in blocks:
+                h = block(h, rope)
+            h.sum().backward()
+
+        for _ in range(5):
+            step()  # warm up
+        times, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) / BLOCK_PROBE_LAYERS * 1e6
+    finally:
+        torch.set_num_threads(old)
+
+
+def _run_ranks(worker: str, world: int, seconds: float, extra_env: dict[str, str] | None = None) -> str:
     """Run `launcher.calibration.<worker>(rank, world, port, seconds)` in `world` fresh interpreters (not
     multiprocessing: this works from any entry point, inside a process group or not); rank 0's result."""
     import socket
@@ -244,6 +321,7 @@ def _run_ranks(worker: str, world: int, seconds: float) -> str:
         f"import sys; from launcher.calibration import {worker} as w; print(w(*map(int, sys.argv[1:4]), {seconds!r}))"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path]))
+    env.update(extra_env or {})
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(r), str(world), str(port)],
@@ -301,3 +379,7 @@ def gloo_link(cache_dir: str) -> list[float]:
 
 def tp_overhead_us(cache_dir: str) -> float:
     return float(cached_measure(cache_dir, "tp_dispatch_us|threads=1", measure_tp_overhead))
+
+
+def block_overhead_us(cache_dir: str) -> float:
+    return float(cached_measure(cache_dir, "block_host_us|threads=1", measure_block_overhead))

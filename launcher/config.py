@@ -211,13 +211,17 @@ class HardwareConfig:
     peak_tflops: float | None = ranged(None, gt=0)  # dense bf16 (fp32 on cpu); None: calibrate (cpu)
     memory_gib: float = ranged(16.0, gt=0)
     devices_per_node: int = ranged(1, ge=1)
-    matmul_efficiency: float = ranged(1.0, gt=0, le=1)  # achievable share of peak for large matmuls (planner)
+    # achievable share of peak for large matmuls (planner); None: calibrate (cpu: sustained over peak GEMM)
+    matmul_efficiency: float | None = ranged(1.0, gt=0, le=1)
     # device memory bandwidth (HBM), GB/s: what the work that is not matmul is bound by (planner);
     # None: the planner's per-kind constant instead (cpu)
     memory_bandwidth_gbs: float | None = ranged(None, gt=0)
     # host time per tensor-parallel block and microbatch that no device work hides: DTensor dispatch
     # on a CPU, where the host is the device; 0 on accelerators (launches run ahead). None: calibrate
     host_overhead_us: float | None = ranged(0.0, ge=0)
+    # host time per block and microbatch, forward + backward, that no device work hides: the framework's
+    # dispatch of the block's ops on a CPU; 0 on accelerators (launches run ahead). None: calibrate
+    block_overhead_us: float | None = ranged(0.0, ge=0)
     links: list[LinkConfig] = field(default_factory=list)
 
 

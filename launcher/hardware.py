@@ -23,7 +23,7 @@ def peak_flops(hw: HardwareConfig, threads: int, cache_dir: str) -> float:
 
 def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> HardwareConfig:
     """A copy of `hw` with its null numbers calibrated on this machine (peak FLOP/s at `threads`
-    threads, link latency and bandwidth, tensor-parallel host overhead)."""
+    threads, its sustained share, link latency and bandwidth, tensor-parallel and per-block host overhead)."""
     peak = hw.peak_tflops if hw.peak_tflops is not None else peak_flops(hw, threads, cache_dir) / 1e12
     links = []
     for link in hw.links:
@@ -37,4 +37,8 @@ def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> Hardwa
             link = replace(link, **{k: v for k, v in measured.items() if getattr(link, k) is None})
         links.append(link)
     host = hw.host_overhead_us if hw.host_overhead_us is not None else calibration.tp_overhead_us(cache_dir)
-    return replace(hw, peak_tflops=peak, links=links, host_overhead_us=host)
+    block = hw.block_overhead_us if hw.block_overhead_us is not None else calibration.block_overhead_us(cache_dir)
+    eff = hw.matmul_efficiency if hw.matmul_efficiency is not None else calibration.gemm_efficiency(threads, cache_dir)
+    return replace(
+        hw, peak_tflops=peak, matmul_efficiency=eff, links=links, host_overhead_us=host, block_overhead_us=block
+    )

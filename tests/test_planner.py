@@ -173,6 +173,21 @@ def test_bubble_shrinks_with_microbatches_and_virtual_stages():
     assert inter.pp_bubble == pytest.approx(one.pp_bubble / 2, rel=0.1)
 
 
+def test_block_host_time_is_paid_per_block_and_microbatch_where_the_host_is_the_device():
+    import dataclasses
+
+    cfg = make_cfg("small", "cpu", seq_len=256)
+    base = dataclasses.replace(problem(make_cfg("8b", seq_len=4096), 8), model=cfg.model, seq=256, elem=4)
+    assert base.machine.block_overhead == 0.0  # accelerators: the host runs ahead
+    gpu = predict(base, Layout(pp=2, microbatches=4)).time
+    assert gpu.host == 0.0
+    cpu = dataclasses.replace(base, machine=dataclasses.replace(base.machine, block_overhead=1e-3))
+    t = predict(cpu, Layout(pp=2, microbatches=4)).time
+    # the busiest rank holds 2 of the 4 blocks and one end (embedding or output): 2.5 blocks, 4 microbatches
+    assert t.host == pytest.approx(4 * 2.5e-3)
+    assert t.total - gpu.total == pytest.approx(t.host * (1 + 1 / 4))  # and the bubble's one slot
+
+
 def test_dp_traffic_hides_behind_compute_on_fast_links():
     cfg = make_cfg("8b", seq_len=4096)
     t = predict(problem(cfg, 8), Layout(dp_replicate=8, micro=4)).time  # DDP inside one node

@@ -1,5 +1,5 @@
 """The cpu profile's calibration: measured GEMM peak, gloo all-reduce latency and bandwidth, and the
-host time of tensor-parallel dispatch, cached (a few s)."""
+host time of tensor-parallel dispatch and of one block, cached (a few s)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ CPU_YAML = Path(__file__).resolve().parents[1] / "conf" / "hardware" / "cpu.yaml
 
 def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     cpu = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(CPU_YAML)))
-    assert cpu.peak_tflops is None and cpu.host_overhead_us is None
+    assert cpu.peak_tflops is None and cpu.host_overhead_us is None and cpu.block_overhead_us is None
     assert cpu.links[0].bandwidth_gbs is None and cpu.links[0].latency_us is None
     assert cpu.links[0].all_gather_gbs is None and cpu.links[0].reduce_scatter_gbs is None
     monkeypatch.setattr(calibration, "measure_gemm_flops", lambda threads: 1e10)  # the GEMM has its own test
@@ -28,14 +28,16 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert 1 < link.latency_us < 100_000  # a 4-byte all-reduce: tens of microseconds to milliseconds
     assert 0.01 < link.all_gather_gbs < 1000 and 0.01 < link.reduce_scatter_gbs < 1000
     assert 10 < resolved.host_overhead_us < 1_000_000  # DTensor dispatch of one block: well above zero
+    assert 50 < resolved.block_overhead_us < 100_000  # ~100 ops forward and backward: about a millisecond
 
     def fail(*args, **kwargs):
         raise AssertionError("measured again")
 
-    for name in ("measure_gemm_flops", "measure_gloo_link", "measure_tp_overhead"):
+    for name in ("measure_gemm_flops", "measure_gloo_link", "measure_tp_overhead", "measure_block_overhead"):
         monkeypatch.setattr(calibration, name, fail)
     again = hardware.resolve_hardware(cpu, 1, str(tmp_path))
     assert again.links[0] == link and again.host_overhead_us == resolved.host_overhead_us
+    assert again.block_overhead_us == resolved.block_overhead_us
 
 
 def test_gemm_peak_is_recorded_with_when_and_how_and_raised_only_by_a_clear_margin(tmp_path, monkeypatch):

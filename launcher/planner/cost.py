@@ -65,9 +65,11 @@ from launcher.planner.memory import GRAD_BYTES, counts, full_layers, rank_layers
 
 # Model width at which the non-matmul work takes as long as the matmuls. It scales with the device's
 # FLOP/byte ratio: accelerators (~150-300 FLOP per byte of memory traffic) share one value, set by the
-# published runs; a CPU (~5-10) does far less elementwise work per FLOP: `small` (h 256) trains at
-# 0.66 of the measured 1-thread GEMM peak in one process on this machine, 1/(1 + 128/256).
-H0 = {"cuda": 1024.0, "tpu": 1024.0, "cpu": 128.0}  # without a memory bandwidth in the profile
+# published runs; a CPU (~5-10) does far less elementwise work per FLOP: two blocks of `small` (h 256)
+# at 2 x 256 tokens, forward + backward in one process and 1 thread, take 47.0 ms (best of 25) beside
+# 1024^3 GEMMs at 197 GFLOP/s: less the calibrated host time of 2 blocks (1.4 ms), 5.26 GFLOP at 0.59
+# of the GEMM rate, 1/(1 + 180/256). The attention kernel (SDPA on CPU: ~100 GFLOP/s) is part of it.
+H0 = {"cuda": 1024.0, "tpu": 1024.0, "cpu": 180.0}  # without a memory bandwidth in the profile
 NONMATMUL = 4.0  # H0 per FLOP/byte of the device (612 on an A100, 1184 on an H100): fitted, docs/planner.md
 # element passes over the score matrix: forward softmax (read, write), backward (read the gradient
 # and the probabilities, write); with dropout forward (read, write) and backward (read, write) too
@@ -77,10 +79,13 @@ UNFUSED_PASSES = {"softmax_fwd": 2, "softmax_bwd": 3, "dropout_fwd": 2, "dropout
 # fitted on the published runs; on a CPU not measured, so 0 (the calibrated GEMM peak alone, as before)
 G0 = {"cuda": 64.0, "tpu": 64.0, "cpu": 0.0}
 REPLICATED = 0.15  # share of the non-matmul work that TP leaves replicated without sequence parallelism
-# Input + weight backward over a full backward, torch 2.13 on this CPU: the small model's 2-block stage
-# (micro 2 x 256, 1 thread), the two timed side by side, median of 15: 0.177 s vs 0.138 s. The split
-# walks the autograd graph in Python and runs two passes; an accelerator's host hides that work.
-SPLIT_BACKWARD_CPU = 1.28
+# Input + weight backward over a full backward, torch 2.13 on this CPU: torch's stage_backward_input and
+# stage_backward_weight on the small model's 2-block stage (micro 2 x 256, 1 thread), best of 20, side by
+# side with one backward: 27.9 + 17.6 ms vs 28.8 ms. The input pass runs nearly a whole backward: the
+# fused QKV and MLP-in projections (launcher/model/transformer.py's StackedLinear, 2/3 of the block's
+# matmul FLOPs) are one custom autograd Function, whose backward computes the weights' gradients
+# whatever the engine asks for, and the weight pass runs it again from the saved output gradients.
+SPLIT_BACKWARD_CPU = 1.58
 CONTENTION = {"cuda": 0.2, "tpu": 0.2, "cpu": 1.0}  # share of overlapped communication still taken from compute
 
 
@@ -102,14 +107,16 @@ class StepTime:
     pp_level: str
     ep_comm: float = 0.0  # MoE all-to-alls (launcher/planner/moe.py)
     ep_level: str = ""
+    host: float = 0.0  # every block's framework dispatch the device does not hide (cpu)
 
     @property
     def total(self) -> float:
         comm = self.tp_comm + self.cp_comm + self.tp_host + self.pp_p2p + self.dp_exposed + self.ep_comm
-        return self.compute + comm + self.pp_bubble
+        return self.compute + self.host + comm + self.pp_bubble
 
     def as_dict(self) -> dict[str, float]:
-        keys = ("compute", "tp_comm", "cp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total", "ep_comm")
+        keys = ("compute", "host", "tp_comm", "cp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
+        keys += ("ep_comm",)
         out = {k: getattr(self, k) for k in keys}
         out["total"] = self.total
         return out
@@ -197,6 +204,8 @@ def step_time(
     n, k = layers[busiest], full[busiest]
     all_reduces = 4 * n + 2 * k + sp_regather * (n - k) + ends
     t_tp = t_host = 0.0
+    blocks_run = layers[busiest] + ends / 2  # the embedding and the output with the loss weigh half a block each
+    t_block = machine.block_overhead * blocks_run
     c = CONTENTION.get(machine.kind, CONTENTION["cuda"])
     if t > 1:
         blocks = (all_reduces - ends) * comm.all_reduce(lv, act_bytes, 1, t)
@@ -204,7 +213,7 @@ def step_time(
             blocks = _exposed(blocks, t_comp, t, c)
         t_tp = blocks + ends * comm.all_reduce(lv, act_bytes, 1, t)
         t_tp += 3 * comm.all_reduce(lv, tokens * 4.0, 1, t) if busiest == last else 0.0
-        t_host = machine.host_overhead * (layers[busiest] + ends / 2)  # both ends weigh one block
+        t_host = machine.host_overhead * blocks_run
     t_cp = 0.0
     if cp > 1:
         kv_bytes = layout.micro * seq * 2 * kv_heads(m) * head_dim(m) / t * elem  # gathered K and V
@@ -213,7 +222,7 @@ def step_time(
         t_cp = layers[busiest] * per_layer_cp
     t_p2p = 2 * v * comm.send(lv, act_bytes / t, t * cp * layout.dp) if p > 1 else 0.0
     t_a2a = moe.all_to_all_time(m, layout, lv, tokens, elem, busiest)
-    slot = t_comp + t_tp + t_cp + t_host + t_p2p + t_a2a
+    slot = t_comp + t_block + t_tp + t_cp + t_host + t_p2p + t_a2a
 
     # data parallel: parameters of the busiest rank, over the dp_shard then dp_replicate groups
     params = rank_params(m, layout, busiest)
@@ -245,6 +254,7 @@ def step_time(
 
     return StepTime(
         compute=mb * t_comp,
+        host=mb * t_block,
         tp_comm=mb * t_tp,
         cp_comm=mb * t_cp,
         tp_host=mb * t_host,

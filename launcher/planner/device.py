@@ -44,4 +44,5 @@ class Machine:
     devices_per_node: int
     levels: tuple[Level, ...]
     host_overhead: float = 0.0  # seconds per tensor-parallel block and microbatch (cpu: DTensor dispatch)
+    block_overhead: float = 0.0  # seconds per block and microbatch, fwd + bwd (cpu: the framework's dispatch)
     memory_bandwidth: float | None = None  # bytes/s of device memory (None: not given, cpu)

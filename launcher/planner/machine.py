@@ -18,7 +18,8 @@ KINDS = ("cpu", "cuda", "tpu")
 
 def needs_calibration(hw: HardwareConfig) -> bool:
     links = any(link.bandwidth_gbs is None or link.latency_us is None for link in hw.links)
-    return hw.peak_tflops is None or hw.host_overhead_us is None or links
+    hosts = hw.host_overhead_us is None or hw.block_overhead_us is None
+    return hw.peak_tflops is None or hw.matmul_efficiency is None or hosts or links
 
 
 def validate(hw: HardwareConfig) -> None:
@@ -29,7 +30,8 @@ def validate(hw: HardwareConfig) -> None:
     check_ranges(hw, "hardware.")
     if needs_calibration(hw) and hw.kind != "cpu":
         raise LauncherError(
-            f"hardware '{hw.name}' has a null peak_tflops, host_overhead_us or link bandwidth_gbs/latency_us: "
+            f"hardware '{hw.name}' has a null peak_tflops, matmul_efficiency, host_overhead_us, block_overhead_us "
+            "or link bandwidth_gbs/latency_us: "
             "only the cpu profile is calibrated; give the datasheet numbers"
         )
 
@@ -66,5 +68,6 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
         devices_per_node=hw.devices_per_node,
         levels=levels,
         host_overhead=float(hw.host_overhead_us) * 1e-6,
+        block_overhead=float(hw.block_overhead_us) * 1e-6,
         memory_bandwidth=None if hw.memory_bandwidth_gbs is None else hw.memory_bandwidth_gbs * 1e9,
     )

@@ -32,7 +32,11 @@ def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
         share = min(1.0, (os.cpu_count() or 1) / (local * threads))
         levels = tuple(lv.time_sliced(share) for lv in mach.levels)
         mach = dataclasses.replace(
-            mach, peak_flops=mach.peak_flops * share, levels=levels, host_overhead=mach.host_overhead / share
+            mach,
+            peak_flops=mach.peak_flops * share,
+            levels=levels,
+            host_overhead=mach.host_overhead / share,
+            block_overhead=mach.block_overhead / share,
         )
     return mach
 
