@@ -222,6 +222,9 @@ class HardwareConfig:
     # host time per block and microbatch, forward + backward, that no device work hides: the framework's
     # dispatch of the block's ops on a CPU; 0 on accelerators (launches run ahead). None: calibrate
     block_overhead_us: float | None = ranged(0.0, ge=0)
+    # host time of the optimizer step per parameter a device updates (cpu: fused AdamW streaming from
+    # memory); 0 on accelerators, where it is well under 1% of a step. None: calibrate
+    optimizer_ns_per_param: float | None = ranged(0.0, ge=0)
     links: list[LinkConfig] = field(default_factory=list)
 
 

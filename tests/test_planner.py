@@ -173,7 +173,7 @@ def test_bubble_shrinks_with_microbatches_and_virtual_stages():
     assert inter.pp_bubble == pytest.approx(one.pp_bubble / 2, rel=0.1)
 
 
-def test_block_host_time_is_paid_per_block_and_microbatch_where_the_host_is_the_device():
+def test_block_host_time_and_optimizer_step_where_the_host_is_the_device():
     import dataclasses
 
     cfg = make_cfg("small", "cpu", seq_len=256)
@@ -186,6 +186,9 @@ def test_block_host_time_is_paid_per_block_and_microbatch_where_the_host_is_the_
     # the busiest rank holds 2 of the 4 blocks and one end (embedding or output): 2.5 blocks, 4 microbatches
     assert t.host == pytest.approx(4 * 2.5e-3)
     assert t.total - gpu.total == pytest.approx(t.host * (1 + 1 / 4))  # and the bubble's one slot
+    updates = dataclasses.replace(base, machine=dataclasses.replace(base.machine, optimizer_time=1e-9))
+    t = predict(updates, Layout(pp=2, microbatches=4)).time
+    assert t.optimizer == pytest.approx(1e-9 * memory.rank_params(cfg.model, Layout(pp=2, microbatches=4), 1))
 
 
 def test_dp_traffic_hides_behind_compute_on_fast_links():

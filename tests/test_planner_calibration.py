@@ -29,15 +29,26 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert 0.01 < link.all_gather_gbs < 1000 and 0.01 < link.reduce_scatter_gbs < 1000
     assert 10 < resolved.host_overhead_us < 1_000_000  # DTensor dispatch of one block: well above zero
     assert 50 < resolved.block_overhead_us < 100_000  # ~100 ops forward and backward: about a millisecond
+    assert 0.1 < resolved.optimizer_ns_per_param < 1000  # fused AdamW streams ~28 bytes per parameter
+    assert 0.1 < resolved.matmul_efficiency <= 1.0  # the sustained GEMM rate over the (mocked) peak
 
     def fail(*args, **kwargs):
         raise AssertionError("measured again")
 
-    for name in ("measure_gemm_flops", "measure_gloo_link", "measure_tp_overhead", "measure_block_overhead"):
+    for name in (
+        "measure_gemm_flops",
+        "measure_gloo_link",
+        "measure_tp_overhead",
+        "measure_block_overhead",
+        "measure_optimizer_step",
+        "measure_gemm_sustained",
+    ):
         monkeypatch.setattr(calibration, name, fail)
     again = hardware.resolve_hardware(cpu, 1, str(tmp_path))
     assert again.links[0] == link and again.host_overhead_us == resolved.host_overhead_us
     assert again.block_overhead_us == resolved.block_overhead_us
+    assert again.optimizer_ns_per_param == resolved.optimizer_ns_per_param
+    assert again.matmul_efficiency == resolved.matmul_efficiency
 
 
 def test_gemm_peak_is_recorded_with_when_and_how_and_raised_only_by_a_clear_margin(tmp_path, monkeypatch):

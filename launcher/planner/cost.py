@@ -36,6 +36,11 @@ exposed, the rest hides behind the block's compute at the usual CONTENTION. On a
 CPU the host is the device, so DTensor's dispatch (the machine's calibrated host_overhead per block
 and microbatch) adds to the step too; accelerators run ahead of the host and hide it.
 
+Host time where the host is the device (cpu profile, each calibrated; 0 on accelerators): every
+block's framework dispatch per microbatch (block_overhead: the ends weigh half a block each), and
+the optimizer step over the rank's parameters (optimizer_time per parameter). The cpu profile's
+matmul efficiency is the GEMM rate sustained with every core busy over the peak.
+
 Context parallelism: each rank computes seq / cp tokens of every sequence; per layer and microbatch
 it all-gathers K and V of the whole sequence over the cp group (2 b s h_kv / t elements) before its
 attention (again when full recompute repeats the forward) and reduce-scatters their gradients in
@@ -108,15 +113,16 @@ class StepTime:
     ep_comm: float = 0.0  # MoE all-to-alls (launcher/planner/moe.py)
     ep_level: str = ""
     host: float = 0.0  # every block's framework dispatch the device does not hide (cpu)
+    optimizer: float = 0.0  # the optimizer step over the rank's parameters (cpu)
 
     @property
     def total(self) -> float:
         comm = self.tp_comm + self.cp_comm + self.tp_host + self.pp_p2p + self.dp_exposed + self.ep_comm
-        return self.compute + self.host + comm + self.pp_bubble
+        return self.compute + self.host + comm + self.pp_bubble + self.optimizer
 
     def as_dict(self) -> dict[str, float]:
         keys = ("compute", "host", "tp_comm", "cp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
-        keys += ("ep_comm",)
+        keys += ("ep_comm", "optimizer")
         out = {k: getattr(self, k) for k in keys}
         out["total"] = self.total
         return out
@@ -251,10 +257,14 @@ def step_time(
     elif rep > 1:
         dp_total = comm.all_reduce(lv, GRAD_BYTES * params, t, rep)
         dp_exposed = _exposed(dp_total, bwd, buckets, c)
+    # the optimizer updates the rank's FSDP shard, and its shard of its experts' own units (over edp)
+    experts = moe.rank_expert_params(m, layout, busiest) / max(1, layout.dp_shard // layout.ep)
+    t_opt = machine.optimizer_time * (params / s + experts)
 
     return StepTime(
         compute=mb * t_comp,
         host=mb * t_block,
+        optimizer=t_opt,
         tp_comm=mb * t_tp,
         cp_comm=mb * t_cp,
         tp_host=mb * t_host,

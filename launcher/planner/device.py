@@ -45,4 +45,5 @@ class Machine:
     levels: tuple[Level, ...]
     host_overhead: float = 0.0  # seconds per tensor-parallel block and microbatch (cpu: DTensor dispatch)
     block_overhead: float = 0.0  # seconds per block and microbatch, fwd + bwd (cpu: the framework's dispatch)
+    optimizer_time: float = 0.0  # seconds per parameter a device updates, per step (cpu: fused AdamW)
     memory_bandwidth: float | None = None  # bytes/s of device memory (None: not given, cpu)

@@ -18,7 +18,7 @@ KINDS = ("cpu", "cuda", "tpu")
 
 def needs_calibration(hw: HardwareConfig) -> bool:
     links = any(link.bandwidth_gbs is None or link.latency_us is None for link in hw.links)
-    hosts = hw.host_overhead_us is None or hw.block_overhead_us is None
+    hosts = hw.host_overhead_us is None or hw.block_overhead_us is None or hw.optimizer_ns_per_param is None
     return hw.peak_tflops is None or hw.matmul_efficiency is None or hosts or links
 
 
@@ -30,9 +30,9 @@ def validate(hw: HardwareConfig) -> None:
     check_ranges(hw, "hardware.")
     if needs_calibration(hw) and hw.kind != "cpu":
         raise LauncherError(
-            f"hardware '{hw.name}' has a null peak_tflops, matmul_efficiency, host_overhead_us, block_overhead_us "
-            "or link bandwidth_gbs/latency_us: "
-            "only the cpu profile is calibrated; give the datasheet numbers"
+            f"hardware '{hw.name}' has a null peak_tflops, matmul_efficiency, host_overhead_us, block_overhead_us, "
+            "optimizer_ns_per_param or link bandwidth_gbs/latency_us: only the cpu profile is calibrated; give "
+            "the datasheet numbers"
         )
 
 
@@ -69,5 +69,6 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
         levels=levels,
         host_overhead=float(hw.host_overhead_us) * 1e-6,
         block_overhead=float(hw.block_overhead_us) * 1e-6,
+        optimizer_time=float(hw.optimizer_ns_per_param) * 1e-9,
         memory_bandwidth=None if hw.memory_bandwidth_gbs is None else hw.memory_bandwidth_gbs * 1e9,
     )

@@ -37,6 +37,7 @@ def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
             levels=levels,
             host_overhead=mach.host_overhead / share,
             block_overhead=mach.block_overhead / share,
+            optimizer_time=mach.optimizer_time / share,
         )
     return mach
 
