@@ -281,6 +281,18 @@ def _tp_overhead_worker(rank: int, world: int, port: int, seconds: float) -> str
         dist.destroy_process_group()
 
 
+def _median_seconds(step: Callable[[], None], seconds: float, warmup: int) -> float:
+    """Median seconds of `step` over `seconds` of calls, after `warmup` calls."""
+    for _ in range(warmup):
+        step()
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure_block_overhead(seconds: float = 1.0) -> float:
     """Microseconds of host time per block forward + backward, 1 thread: the blocks of a model too
     narrow for its FLOPs to matter (the `small` model's architecture at width 64, 8 tokens), the
@@ -306,14 +318,7 @@ def measure_block_overhead(seconds: float = 1.0) -> float:
                 h = block(h, rope)
             h.sum().backward()
 
-        for _ in range(5):
-            step()  # warm up
-        times, end = [], time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) / BLOCK_PROBE_LAYERS * 1e6
+        return _median_seconds(step, seconds, warmup=5) / BLOCK_PROBE_LAYERS * 1e6
     finally:
         torch.set_num_threads(old)
 
@@ -335,13 +340,7 @@ def measure_optimizer_step(seconds: float = 1.0, numel: int = 2**22) -> float:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
 
-        step()  # warm up: the moments are allocated
-        times, end = [], time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) / numel * 1e9
+        return _median_seconds(step, seconds, warmup=1) / numel * 1e9  # warm-up: the moments are allocated
     finally:
         torch.set_num_threads(old)
 
