@@ -4,8 +4,8 @@ DeepSeek-V3 scale, stated as numbers.
 
 The claim: for a DeepSeek-V3-like shape (61 layers, width 7168, 256 routed experts of width 2048 + 1
 shared, top-8) on 2048 devices, the best layout without pipeline parallelism is within 5% of the best
-overall on gb200_nvl72 and tpu_v5p, and clearly worse on h100_sxm. The planner agrees on tpu_v5p (1.00) and
-h100_sxm (0.63) and disagrees on gb200_nvl72 (0.94): see docs/parallelism.md, "Mixture of experts".
+overall on gb200_nvl72 and tpu_v5p, and clearly worse on h100_sxm. The planner agrees on all three
+(1.00, 1.00, 0.71): see docs/parallelism.md, "Mixture of experts".
 """
 
 from __future__ import annotations
@@ -45,18 +45,7 @@ def no_pp_ratio(hardware: str) -> float:
     [
         ("tpu_v5p", "within 5%"),
         ("h100_sxm", "clearly worse"),
-        pytest.param(
-            "gb200_nvl72",
-            "within 5%",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the planner puts pp=1 at 0.94 of the best (zbv pp=8, ep=16): cost.step_time charges a "
-                "pipeline the all-to-alls of its compute-busiest rank, rank 0 under zbv, whose dense layers and "
-                "output leave it 4 MoE layers where the others hold 8, so pp's all-to-alls count half; choosing "
-                "that rank by compute + all-to-all gives 0.999 (the rest: pp=1's edp ranks span racks, so its "
-                "expert FSDP traffic crosses InfiniBand)",
-            ),
-        ),
+        ("gb200_nvl72", "within 5%"),
     ],
 )
 def test_pipeline_parallelism_at_deepseek_v3_scale(hardware: str, claim: str) -> None:

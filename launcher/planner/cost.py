@@ -195,8 +195,11 @@ def step_time(
     share = non_matmul_share(machine, m, layout)
     sel = [(n - full[r]) * share / 3.0 if layout.recompute == "selective" else 0.0 for r, n in enumerate(layers)]
     work = [w + sel[r] * f_layer / (1.0 + share) for r, w in enumerate(work)]
-    busiest = max(range(p), key=lambda r: work[r])
     flop_rate = machine.peak_flops * compute_efficiency(machine, m, layout, tokens)
+    # the slowest rank sets the pipeline's pace: its compute and, with MoE, its all-to-alls (a rank
+    # holding the dense layers or the output may compute most yet exchange least)
+    a2a = [moe.all_to_all_time(m, layout, lv, tokens, elem, r) for r in range(p)]
+    busiest = max(range(p), key=lambda r: tokens * work[r] / (t * flop_rate) + a2a[r])
     t_comp = tokens * work[busiest] / (t * flop_rate)
     t_comp += tokens * layers[busiest] * unfused_attention_seconds(m, seq, layout, machine, elem)
     if layout.zero_bubble and machine.kind == "cpu":  # the host is the device: torch's split costs show
@@ -227,7 +230,7 @@ def step_time(
         per_layer_cp = gathers * comm.all_gather(lv, kv_bytes, t, cp) + comm.reduce_scatter(lv, kv_bytes, t, cp)
         t_cp = layers[busiest] * per_layer_cp
     t_p2p = 2 * v * comm.send(lv, act_bytes / t, t * cp * layout.dp) if p > 1 else 0.0
-    t_a2a = moe.all_to_all_time(m, layout, lv, tokens, elem, busiest)
+    t_a2a = a2a[busiest]
     slot = t_comp + t_block + t_tp + t_cp + t_host + t_p2p + t_a2a
 
     # data parallel: parameters of the busiest rank, over the dp_shard then dp_replicate groups
