@@ -4,6 +4,7 @@ exactly as an uninterrupted run; a second Ctrl-C stops at once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -81,6 +82,9 @@ def test_a_signal_saves_every_rank_at_one_step_exits_75_and_the_rerun_resumes_ex
     step = max(losses(run_dir))
     assert 3 <= step < STEPS
     assert f"preempted at step {step}: checkpoint saved under {run_dir / 'checkpoints'}" in err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # the stop request travels with each rank's memory figure: every logged row has every rank's
+    assert all(len(r["mem_gib_per_rank"]) == tp and r["mem_gib"] == max(r["mem_gib_per_rank"]) > 0 for r in rows)
     saved = complete_checkpoints(run_dir / "checkpoints")
     assert [p.name for p in saved] == [f"step_{step:08d}"]
     assert sorted(p.name for p in saved[0].glob("rng_rank*.pt")) == [f"rng_rank{r}.pt" for r in range(tp)]

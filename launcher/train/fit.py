@@ -33,17 +33,22 @@ def return_freed_memory() -> bool:
         return False
 
 
-def gather_ranks(value: float) -> list[float]:
-    """`value` from every rank, in rank order (outside a process group: this process's alone). A tensor
-    all-gather, not a pickled object: it runs on every logged step."""
+def gather_rows(values: list[float]) -> list[list[float]]:
+    """`values` from every rank, one row per rank in rank order (outside a process group: this
+    process's alone). One tensor all-gather and one read back, not a pickled object: it runs every step."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return [value]
-    mine = torch.tensor([value], dtype=torch.float64, device=collective_device())
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=collective_device())
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
-    return [t.item() for t in out]
+    return torch.stack(out).tolist()
+
+
+def gather_ranks(value: float) -> list[float]:
+    """`value` from every rank, in rank order."""
+    return [row[0] for row in gather_rows([value])]
 
 
 def memory_summary(per_rank: list[float], key: str = "peak_mem_gib") -> dict[str, Any]:

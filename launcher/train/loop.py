@@ -26,6 +26,7 @@ from launcher.precision import autocast_for, precision_mode
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
 from launcher.train.fit import (
     gather_ranks,
+    gather_rows,
     memory_lines,
     memory_summary,
     out_of_memory,
@@ -192,13 +193,15 @@ def train(
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
             val_loss = row["val_loss"] = run_eval(runner, val_loader, cfg.eval.batches)
         rows.append(row)
+        # one collective a step: every rank's memory (shown on logged steps) and stop request together
+        per_rank = gather_rows([row["mem_gib"], float(preemption.raised)])
         if step % cfg.metrics.log_every == 0 or step == cfg.steps or "val_loss" in row:  # alike on every rank
-            row.update(memory_summary(gather_ranks(row["mem_gib"]), "mem_gib"))
+            row.update(memory_summary([mem for mem, _ in per_rank], "mem_gib"))
             for sink in sinks:
                 sink.log(row, loads)
             view.update(row, loads)
             log.info("%s", row)
-        if preemption.agreed():  # a stop signal on any rank: every rank saves this step, then stops
+        if any(stop for _, stop in per_rank):  # a stop signal on any rank: every rank saves this step, then stops
             save(step)
             checkpointer.wait()
             preemption.restore()

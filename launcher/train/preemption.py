@@ -44,8 +44,9 @@ def agree(value: bool, op: dist.ReduceOp.RedOpType) -> bool:
 
 
 class PreemptionFlag:
-    """Set by a signal handler; `agreed` makes every rank see it at the same step. Once it is set, a
-    Ctrl-C raises `KeyboardInterrupt` (stop at once) after giving the signals back to their old handlers."""
+    """Set by a signal handler; the loop gathers every rank's `raised` each step (with its memory figure),
+    so that all ranks stop at the same step. Once it is set, a Ctrl-C raises `KeyboardInterrupt` (stop at
+    once) after giving the signals back to their old handlers."""
 
     def __init__(self, signals: tuple[signal.Signals, ...] | None = None) -> None:
         self.raised = False
@@ -62,9 +63,6 @@ class PreemptionFlag:
             self.restore()
             raise KeyboardInterrupt
         self.raised = True
-
-    def agreed(self) -> bool:
-        return agree(self.raised, dist.ReduceOp.MAX)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
