@@ -19,6 +19,7 @@ BENCHES = [
     "hf_import",
     "peer_shape",
     "moe",
+    "fsdp_cpu",
 ]
 ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
 
