@@ -14,6 +14,7 @@ BENCHES = [
     "memory",
     "tokenize",
     "schedules",
+    "split_backward",
     "recompute",
     "context",
     "hf_import",

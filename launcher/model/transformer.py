@@ -50,33 +50,61 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
 
 
 class StackedLinear(torch.autograd.Function):
-    """x @ [w_1; w_2; ...].T as one matmul. The stacked copy lives only inside forward and backward:
+    """x @ [w_1; w_2; ...].T as one matmul, differentiable in x only (the weights come in detached; their
+    gradients are `StackedLinearWeights`'s). The stacked copy lives only inside forward and backward:
     autograd keeps x and the weights themselves (as separate `nn.Linear`s would), not a copy of them
     per layer (under FSDP, that copy would outlive the resharded weights until backward)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, *weights)
-        ctx.dtype = dtype
+        ctx.save_for_backward(*weights)
+        ctx.dtype, ctx.x_dtype = dtype, x.dtype
         return x.to(dtype) @ torch.cat(weights).to(dtype).t()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, *weights = ctx.saved_tensors
-        stacked, g = torch.cat(weights).to(ctx.dtype), grad.to(ctx.dtype)
-        grad_x = (g @ stacked).to(x.dtype)
-        grad_w = g.flatten(0, -2).t() @ x.to(ctx.dtype).flatten(0, -2)
-        rows = [w.shape[0] for w in weights]
-        return grad_x, None, *(gw.to(w.dtype) for gw, w in zip(grad_w.split(rows), weights))
+        weights = ctx.saved_tensors  # unpacked once: checkpointing's saved-tensor hooks allow no more
+        stacked = torch.cat(weights).to(ctx.dtype)
+        return (grad.to(ctx.dtype) @ stacked).to(ctx.x_dtype), None, *(None for _ in weights)
+
+
+class StackedLinearWeights(torch.autograd.Function):
+    """The weights' (and biases') side of `StackedLinear`, as its own autograd node beside it: forward
+    returns the biases (zero without) expanded to the output's shape, to be added to the product;
+    backward computes the weights' gradients from the saved x (given detached) and the output's
+    gradient. Two nodes, so a zero-bubble schedule's input pass (torch's stage_backward_input) runs
+    only the x side and its weight pass only this one; one node would compute both in both passes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, n_weights: int, *params: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.dtype, ctx.n_weights = dtype, n_weights
+        ctx.shapes = [(p.shape, p.dtype) for p in params]
+        weights, biases = params[:n_weights], params[n_weights:]
+        width = sum(w.shape[0] for w in weights)
+        bias = torch.cat(biases).to(dtype) if biases else x.new_zeros((), dtype=dtype)
+        return bias.expand(*x.shape[:-1], width)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        g = grad.to(ctx.dtype).flatten(0, -2)
+        weights, biases = ctx.shapes[: ctx.n_weights], ctx.shapes[ctx.n_weights :]
+        rows = [shape[0] for shape, _ in weights]
+        grad_w = (g.t() @ x.to(ctx.dtype).flatten(0, -2)).split(rows)
+        grad_b = g.sum(0).split(rows) if biases else ()
+        grads = [gp.to(dt) for gp, (_, dt) in zip((*grad_w, *grad_b), ctx.shapes)]
+        return None, None, None, *grads
 
 
 def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
     """`x` through several `nn.Linear`s that share it, as one matmul (x read once, one larger GEMM
-    forward and backward); returns each projection's output. The parameters stay separate, so names,
-    checkpoints and the tensor-parallel plan are those of the unfused layers. Under tensor parallelism
-    (weights Shard(0) DTensors, x a replicated DTensor) the stack is of the local shards, [q_r; k_r;
-    v_r]: this rank's whole heads (hidden units) of each projection; x's gradient is then a partial
-    sum, reduced where the replicated input came from (launcher/parallel/tensor.py)."""
+    forward and one each for x's and the weights' gradients); returns each projection's output. The
+    parameters stay separate, so names, checkpoints and the tensor-parallel plan are those of the
+    unfused layers. Under tensor parallelism (weights Shard(0) DTensors, x a replicated DTensor) the
+    stack is of the local shards, [q_r; k_r; v_r]: this rank's whole heads (hidden units) of each
+    projection; x's gradient is then a partial sum, reduced where the replicated input came from
+    (launcher/parallel/tensor.py)."""
     weights = [lin.weight for lin in linears]
     biases = [lin.bias for lin in linears if lin.bias is not None]
     if isinstance(x, DTensor):
@@ -85,10 +113,9 @@ def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ..
         biases = [b.to_local() for b in biases]
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    with torch.autocast(device, enabled=False):  # the Function casts to autocast's dtype itself
-        out = StackedLinear.apply(x, dtype, *weights)
-        if biases:
-            out = out + torch.cat(biases).to(dtype)
+    with torch.autocast(device, enabled=False):  # the Functions cast to autocast's dtype themselves
+        product = StackedLinear.apply(x, dtype, *(w.detach() for w in weights))
+        out = product + StackedLinearWeights.apply(x.detach(), dtype, len(weights), *weights, *biases)
     return out.split([w.shape[0] for w in weights], dim=-1)
 
 
