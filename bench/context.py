@@ -1,7 +1,7 @@
 """Context parallelism against the planner: `python -m bench context [--steps 8] [--batch 4] [--seq-len 512]`.
 
 1. Memory: the bytes autograd saves for one block forward on a cp=2 rank (saved-tensor hooks; the
-   parameters, the RoPE table and the cached causal mask excluded), next to the planner's
+   parameters, the RoPE table and the cached causal masks excluded), next to the planner's
    `layer_activation_bytes` for its seq / cp tokens; and the same at cp=1. Exact equality expected.
 2. Step time: the `small` model at cp=1 (one process) and cp=2 (two processes, FSDP over the cp
    ranks), the same global batch, measured side by side in one run, next to the planner's step time
@@ -35,7 +35,10 @@ def block_memory_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:
     positions = model.positions(torch.device("cpu")) if world > 1 else torch.arange(local)
     rope = model.rope[:, positions]  # the table Transformer.forward hands every block
     attention = model.layers["0"].attention
-    constants = (attention.attend.__self__.mask(torch.device("cpu"), torch.float32),) if world > 1 else ()
+    constants: tuple[torch.Tensor, ...] = ()
+    if world > 1:  # built once per run: the key order and the chunks' masks (chunk 0 has none)
+        shard, cpu = attention.attend.__self__, torch.device("cpu")
+        constants = (shard.key_order(cpu), *(shard.mask(j, cpu, torch.float32) for j in shard.chunks if j))
     torch.manual_seed(rank)
     x = torch.randn(1, local, cfg.model.dim, requires_grad=True)
     saved, detail = block_saved_bytes(model.layers["0"], rope, x, constants)

@@ -128,7 +128,7 @@ def test_cp_memory_and_communication_terms() -> None:
     one, two = (memory(m, 32768, replace(base, cp=cp), 2, "cuda") for cp in (1, 2))
     assert 0.5 < two.activations / one.activations < 0.6  # / cp, but K and V are saved whole (GQA: 1/8 of h)
     assert two.params == one.params / 2  # FSDP over dp_shard x cp
-    assert two.buffers - one.buffers == 2 * 16384 * 32768  # the (seq/cp) x seq bf16 mask
+    assert two.buffers - one.buffers == 2 * 8192 * (32768 + 8192)  # the chunks' bf16 masks, c x (seq + c)
     inside, across = (step_time(m, 32768, Layout(tp=tp, cp=cp), machine, 2) for tp, cp in ((4, 2), (8, 2)))
     assert inside.cp_level == "nvlink4" and across.cp_level == "infiniband_ndr"
     assert 0 < inside.cp_comm < across.cp_comm

@@ -6,9 +6,10 @@ rank with an early chunk also holds a late one, and every rank does the same att
 
 Attention (the scheme Llama 3 trained its long-context stage with, Dubey et al. 2024, sec. 3.3.2):
 each rank projects Q, K, V for its own tokens, all-gathers K and V over the cp group (one collective
-per layer; its backward reduce-scatters dK and dV back to their owners), and attends its local
-queries to all S keys with the causal mask of its two chunks, written out explicitly from the global
-positions (`attend`). torch's experimental ring attention has no CPU path (docs/parallelism.md);
+per layer; its backward reduce-scatters dK and dV back to their owners), puts the keys back in
+sequence order, and attends each local chunk's queries only to the keys up to that chunk's end, with a
+causal mask aligned to its lower right (`attend`): the attention work is the causal half of cp=1's,
+even over the cp ranks. torch's experimental ring attention has no CPU path (docs/parallelism.md);
 this one runs wherever SDPA with a mask does. RoPE and learned positions use the global positions
 (`Transformer.positions`).
 
@@ -85,14 +86,28 @@ class ContextShard:
             self._cache[key] = local_positions(self.seq_len, self.cp, self.rank).to(device)
         return self._cache[key]
 
-    def mask(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Additive causal mask (local queries, gathered keys in rank order): 0 where the key's global
-        position is not after the query's, -inf elsewhere. Built once per run, like the RoPE table; a
-        float mask of the compute dtype, which SDPA uses as is (a bool one it would convert per call)."""
-        key = ("mask", device, dtype)
+    @property
+    def chunks(self) -> tuple[int, int]:
+        """The global chunks (of 2 cp) this rank holds, in local order."""
+        return self.rank, 2 * self.cp - 1 - self.rank
+
+    def key_order(self, device: torch.device) -> torch.Tensor:
+        """Where each global position sits among the gathered keys (rank order: chunks 0, 2 cp - 1, 1, ...)."""
+        key = ("order", device)
         if key not in self._cache:
-            keys = torch.cat([local_positions(self.seq_len, self.cp, r) for r in range(self.cp)]).to(device)
-            visible = self.positions(device)[:, None] >= keys[None, :]
+            gathered = torch.cat([local_positions(self.seq_len, self.cp, r) for r in range(self.cp)])
+            self._cache[key] = gathered.argsort().to(device)
+        return self._cache[key]
+
+    def mask(self, chunk: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Additive causal mask of global chunk `chunk`'s queries against keys 0 .. its end, aligned to the
+        lower right: 0 where the key is not after the query, -inf elsewhere. Built once per run, like the
+        RoPE table; a float mask of the compute dtype, which SDPA uses as is (a bool one it would convert
+        per call; on CPU torch's `causal_lower_right` bias is materialized that way too)."""
+        key = ("mask", chunk, device, dtype)
+        if key not in self._cache:
+            c = self.seq_len // (2 * self.cp)
+            visible = torch.ones(c, (chunk + 1) * c, dtype=torch.bool, device=device).tril(chunk * c)
             zero = torch.zeros((), dtype=dtype, device=device)
             self._cache[key] = torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
         return self._cache[key]
@@ -101,13 +116,23 @@ class ContextShard:
     # the attention core rather than tracing process-group calls
     @torch.compiler.disable
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, gqa: bool) -> torch.Tensor:
-        """Local queries (batch, heads, s/cp, hd) against every rank's K and V: one all-gather of both."""
+        """Local queries (batch, heads, s/cp, hd) against the K and V before them: one all-gather of both."""
         if q.shape[-2] * self.cp != self.seq_len:
             raise ValueError(f"context parallel over seq_len={self.seq_len} got {q.shape[-2]} local tokens")
         kv = torch.stack([k, v]).movedim(3, 0)  # (s/cp, 2, batch, kv heads, hd): gather along the sequence
-        k_all, v_all = _GatherSequence.apply(kv, self.group).movedim(0, 3).unbind(0)
-        mask = self.mask(q.device, q.dtype)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+        kv_all = _GatherSequence.apply(kv, self.group)[self.key_order(q.device)]
+        k_all, v_all = kv_all.movedim(0, 3).unbind(0)
+        c = self.seq_len // (2 * self.cp)
+        outs = []
+        for chunk, q_chunk in zip(self.chunks, q.split(c, dim=-2)):
+            k_seen, v_seen = k_all[..., : (chunk + 1) * c, :], v_all[..., : (chunk + 1) * c, :]
+            mask = None if chunk == 0 else self.mask(chunk, q.device, q.dtype)  # chunk 0: a square causal block
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q_chunk, k_seen, v_seen, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, enable_gqa=gqa
+                )
+            )
+        return torch.cat(outs, dim=-2)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
