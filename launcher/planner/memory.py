@@ -42,8 +42,9 @@ projections, h each: the all-reduced, or with sequence parallelism the reduce-sc
 `recompute_layers=N` recomputes N blocks of each stage in full and the rest per the policy.
 Context parallelism (cp ranks, each seq / cp tokens of every sequence) divides everything per token
 by cp, except K and V: attention saves the all-gathered K and V of the whole sequence (cp times the
-local ones), and each rank keeps the causal masks of its two chunks (c = seq / 2cp tokens) against the
-keys up to their ends, c x (seq + c) in the compute dtype on all but cp rank 0 (a buffer).
+local ones) and, beside its two chunks' outputs, their concatenation (one more h); each rank keeps
+the causal masks of its two chunks (c = seq / 2cp tokens) against the keys up to their ends,
+c x (seq + c) in the compute dtype on all but cp rank 0 (a buffer).
 The busiest pipeline rank holds activations for the microbatches in flight: GPipe all m, 1F1B up to
 p on the first rank (p - r on rank r), interleaved 1F1B 2(p - r - 1) + (v - 1)p + 1 chunks of 1/v of
 its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v)).
@@ -161,8 +162,10 @@ def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) 
     if EAGER_NORM_STATS:  # two norms per layer; RMSNorm saves x*rstd (h) and rstd, LayerNorm mean and rstd
         norm_stats = 2 * elem * (h + 1) if m.norm == "rmsnorm" else 2 * elem * 2
     replicated = 4 * elem * h + 2 * mask * h + norm_stats
-    # attention saves K and V as its core reads them: all-gathered over the cp ranks (cp x the local ones)
-    sharded = elem * (2 * hq + 2 * hkv * layout.cp) + (4 if m.mlp == "swiglu" else 2) * elem * f + routed
+    # attention saves K and V as its core reads them: all-gathered over the cp ranks (cp x the local ones);
+    # under cp each local chunk's output is saved, and their concatenation (the output projection's input)
+    cp_out = hq if layout.cp > 1 else 0
+    sharded = elem * (2 * hq + cp_out + 2 * hkv * layout.cp) + (4 if m.mlp == "swiglu" else 2) * elem * f + routed
     if FUSED_ATTENTION:
         core = 4.0 * a
     else:
