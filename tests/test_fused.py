@@ -118,3 +118,34 @@ def test_chunked_loss_never_holds_the_full_logits(monkeypatch: pytest.MonkeyPatc
         model(tokens[:, :-1], tokens[:, 1:]).backward()
     assert probe.numel < 64 * cfg.vocab_size  # (tokens, vocab) never materialized
     assert probe.numel >= 16 * cfg.vocab_size  # one chunk's logits was
+
+
+def test_split_backward_computes_each_gradient_once() -> None:
+    """A zero-bubble schedule's input pass then weight pass (torch's own) do the FLOPs of one backward,
+    and give its gradients: the fused projections' x and weight gradients are separate autograd nodes."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = dataclasses.replace(ModelConfig(), n_layers=1, bias=True, **GQA)
+    block = transformer.Block(cfg)
+    rope = transformer.rope_tables(cfg.dim // cfg.n_heads, 16, cfg.rope_theta, torch.device("cpu"))
+    x0, dy = torch.randn(2, 16, cfg.dim), torch.randn(2, 16, cfg.dim)
+    params = list(block.parameters())
+
+    def backward_flops(split: bool) -> tuple[int, list[torch.Tensor]]:
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        out = block(x, rope)
+        with FlopCounterMode(display=False) as counter:
+            if split:
+                _, groups = stage_backward_input([out], [dy], [x], iter(params))
+                stage_backward_weight(iter(params), groups)
+            else:
+                out.backward(dy)
+        return counter.get_total_flops(), [x.grad, *(p.grad for p in params)]
+
+    whole, split = backward_flops(False), backward_flops(True)
+    assert split[0] == whole[0] > 0
+    for a, b in zip(whole[1], split[1], strict=True):
+        torch.testing.assert_close(a, b)
