@@ -51,7 +51,8 @@ def run(code: Path, layout: list[str], steps: int, tmp: Path, tag: str) -> tuple
     metrics) of one fresh `train` process running `code`."""
     run_dir = tmp / tag
     args = [*SHAPE, *layout, f"steps={steps}", "eval.every=0", "metrics.console=none", "metrics.wandb.mode=disabled"]
-    args += ["checkpoint.every=0", f"run_dir={run_dir}"]
+    # each side its own calibration cache: the baseline cannot read the current code's GEMM peak records
+    args += ["checkpoint.every=0", f"run_dir={run_dir}", f"cache_dir={tmp / 'cache' / code.name}"]
     env = {**os.environ, "PYTHONPATH": str(code), "LAUNCHER_OUTPUTS": str(tmp)}
     summary, first = timed_train([sys.executable, "-c", ENTRY, *args], code, env, run_dir)
     return summary["median_tokens_per_s"], first
