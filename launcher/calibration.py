@@ -25,13 +25,14 @@ fresh interpreters. torch is imported only to measure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,31 +81,44 @@ def cached_measure(cache_dir: str, key: str, measure: Callable[[], Any]) -> Any:
     return cache[full_key]
 
 
-def measure_gemm_flops(threads: int, n: int = GEMM_N, seconds: float = 1.0, trials: int = GEMM_TRIALS) -> float:
-    """Best fp32 GEMM FLOP/s with `threads` intra-op threads (the CPU's practical peak): after
-    GEMM_WARMUP_S of warm-up (caches, frequency), `trials` trials of `seconds / trials` each, a short
-    pause between them (another process's burst passes), the best 4-matmul time of all."""
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the duration."""
     import torch
 
     old = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(n)
     try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        end = time.perf_counter() + GEMM_WARMUP_S
-        while time.perf_counter() < end:
-            torch.mm(a, b)
-        best = 0.0
-        for _ in range(trials):
-            end = time.perf_counter() + seconds / trials
-            while time.perf_counter() < end:
-                t0 = time.perf_counter()
-                for _ in range(4):
-                    torch.mm(a, b)
-                best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
-            time.sleep(0.05)
-        return best
+        yield
     finally:
         torch.set_num_threads(old)
+
+
+def _gemm_rates(n: int, seconds: float, rounds: int, pause: float) -> Iterator[list[float]]:
+    """After GEMM_WARMUP_S of warm-up (caches, frequency), `rounds` rounds of `seconds / rounds` each,
+    a pause after each (another process's burst passes): per round, the FLOP/s of each 4-matmul batch."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    end = time.perf_counter() + GEMM_WARMUP_S
+    while time.perf_counter() < end:
+        torch.mm(a, b)
+    for _ in range(rounds):
+        rates, end = [], time.perf_counter() + seconds / rounds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            for _ in range(4):
+                torch.mm(a, b)
+            rates.append(4 * 2 * n**3 / (time.perf_counter() - t0))
+        yield rates
+        time.sleep(pause)
+
+
+def measure_gemm_flops(threads: int, n: int = GEMM_N, seconds: float = 1.0, trials: int = GEMM_TRIALS) -> float:
+    """Best fp32 GEMM FLOP/s with `threads` intra-op threads (the CPU's practical peak): the best
+    4-matmul time of `trials` trials (`_gemm_rates`)."""
+    with _threads(threads):
+        return max(max(rates) for rates in _gemm_rates(n, seconds, trials, pause=0.05))
 
 
 def _gemm_worker(rank: int, world: int, port: int, seconds: float) -> str:
@@ -113,23 +127,8 @@ def _gemm_worker(rank: int, world: int, port: int, seconds: float) -> str:
     rank and port unused)."""
     import torch
 
-    threads = int(os.environ.get("LAUNCHER_GEMM_THREADS", "1"))
-    torch.set_num_threads(threads)
-    a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
-    end = time.perf_counter() + GEMM_WARMUP_S
-    while time.perf_counter() < end:
-        torch.mm(a, b)
-    medians = []
-    for _ in range(GEMM_ROUNDS):
-        rates, end = [], time.perf_counter() + seconds / GEMM_ROUNDS
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            for _ in range(4):
-                torch.mm(a, b)
-            rates.append(4 * 2 * GEMM_N**3 / (time.perf_counter() - t0))
-        medians.append(statistics.median(rates))
-        time.sleep(0.2)
-    return str(max(medians))
+    torch.set_num_threads(int(os.environ.get("LAUNCHER_GEMM_THREADS", "1")))
+    return str(max(statistics.median(rates) for rates in _gemm_rates(GEMM_N, seconds, GEMM_ROUNDS, pause=0.2)))
 
 
 def measure_gemm_sustained(threads: int, seconds: float = 2.4) -> float:
@@ -303,9 +302,7 @@ def measure_block_overhead(seconds: float = 1.0) -> float:
     from launcher.config import ModelConfig
     from launcher.model.transformer import Block, rope_tables
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _threads(1):
         cfg = ModelConfig(name="probe", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
         torch.manual_seed(0)
         blocks = [Block(cfg) for _ in range(BLOCK_PROBE_LAYERS)]
@@ -319,8 +316,6 @@ def measure_block_overhead(seconds: float = 1.0) -> float:
             h.sum().backward()
 
         return _median_seconds(step, seconds, warmup=5) / BLOCK_PROBE_LAYERS * 1e6
-    finally:
-        torch.set_num_threads(old)
 
 
 def measure_optimizer_step(seconds: float = 1.0, numel: int = 2**22) -> float:
@@ -328,9 +323,7 @@ def measure_optimizer_step(seconds: float = 1.0, numel: int = 2**22) -> float:
     on `numel` parameters in 16 tensors (larger than the caches: the step streams from memory)."""
     import torch
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _threads(1):
         params = [torch.nn.Parameter(torch.randn(numel // 16)) for _ in range(16)]
         for p in params:
             p.grad = torch.randn_like(p)
@@ -341,8 +334,6 @@ def measure_optimizer_step(seconds: float = 1.0, numel: int = 2**22) -> float:
             opt.step()
 
         return _median_seconds(step, seconds, warmup=1) / numel * 1e9  # warm-up: the moments are allocated
-    finally:
-        torch.set_num_threads(old)
 
 
 def _run_ranks(worker: str, world: int, seconds: float, extra_env: dict[str, str] | None = None) -> str:

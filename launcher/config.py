@@ -228,6 +228,10 @@ class HardwareConfig:
     links: list[LinkConfig] = field(default_factory=list)
 
 
+# HardwareConfig's scalar numbers that None asks to calibrate on this machine (cpu: launcher/hardware.py)
+CALIBRATED = ("peak_tflops", "matmul_efficiency", "host_overhead_us", "block_overhead_us", "optimizer_ns_per_param")
+
+
 @dataclass
 class PlanConfig:
     top: int = ranged(10, ge=0)  # 0: all layouts

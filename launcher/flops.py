@@ -69,9 +69,14 @@ def norm_params(m: ModelShape) -> int:
     return m.dim * (2 if m.norm == "layernorm" else 1)
 
 
+def expert_width(m: ModelShape) -> int:
+    """Hidden width of one routed (or shared) expert."""
+    return m.moe.expert_ffn_dim or m.ffn_dim
+
+
 def expert_params(m: ModelShape) -> int:
     """Weights of one SwiGLU expert (3 matrices)."""
-    return 3 * m.dim * (m.moe.expert_ffn_dim or m.ffn_dim)
+    return 3 * m.dim * expert_width(m)
 
 
 def moe_layer_counts(m: ModelShape) -> tuple[int, int]:

@@ -36,17 +36,11 @@ def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> Hardwa
             )
             link = replace(link, **{k: v for k, v in measured.items() if getattr(link, k) is None})
         links.append(link)
-    host = hw.host_overhead_us if hw.host_overhead_us is not None else calibration.tp_overhead_us(cache_dir)
-    block = hw.block_overhead_us if hw.block_overhead_us is not None else calibration.block_overhead_us(cache_dir)
-    opt = hw.optimizer_ns_per_param
-    opt = opt if opt is not None else calibration.optimizer_ns_per_param(cache_dir)
-    eff = hw.matmul_efficiency if hw.matmul_efficiency is not None else calibration.gemm_efficiency(threads, cache_dir)
-    return replace(
-        hw,
-        peak_tflops=peak,
-        matmul_efficiency=eff,
-        links=links,
-        host_overhead_us=host,
-        block_overhead_us=block,
-        optimizer_ns_per_param=opt,
-    )
+    measures = {  # CALIBRATED's other numbers (launcher/config.py)
+        "matmul_efficiency": lambda: calibration.gemm_efficiency(threads, cache_dir),
+        "host_overhead_us": lambda: calibration.tp_overhead_us(cache_dir),
+        "block_overhead_us": lambda: calibration.block_overhead_us(cache_dir),
+        "optimizer_ns_per_param": lambda: calibration.optimizer_ns_per_param(cache_dir),
+    }
+    measured = {name: measure() for name, measure in measures.items() if getattr(hw, name) is None}
+    return replace(hw, peak_tflops=peak, links=links, **measured)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.config import LauncherError, ModelConfig, TrainConfig
+from launcher.flops import expert_width
 
 MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")  # schedules with virtual stages
 V_SHAPED = ("zbv", "dualpipev")  # exactly two stages per rank, in a V: rank r holds r and 2 pp - 1 - r
@@ -60,6 +61,11 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (ep > 1), which FSDP-shards them: dp_shard / ep."""
+        return self.dp_shard // self.ep
 
     @property
     def fsdp_shard(self) -> int:
@@ -424,7 +430,7 @@ def _expert_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
             f"ep={lay.ep} does not divide dp_shard={lay.dp_shard} (expert parallelism is carved from the "
             f"data-parallel ranks that shard): raise dp_shard or lower ep"
         )
-    shared = m.moe.shared_experts * (m.moe.expert_ffn_dim or m.ffn_dim) if m.moe.experts else 0
+    shared = m.moe.shared_experts * expert_width(m) if m.moe.experts else 0
     if shared % lay.tp:
         return f"tp={lay.tp} does not divide the shared experts' width {shared} (split like the MLP): change tp"
     if lay.ep > 1 and lay.cp > 1:
@@ -531,7 +537,7 @@ def expert_mesh(layout: Layout, device_type: str = "cpu"):  # -> DeviceMesh
     FSDP-sharded over "edp" by the ranks holding the same ones (launcher/parallel/expert.py)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.cp, layout.tp)
+    shape = (layout.pp, layout.dp_replicate, layout.edp, layout.ep, layout.cp, layout.tp)
     return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "edp", "ep", "cp", "tp"))
 
 

@@ -32,16 +32,13 @@ from torch import nn
 
 from launcher.compat import in_backward
 from launcher.config import ModelConfig
+from launcher.flops import expert_width
 from launcher.metrics.moe_load import EXTRA, layer_loads, layer_rows
 from launcher.model.experts import Experts, local
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     return cfg.moe.experts > 0 and layer >= cfg.moe.first_dense_layers
-
-
-def expert_width(cfg: ModelConfig) -> int:
-    return cfg.moe.expert_ffn_dim or cfg.ffn_dim
 
 
 def balance_loss(scores: torch.Tensor, idx: torch.Tensor, experts: int) -> torch.Tensor:
@@ -186,11 +183,11 @@ def balance_step(
     size = 5 + (table[0] * (table[1] + EXTRA) if table else 0)
     totals = _stage_totals(layers, sum_over_data, table) if layers else torch.zeros(size, device=device)
     totals = sum_over_stages(totals)
-    n = totals[4].item()
+    imbalance, bias, dropped, picks, n = totals[:5].tolist()  # one read back
     metrics: dict[str, Any] = {
-        "moe_load_imbalance": totals[0].item() / n,
-        "moe_bias_abs_mean": totals[1].item() / n,
-        "moe_dropped_share": totals[2].item() / max(totals[3].item(), 1.0),
+        "moe_load_imbalance": imbalance / n,
+        "moe_bias_abs_mean": bias / n,
+        "moe_dropped_share": dropped / max(picks, 1.0),
     }
     if table:
         metrics["moe_layers"] = layer_loads(totals[5:].view(table[0], -1))

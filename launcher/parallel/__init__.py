@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from launcher.compat import enable_async_tp, foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
 from launcher.layout import Layout, build_mesh, expert_mesh
-from launcher.model.experts import select_impl
+from launcher.model.experts import local, select_impl
 from launcher.model.hf import init_source
 from launcher.model.init import materialize
 from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers
@@ -41,12 +41,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def _scalar(value: torch.Tensor) -> float:
-    return _local(value).item()
+    return local(value).item()
 
 
 class Runner:
@@ -170,10 +166,10 @@ class DistributedRunner(Runner):
                 placements = [Replicate() if q.is_partial() else q for q in p.grad.placements]
                 p.grad = p.grad.redistribute(p.grad.device_mesh, placements)
         grads = [p.grad for p in params]
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        shards = [local(g) for g in grads]
         holders = self.layout.dp * self.layout.cp * self.layout.tp  # ranks of one stage
         weights = [_distinct_shards(g) / holders for g in grads]
-        norms = foreach_norm(local) if local else []
+        norms = foreach_norm(shards) if shards else []
         squared = sum((n.double() ** 2 * w for n, w in zip(norms, weights)), torch.zeros((), dtype=torch.float64))
         total = math.sqrt(self._all_reduce(squared.reshape(1).to(self.device), self.mesh.mesh_dim_names).item())
         if max_norm > 0 and total > max_norm:
@@ -202,7 +198,7 @@ class ParallelRunner(DistributedRunner):
                 set_gradient_sync(self.model, i == len(chunks) - 1)
                 loss = self._loss(x, y) / len(chunks)
                 loss.backward()
-                total += _local(loss).detach()
+                total += local(loss).detach()
         return self._global_mean(total)
 
     @torch.no_grad()
@@ -225,7 +221,7 @@ class PipelineRunner(DistributedRunner):
             if self.layout.tp > 1:  # the stage sends and returns local tensors: re-wrap the vocab shards
                 logits = DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False)
             loss = cross_entropy(logits, targets)
-            return loss.to_local() if isinstance(loss, DTensor) else loss
+            return local(loss)
 
         self.schedule = build_schedule(
             parts,

@@ -32,11 +32,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from launcher.model.transformer import Attention
 
 
+def rank_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The global chunks (of 2 cp) cp rank `rank` holds, in local order: one early, its mirror late."""
+    return rank, 2 * cp - 1 - rank
+
+
 @cache
 def _positions(seq_len: int, cp: int, rank: int) -> tuple[int, ...]:
     chunk = seq_len // (2 * cp)
-    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
-    return (*range(first, first + chunk), *range(second, second + chunk))
+    return tuple(p for c in rank_chunks(cp, rank) for p in range(c * chunk, (c + 1) * chunk))
 
 
 def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -87,9 +91,14 @@ class ContextShard:
         return self._cache[key]
 
     @property
+    def chunk_len(self) -> int:
+        """Tokens per chunk: the sequence is cut in 2 cp chunks."""
+        return self.seq_len // (2 * self.cp)
+
+    @property
     def chunks(self) -> tuple[int, int]:
         """The global chunks (of 2 cp) this rank holds, in local order."""
-        return self.rank, 2 * self.cp - 1 - self.rank
+        return rank_chunks(self.cp, self.rank)
 
     def key_order(self, device: torch.device) -> torch.Tensor:
         """Where each global position sits among the gathered keys (rank order: chunks 0, 2 cp - 1, 1, ...)."""
@@ -106,7 +115,7 @@ class ContextShard:
         per call; on CPU torch's `causal_lower_right` bias is materialized that way too)."""
         key = ("mask", chunk, device, dtype)
         if key not in self._cache:
-            c = self.seq_len // (2 * self.cp)
+            c = self.chunk_len
             visible = torch.ones(c, (chunk + 1) * c, dtype=torch.bool, device=device).tril(chunk * c)
             zero = torch.zeros((), dtype=dtype, device=device)
             self._cache[key] = torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
@@ -122,7 +131,7 @@ class ContextShard:
         kv = torch.stack([k, v]).movedim(3, 0)  # (s/cp, 2, batch, kv heads, hd): gather along the sequence
         kv_all = _GatherSequence.apply(kv, self.group)[self.key_order(q.device)]
         k_all, v_all = kv_all.movedim(0, 3).unbind(0)
-        c = self.seq_len // (2 * self.cp)
+        c = self.chunk_len
         outs = []
         for chunk, q_chunk in zip(self.chunks, q.split(c, dim=-2)):
             k_seen, v_seen = k_all[..., : (chunk + 1) * c, :], v_all[..., : (chunk + 1) * c, :]

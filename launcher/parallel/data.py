@@ -57,14 +57,14 @@ def apply_data_parallel(
     else:
         replicate(model, mesh=mesh["dp_replicate"])
     if dist.get_backend(mesh.get_group(shard_dim(layout) if layout.fsdp_shard > 1 else "dp_replicate")) == "gloo":
+        # experts' units over one edp rank excepted: no reduce-scatter, so no PREMUL_SUM to avoid; and
+        # under forced sums torch 2.13 divides such a unit's gradients twice (in place of the
+        # reduce-scatter, and after)
+        one_rank = expert_mesh is not None and layout.edp == 1
+        skip = {id(moe.experts) for moe in moe_layers([model])} if one_rank else set()
         for module in model.modules():
-            if isinstance(module, FSDPModule):
+            if isinstance(module, FSDPModule) and id(module) not in skip:
                 module.set_force_sum_reduction_for_comms(True)
-        if expert_mesh is not None and expert_mesh["edp"].size() == 1:
-            # no reduce-scatter over one rank, so no PREMUL_SUM to avoid; and under forced sums torch
-            # 2.13 divides such a unit's gradients twice (once in place of the reduce-scatter, once after)
-            for moe in moe_layers([model]):
-                moe.experts.set_force_sum_reduction_for_comms(False)
 
 
 def shard_dim(layout: Layout) -> str:

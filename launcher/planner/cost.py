@@ -263,7 +263,7 @@ def step_time(
         dp_total = comm.all_reduce(lv, GRAD_BYTES * params, t, rep)
         dp_exposed = _exposed(dp_total, bwd, buckets, c)
     # the optimizer updates the rank's FSDP shard, and its shard of its experts' own units (over edp)
-    experts = moe.rank_expert_params(m, layout, busiest) / max(1, layout.dp_shard // layout.ep)
+    experts = moe.rank_expert_params(m, layout, busiest) / layout.edp
     t_opt = machine.optimizer_time * (params / s + experts)
 
     return StepTime(

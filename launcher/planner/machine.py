@@ -8,7 +8,7 @@ torch is imported.
 
 from __future__ import annotations
 
-from launcher.config import HardwareConfig, LauncherError, LinkConfig, check_ranges
+from launcher.config import CALIBRATED, HardwareConfig, LauncherError, LinkConfig, check_ranges
 from launcher.flops import GIB
 from launcher.planner.device import Level, Machine
 
@@ -18,8 +18,7 @@ KINDS = ("cpu", "cuda", "tpu")
 
 def needs_calibration(hw: HardwareConfig) -> bool:
     links = any(link.bandwidth_gbs is None or link.latency_us is None for link in hw.links)
-    hosts = hw.host_overhead_us is None or hw.block_overhead_us is None or hw.optimizer_ns_per_param is None
-    return hw.peak_tflops is None or hw.matmul_efficiency is None or hosts or links
+    return links or any(getattr(hw, name) is None for name in CALIBRATED)
 
 
 def validate(hw: HardwareConfig) -> None:
@@ -30,9 +29,8 @@ def validate(hw: HardwareConfig) -> None:
     check_ranges(hw, "hardware.")
     if needs_calibration(hw) and hw.kind != "cpu":
         raise LauncherError(
-            f"hardware '{hw.name}' has a null peak_tflops, matmul_efficiency, host_overhead_us, block_overhead_us, "
-            "optimizer_ns_per_param or link bandwidth_gbs/latency_us: only the cpu profile is calibrated; give "
-            "the datasheet numbers"
+            f"hardware '{hw.name}' has a null {', '.join(CALIBRATED)} or link bandwidth_gbs/latency_us: "
+            "only the cpu profile is calibrated; give the datasheet numbers"
         )
 
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from launcher.config import ModelConfig
-from launcher.flops import GIB, ParamCounts, head_dim, kv_heads, param_counts
+from launcher.flops import GIB, ParamCounts, expert_width, head_dim, kv_heads, param_counts
 from launcher.layout import Layout, rank_stages, stage_layers, stage_size
 from launcher.planner.moe import mean_routed_per_layer, rank_expert_params, rank_moe_layers, routed_params
 
@@ -154,7 +154,7 @@ def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) 
     h, t, f = m.dim, layout.tp, m.ffn_dim
     routed = 0.0
     if m.moe.experts:  # a token's MLP: top_k routed + shared experts; its k dispatched copies, there and back
-        f = (m.moe.top_k + m.moe.shared_experts) * (m.moe.expert_ffn_dim or m.ffn_dim)
+        f = (m.moe.top_k + m.moe.shared_experts) * expert_width(m)
         routed = 2 * elem * m.moe.top_k * h * t  # not split by tp: the MoE layer runs whole on each tp rank
     hq, hkv, a = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m), m.n_heads
     mask = 1 if m.dropout > 0 else 0
@@ -238,7 +238,7 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     routed = mean_routed_per_layer(m)
     layer_params = (pc.per_layer_matmul - routed) // layout.tp + pc.per_layer - pc.per_layer_matmul
     # routed experts: at ep=1 in `params` (FSDP over s); at ep > 1 their own units, sharded over edp
-    experts, edp = rank_expert_params(m, layout, rank), max(1, layout.dp_shard // layout.ep)
+    experts, edp = rank_expert_params(m, layout, rank), layout.edp
     block = layer_params + (routed_params(m) // layout.ep if rank_moe_layers(m, layout, rank) else 0)  # gathered
     if s > 1 and layout.pp > 1:  # gathered for the whole step, gradients unsharded until the end
         grads, buffers = GRAD_BYTES * (params + experts), elem * (params + experts)

@@ -60,7 +60,7 @@ def expert_fsdp_comm(
     """Seconds of one all-gather (compute dtype) and one gradient reduce-scatter of pipeline rank
     `rank`'s expert units over edp, and of the HSDP all-reduce of their shards over dp_replicate."""
     experts = rank_expert_params(m, layout, rank)
-    stride, edp = layout.tp * layout.ep, layout.dp_shard // layout.ep  # edp sits just outside ep
+    stride, edp = layout.tp * layout.ep, layout.edp  # edp sits just outside ep
     gather = comm.all_gather(levels, elem * experts, stride, edp)
     scatter = comm.reduce_scatter(levels, grad_bytes * experts, stride, edp)
     cross = comm.all_reduce(levels, grad_bytes * experts / edp, stride * edp, layout.dp_replicate)
@@ -71,7 +71,7 @@ def extra_routed_flops(m: ModelConfig, layout: Layout) -> float:
     """FLOPs per token the busiest ep rank adds over the mean (forward + backward)."""
     if layout.ep == 1 or not m.moe.experts:
         return 0.0
-    per_token = 6.0 * m.moe.top_k * 3 * m.dim * (m.moe.expert_ffn_dim or m.ffn_dim) * moe_layer_count(m)
+    per_token = 6.0 * m.moe.top_k * expert_params(m) * moe_layer_count(m)
     return (IMBALANCE - 1.0) * per_token
 
 
