@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from launcher.compat import leave_process_groups
 from launcher.config import LauncherError, make_dir
 from launcher.metrics.sinks import write_json
 
@@ -227,7 +228,7 @@ def _gloo_collectives_worker(rank: int, world: int, port: int, seconds: float) -
         dist.all_reduce(averaged)
         return " ".join(str(x / world) for x in averaged.tolist())
     finally:
-        dist.destroy_process_group()
+        leave_process_groups()
 
 
 def _tp_overhead_worker(rank: int, world: int, port: int, seconds: float) -> str:
@@ -277,7 +278,7 @@ def _tp_overhead_worker(rank: int, world: int, port: int, seconds: float) -> str
         plain_s, sharded_s = (statistics.median(t) for t in times)
         return str(max(sharded_s - plain_s, 0.0) / (cfg.n_layers + 1))
     finally:
-        dist.destroy_process_group()
+        leave_process_groups()
 
 
 def _median_seconds(step: Callable[[], None], seconds: float, warmup: int) -> float:

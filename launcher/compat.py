@@ -32,6 +32,28 @@ if TYPE_CHECKING:
 
 
 # --- PyTorch ------------------------------------------------------------------------------------------
+def leave_process_groups() -> None:
+    """`destroy_process_group`, then free the groups now, while Python still runs. Every DeviceMesh
+    holds its groups (`_pg_registry`), and DTensor's caches hold meshes, so the groups outlived
+    `destroy_process_group` into interpreter shutdown, where a group's worker thread that still had to
+    drop a finished collective's tensors could not take the GIL and aborted the process ('terminate
+    called without an active exception': the end of 1 in ~15 SLURM jobs on a loaded machine). Emptying
+    the meshes' registries frees the groups, and freeing a group joins its threads."""
+    import gc
+    import sys
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    if "torch.distributed.device_mesh" in sys.modules:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for obj in gc.get_objects():
+            if isinstance(obj, DeviceMesh):
+                obj._pg_registry.clear()
+    gc.collect()
+
+
 def replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     """DDP as a composable API on the FSDP2 machinery (gradients all-reduced over `mesh`), in place.
     No public API does it: DistributedDataParallel wraps the module (its parameter names change) and

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from launcher.compat import failure_line
+from launcher.compat import failure_line, leave_process_groups
 from launcher.config import TrainConfig
 from launcher.errors import CROSSING, LauncherError, WorkerFailed
 from launcher.layout import Layout, owner_rank
@@ -100,7 +100,7 @@ def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict |
     try:
         return train(cfg, run_dir, env.rank, layout, prediction)
     finally:
-        dist.destroy_process_group()
+        leave_process_groups()
 
 
 def start_local_workers(

@@ -39,6 +39,8 @@ def _child(
     import torch
     import torch.distributed as dist
 
+    from launcher.compat import leave_process_groups
+
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -50,7 +52,8 @@ def _child(
         buffer = io.BytesIO()
         torch.save(result, buffer)
         conn.send(("ok", buffer.getvalue()))
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            leave_process_groups()
     except BaseException:  # noqa: B036 - report everything, then die
         conn.send(("error", traceback.format_exc()))
         conn.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import os
 import pickle
 import signal
 import sys
@@ -31,6 +32,34 @@ from tests.conftest import tiny_config
 
 
 # --- PyTorch ------------------------------------------------------------------------------------------
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _groups_left_running(rank: int, world: int) -> tuple[int, int]:
+    """Threads of this process while a tensor-parallel mesh has run a DTensor op, and after leaving."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    (x @ x.T).redistribute(mesh, [Replicate()])
+    del mesh, x
+    running = _threads()
+    compat.leave_process_groups()
+    return running, _threads()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_leaving_joins_every_groups_worker_threads() -> None:
+    """The gloo groups a DTensor op used are freed, their worker threads joined, before Python exits
+    (DTensor's caches kept them alive into interpreter shutdown, where a worker could abort the process)."""
+    from tests.dist import run
+
+    for running, left in run(_groups_left_running, 2):
+        assert left <= running - 2, (running, left)  # at least the default group's two workers
+
+
 def test_replicate_takes_a_mesh() -> None:
     """DDP on the FSDP2 machinery; tests/test_parallel.py checks what it computes."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
