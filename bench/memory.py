@@ -6,7 +6,8 @@ against the full model's fp32 bytes and the planner's prediction, and the time t
   within ±15% of the planner's memory for what a build holds (no gradients, activations or optimizer
   states yet). And tp=4 with `smoke=true` (one forward/backward on one microbatch; no optimizer step:
   a full AdamW step of 1b on 4 CPU workers needs ~20 GiB): its time is build-to-first-step.
-- `125m`, 3 training steps, 4 layouts: peak per rank against the planner's prediction (±15%).
+- `125m`, 3 training steps, 4 layouts: peak per rank against the planner's prediction (±15%), with
+  `cpu_allocator=lean` (what `steps=0` uses) so that peak RSS is the run's, not glibc's cache.
 Every run is a fresh `train` process tree; the figures are noisy on a shared machine.
 """
 
@@ -97,7 +98,7 @@ def main(argv: list[str]) -> None:
         for col in ("run", "per rank", "predicted", "worst vs predicted"):
             table.add_column(col, justify="right")
         for name, args in RUNS.items():
-            s = train([*args, "steps=3"], tmp, name, cache)
+            s = train([*args, "steps=3", "cpu_allocator=lean"], tmp, name, cache)
             predicted = s["prediction"]["memory_gib"]
             table.add_row(
                 name,

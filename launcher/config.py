@@ -330,6 +330,10 @@ class TrainConfig:
     # autocast elsewhere (launcher/precision.py)
     dtype: str = "auto"  # auto | fp32 | bf16
     nccl_timeout_s: int = ranged(600, ge=1)  # cuda: a collective waiting longer fails the run instead of hanging
+    # CPU: glibc's allocator as it is (fast), or blocks of 4 MiB and more returned to the system when
+    # freed (lean: peak RSS is the run's tensors, not the allocator's cache; slower, launcher/train/fit.py);
+    # auto: lean for a `steps=0` memory check, fast for training
+    cpu_allocator: str = "auto"
     # torch intra-op threads per worker; None: cores / local workers
     threads: int | None = ranged(None, ge=1, integer=True)
     max_local_workers: int = ranged(8, ge=1)
@@ -376,6 +380,7 @@ CHOICES = {
     "recompute": (*RECOMPUTE, "auto"),
     "fsdp.reshard_after_forward": RESHARD,
     "dtype": ("auto", "fp32", "bf16"),
+    "cpu_allocator": ("auto", "fast", "lean"),
     "metrics.console": ("auto", "rich", "plain", "none"),
     "metrics.wandb.mode": ("offline", "online", "disabled"),
     "hardware.kind": ("cpu", "cuda", "tpu"),

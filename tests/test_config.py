@@ -43,6 +43,7 @@ def test_every_model_composes_and_validates(name: str) -> None:
         (["seq_len=4096"], "seq_len=4096 exceeds model.max_seq_len=1024"),
         (["batch.global=12"], "batch.global=12 is not a multiple of batch.micro x dp = 8 x 1"),
         (["model.norm=batchnorm"], "model.norm=batchnorm: choose one of rmsnorm, layernorm"),
+        (["cpu_allocator=small"], "cpu_allocator=small: choose one of auto, fast, lean"),
         (["model.n_heads=7"], "model.dim=256 is not divisible by model.n_heads=7"),
         (["batch.micro=0"], "batch.micro=0 is out of range: use an integer >= 1 or auto"),
     ],

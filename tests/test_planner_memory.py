@@ -12,6 +12,7 @@ import pytest
 from launcher.flops import GIB
 from launcher.layout import Layout
 from launcher.planner import memory
+from launcher.train.fit import lean_allocator
 from tests.test_planner import make_cfg
 
 
@@ -71,6 +72,14 @@ def test_cpu_workers_return_freed_tensors_to_the_system():
     out = subprocess.run([sys.executable, "-c", FREED], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.split()[-1]) < 40  # MiB retained of the 320 freed
+
+
+@pytest.mark.parametrize(
+    ("setting", "steps", "lean"),
+    [("auto", 0, True), ("auto", 5, False), ("lean", 5, True), ("fast", 0, False)],
+)
+def test_the_lean_allocator_is_for_memory_checks_unless_asked(setting: str, steps: int, lean: bool) -> None:
+    assert lean_allocator(setting, steps) is lean
 
 
 def test_tensor_parallel_embedding_backward_builds_the_whole_table_gradient():

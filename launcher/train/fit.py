@@ -20,16 +20,21 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 MMAP_THRESHOLD_BYTES = 4 << 20
 
 
+def lean_allocator(setting: str, steps: int) -> bool:
+    """Whether `cpu_allocator=setting` returns freed blocks to the system (auto: only for `steps=0`)."""
+    return setting == "lean" or (setting == "auto" and steps == 0)
+
+
 def return_freed_memory() -> bool:
-    """CPU workers: allocate blocks of 4 MiB and more with mmap, so that a freed tensor goes back to
-    the system. By default glibc raises that threshold to 32 MiB after the first large free and keeps
-    freed blocks below it in its heaps, one per thread (gloo's threads have their own): FSDP's
-    gathered blocks and gradient buffers, freed every layer, left a 125m rank ~1 GiB of resident
-    memory nothing used (bench memory), so peak RSS measured the allocator, not the run. Only where
-    several processes run: each mmap'd block faults its pages in again, which cost one process 3% of
-    its steps (`bench overhead`: train / bare 0.944 with it, 0.975 without), while its peak RSS moves
-    2% without the setting (125m; FSDP dp=2 +45%, pp=2 +10%, tp=2 +3%). False where the C library is
-    not glibc (the setting does not exist there)."""
+    """CPU workers under `cpu_allocator=lean`: allocate blocks of 4 MiB and more with mmap, so that a
+    freed tensor goes back to the system. By default glibc raises that threshold to 32 MiB after the
+    first large free and keeps freed blocks below it in its heaps: FSDP's gathered blocks and gradient
+    buffers, freed every layer, left a 125m rank ~0.8 GiB of resident memory nothing used (peak RSS
+    +49%; pp=2 +10%, tp=2 +2%, one process 0%: bench memory), so peak RSS measured the allocator, not
+    the run. The price is speed: each mmap'd block faults its pages in again, every microbatch at
+    long sequences (peer shape, seq 2048: tp=2 and FSDP 10-20% fewer tokens/s; one process 3%), so
+    training keeps glibc's default and a `steps=0` memory check is lean. False where the C library
+    is not glibc (the setting does not exist there)."""
     try:
         return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
     except (OSError, AttributeError):
