@@ -15,7 +15,7 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from bench.planner_accuracy import resolved_config
-from launcher.model.transformer import Block, rope_tables
+from launcher.model.transformer import Block, rope_tables, split_weight_passes
 
 
 def main(argv: list[str]) -> None:
@@ -37,13 +37,15 @@ def main(argv: list[str]) -> None:
             h = block(h, rope)
         return x, h
 
-    def whole() -> tuple[float, float]:
+    def whole() -> tuple[float, float]:  # one node per fused projection, as outside zero-bubble schedules
+        split_weight_passes(blocks, False)
         _, h = forward()
         start = time.perf_counter()
         h.backward(dy)
         return time.perf_counter() - start, 0.0
 
     def split() -> tuple[float, float]:
+        split_weight_passes(blocks)
         x, h = forward()
         start = time.perf_counter()
         _, groups = stage_backward_input([h], [dy], [x], iter(params))

@@ -122,7 +122,8 @@ def test_chunked_loss_never_holds_the_full_logits(monkeypatch: pytest.MonkeyPatc
 
 def test_split_backward_computes_each_gradient_once() -> None:
     """A zero-bubble schedule's input pass then weight pass (torch's own) do the FLOPs of one backward,
-    and give its gradients: the fused projections' x and weight gradients are separate autograd nodes."""
+    and give its gradients: the fused projections' x and weight gradients are separate autograd nodes
+    there; outside zero-bubble schedules one node gives both (the same FLOPs and gradients)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -135,6 +136,7 @@ def test_split_backward_computes_each_gradient_once() -> None:
     def backward_flops(split: bool) -> tuple[int, list[torch.Tensor]]:
         for p in params:
             p.grad = None
+        transformer.split_weight_passes(block, split)  # what shard_model does for zero-bubble schedules
         x = x0.clone().requires_grad_()
         out = block(x, rope)
         with FlopCounterMode(display=False) as counter:

@@ -49,31 +49,46 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
 
 
+def _weight_grads(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, shapes: list, n_weights: int) -> list:
+    """The gradients of the stacked weights, then biases, whose (shape, dtype) are `shapes`, from the
+    product's gradient and its input."""
+    g = grad.to(dtype).flatten(0, -2)
+    rows = [shape[0] for shape, _ in shapes[:n_weights]]
+    grad_w = (g.t() @ x.to(dtype).flatten(0, -2)).split(rows)
+    grad_b = g.sum(0).split(rows) if n_weights < len(shapes) else ()
+    return [gp.to(dt) for gp, (_, dt) in zip((*grad_w, *grad_b), shapes)]
+
+
 class StackedLinear(torch.autograd.Function):
-    """x @ [w_1; w_2; ...].T as one matmul, differentiable in x only (the weights come in detached; their
-    gradients are `StackedLinearWeights`'s). The stacked copy lives only inside forward and backward:
+    """x @ [w_1; w_2; ...].T as one matmul. The stacked copy lives only inside forward and backward:
     autograd keeps x and the weights themselves (as separate `nn.Linear`s would), not a copy of them
-    per layer (under FSDP, that copy would outlive the resharded weights until backward)."""
+    per layer (under FSDP, that copy would outlive the resharded weights until backward).
+    `weight_grads`: one node gives x's and the weights' gradients; without it the weights come in
+    detached and `StackedLinearWeights` gives theirs (zero-bubble schedules)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(*weights)
+    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, weight_grads: bool, *weights: torch.Tensor) -> Any:
+        ctx.save_for_backward(x if weight_grads else None, *weights)
         ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        ctx.shapes = [(w.shape, w.dtype) for w in weights]
         return x.to(dtype) @ torch.cat(weights).to(dtype).t()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        weights = ctx.saved_tensors  # unpacked once: checkpointing's saved-tensor hooks allow no more
-        stacked = torch.cat(weights).to(ctx.dtype)
-        return (grad.to(ctx.dtype) @ stacked).to(ctx.x_dtype), None, *(None for _ in weights)
+        x, *weights = ctx.saved_tensors  # unpacked once: checkpointing's saved-tensor hooks allow no more
+        grad_x = (grad.to(ctx.dtype) @ torch.cat(weights).to(ctx.dtype)).to(ctx.x_dtype)
+        if x is None:
+            return grad_x, None, None, *(None for _ in weights)
+        return grad_x, None, None, *_weight_grads(grad, x, ctx.dtype, ctx.shapes, len(weights))
 
 
 class StackedLinearWeights(torch.autograd.Function):
-    """The weights' (and biases') side of `StackedLinear`, as its own autograd node beside it: forward
-    returns the biases (zero without) expanded to the output's shape, to be added to the product;
-    backward computes the weights' gradients from the saved x (given detached) and the output's
-    gradient. Two nodes, so a zero-bubble schedule's input pass (torch's stage_backward_input) runs
-    only the x side and its weight pass only this one; one node would compute both in both passes."""
+    """The weights' (and biases') side of `StackedLinear` for zero-bubble schedules, as its own
+    autograd node beside it: forward returns the biases (zero without) expanded to the output's shape,
+    to be added to the product; backward computes the weights' gradients from the saved x (given
+    detached) and the output's gradient. Two nodes, so a zero-bubble schedule's input pass (torch's
+    stage_backward_input) runs only the x side and its weight pass only this one; one node would
+    compute both in both passes. Elsewhere one node is cheaper: the add is a pass over the output."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, n_weights: int, *params: torch.Tensor) -> torch.Tensor:
@@ -88,23 +103,17 @@ class StackedLinearWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        g = grad.to(ctx.dtype).flatten(0, -2)
-        weights, biases = ctx.shapes[: ctx.n_weights], ctx.shapes[ctx.n_weights :]
-        rows = [shape[0] for shape, _ in weights]
-        grad_w = (g.t() @ x.to(ctx.dtype).flatten(0, -2)).split(rows)
-        grad_b = g.sum(0).split(rows) if biases else ()
-        grads = [gp.to(dt) for gp, (_, dt) in zip((*grad_w, *grad_b), ctx.shapes)]
-        return None, None, None, *grads
+        return None, None, None, *_weight_grads(grad, x, ctx.dtype, ctx.shapes, ctx.n_weights)
 
 
-def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+def fused_linear(x: torch.Tensor, *linears: nn.Linear, split: bool = False) -> tuple[torch.Tensor, ...]:
     """`x` through several `nn.Linear`s that share it, as one matmul (x read once, one larger GEMM
     forward and one each for x's and the weights' gradients); returns each projection's output. The
     parameters stay separate, so names, checkpoints and the tensor-parallel plan are those of the
     unfused layers. Under tensor parallelism (weights Shard(0) DTensors, x a replicated DTensor) the
     stack is of the local shards, [q_r; k_r; v_r]: this rank's whole heads (hidden units) of each
     projection; x's gradient is then a partial sum, reduced where the replicated input came from
-    (launcher/parallel/tensor.py)."""
+    (launcher/parallel/tensor.py). `split`: the weights' gradients in a node of their own (zero-bubble)."""
     weights = [lin.weight for lin in linears]
     biases = [lin.bias for lin in linears if lin.bias is not None]
     if isinstance(x, DTensor):
@@ -114,14 +123,27 @@ def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ..
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):  # the Functions cast to autocast's dtype themselves
-        product = StackedLinear.apply(x, dtype, *(w.detach() for w in weights))
-        out = product + StackedLinearWeights.apply(x.detach(), dtype, len(weights), *weights, *biases)
+        if split:
+            product = StackedLinear.apply(x, dtype, False, *(w.detach() for w in weights))
+            out = product + StackedLinearWeights.apply(x.detach(), dtype, len(weights), *weights, *biases)
+        else:
+            out = StackedLinear.apply(x, dtype, True, *weights)
+            out = out + torch.cat(biases).to(dtype) if biases else out
     return out.split([w.shape[0] for w in weights], dim=-1)
+
+
+def split_weight_passes(model: nn.Module, split: bool = True) -> None:
+    """The fused projections of `model` give their weights' gradients in nodes of their own (or not),
+    for a zero-bubble schedule's separate input and weight passes."""
+    for module in model.modules():
+        if isinstance(module, (Attention, FeedForward)):
+            module.split = split
 
 
 class Attention(nn.Module):
     # the attention core; context parallelism swaps in its own (launcher/parallel/context.py)
     attend = staticmethod(causal_attention)
+    split = False  # fused_linear's weight gradients in their own node (split_weight_passes)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -137,7 +159,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
         # (batch, heads, seq, head_dim): SDPA's fast path wants 4-D inputs
-        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in fused_linear(x, self.wq, self.wk, self.wv))
+        q, k, v = (
+            t.view(b, s, -1, self.head_dim).transpose(1, 2)
+            for t in fused_linear(x, self.wq, self.wk, self.wv, split=self.split)
+        )
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
             v = v.contiguous()  # SDPA saves v: a view of the fused output would keep pre-rotation q, k alive
@@ -150,6 +175,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x). GELU: w2(gelu(w1 x))."""
 
+    split = False  # as Attention.split
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
@@ -158,7 +185,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            gate, up = fused_linear(x, self.w1, self.w3)
+            gate, up = fused_linear(x, self.w1, self.w3, split=self.split)
             return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 

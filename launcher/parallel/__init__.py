@@ -27,6 +27,7 @@ from launcher.model.experts import local, select_impl
 from launcher.model.hf import init_source
 from launcher.model.init import materialize
 from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers
+from launcher.model.transformer import split_weight_passes
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
 from launcher.parallel.expert import parallelize_experts
@@ -318,7 +319,9 @@ def shard_model(
         tp_mesh, ep_mesh = mesh["tp"] if layout.tp > 1 else None, emesh["ep"] if emesh is not None else None
         parallelize_experts(part, tp_mesh, ep_mesh, layout.sequence_parallel)
         apply_recompute(part, layout)
-        if not layout.zero_bubble:  # torch splits no compiled backward into input and weight parts
+        if layout.zero_bubble:
+            split_weight_passes(part)
+        else:  # torch splits no compiled backward into input and weight parts
             _compile(part, cfg)
         apply_data_parallel(part, mesh, layout, mp_policy=fsdp_policy(cfg, layout), expert_mesh=emesh)
     return parts, stages
