@@ -12,7 +12,9 @@
 - the optimizer's host time per parameter: a fused AdamW step with gradient clipping (what every
   step runs once over the rank's parameters: ~3 ns per parameter here, streaming the parameter,
   its gradient and two moments through memory);
-- the gloo link: latency and all-reduce / all-gather / reduce-scatter bandwidth between 2 local processes;
+- the gloo link: latency, and all-reduce / all-gather / reduce-scatter / all-to-all bandwidth between 2
+  local processes at three message sizes (gloo at a few MiB reaches about half its 16-MiB bandwidth);
+- the host copy time per byte: FSDP's copies around its collectives, into freshly allocated buffers;
 - the tensor-parallel host overhead: DTensor's dispatch time per block and microbatch;
 - the block host time: what one block's forward and backward cost when its FLOPs are negligible (the
   framework's dispatch of its ~100 ops, autograd's bookkeeping): a CPU pays it per block and
@@ -40,7 +42,8 @@ from launcher.compat import leave_process_groups
 from launcher.config import LauncherError, make_dir
 from launcher.metrics.sinks import write_json
 
-GLOO_BYTES = 16 * 2**20  # large enough that bandwidth, not latency, sets its time
+GLOO_SIZES = (2**18, 2**21, 2**24)  # 256 KiB to 16 MiB: what FSDP units, K/V and all-to-alls move
+COPY_BYTES = 2**26  # well beyond the caches: the copy streams memory
 GEMM_N, GEMM_TRIALS, GEMM_WARMUP_S, GEMM_ROUNDS = 1024, 5, 0.2, 3
 BLOCK_PROBE_LAYERS = 4
 PEAK_MARGIN = 0.10  # a later GEMM measurement this much above the cached peak replaces it
@@ -192,11 +195,11 @@ def _same_iteration_exit(end: float) -> bool:
 
 
 def _gloo_collectives_worker(rank: int, world: int, port: int, seconds: float) -> str:
-    """One of 2 ranks of the link measurement: mean seconds of a 4-byte all-reduce, and of an
-    all-reduce, an all-gather and a reduce-scatter of GLOO_BYTES (the full buffer), averaged over the
-    ranks. Each rank computes a few ms between collectives, as a training step does, so the wait for
-    a peer that arrives late is part of the cost. Means, not medians: that wait has a heavy tail, and
-    a step pays the sum."""
+    """One of 2 ranks of the link measurement: mean seconds of a 4-byte all-reduce, then at each of
+    GLOO_SIZES (the full buffer) of an all-reduce, an all-gather, a reduce-scatter and an all-to-all,
+    averaged over the ranks. Each rank computes a few ms between collectives, as a training step does,
+    so the wait for a peer that arrives late is part of the cost. Means, not medians: that wait has a
+    heavy tail, and a step pays the sum."""
     import torch
     import torch.distributed as dist
 
@@ -204,13 +207,15 @@ def _gloo_collectives_worker(rank: int, world: int, port: int, seconds: float) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         a = torch.randn(256, 256)
-        full, shard = torch.ones(GLOO_BYTES // 4), torch.ones(GLOO_BYTES // 4 // world)
-        collectives = (
-            lambda: dist.all_reduce(torch.ones(1)),
-            lambda: dist.all_reduce(full),
-            lambda: dist.all_gather_into_tensor(full, shard),
-            lambda: dist.reduce_scatter_tensor(shard, full),
-        )
+        collectives: list[Callable[[], object]] = [lambda: dist.all_reduce(torch.ones(1))]
+        for nbytes in GLOO_SIZES:
+            full, shard, out = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // world), torch.ones(nbytes // 4)
+            collectives += [
+                lambda full=full: dist.all_reduce(full),
+                lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard),
+                lambda full=full, shard=shard: dist.reduce_scatter_tensor(shard, full),
+                lambda full=full, out=out: dist.all_to_all_single(out, full),
+            ]
         means = []
         for collective in collectives:
             collective()  # warm up (connections, buffers)
@@ -337,6 +342,24 @@ def measure_optimizer_step(seconds: float = 1.0, numel: int = 2**22) -> float:
         return _median_seconds(step, seconds, warmup=1) / numel * 1e9  # warm-up: the moments are allocated
 
 
+def measure_host_copy(seconds: float = 0.5) -> float:
+    """Nanoseconds per byte written of the copies FSDP makes around its collectives, 1 thread: a copy
+    into a freshly allocated tensor (the all-gather's copy-out into the unsharded parameters) and a
+    cat of 16 pieces (the reduce-scatter's copy-in of the gradients), COPY_BYTES each, the median of
+    the pair over the bytes. Fresh memory faults its pages in: ~2.5 GB/s here against ~8 into a reused buffer."""
+    import torch
+
+    with _threads(1):
+        src = torch.randn(COPY_BYTES // 4)
+        parts = list(src.chunk(16))
+
+        def step() -> None:
+            torch.empty_like(src).copy_(src)
+            torch.cat(parts)
+
+        return _median_seconds(step, seconds, warmup=2) / (2 * COPY_BYTES) * 1e9
+
+
 def _run_ranks(worker: str, world: int, seconds: float, extra_env: dict[str, str] | None = None) -> str:
     """Run `launcher.calibration.<worker>(rank, world, port, seconds)` in `world` fresh interpreters (not
     multiprocessing: this works from any entry point, inside a process group or not); rank 0's result."""
@@ -377,20 +400,27 @@ def _run_ranks(worker: str, world: int, seconds: float, extra_env: dict[str, str
     return outs[0].strip().splitlines()[-1]
 
 
-def measure_gloo_link(seconds: float = 1.5) -> list[float]:
-    """[latency_us, all-reduce, all-gather and reduce-scatter bandwidth in GB/s] of gloo between 2
-    local processes of 1 thread each, as the planner's collective model reads them
-    (launcher/planner/comm.py). Over 2 ranks an all-reduce of n bytes takes n / bandwidth + 2 latency,
-    an all-gather or a reduce-scatter n / 2 / its bandwidth + latency; the 4-byte all-reduce gives the
-    latency. gloo needs its own numbers for the latter two: its reduce-scatter all-reduces the whole
-    buffer, so it takes as long as an all-reduce, not half."""
-    small, reduce, gather, scatter = map(float, _run_ranks("_gloo_collectives_worker", 2, seconds).split())
-    latency = small / 2  # the 4-byte all-reduce: all latency, 2 of them over 2 ranks (comm.hops(2) = 1)
+def measure_gloo_link(seconds: float = 0.6) -> dict[str, Any]:
+    """The link fields of gloo between 2 local processes of 1 thread each (LinkConfig: latency_us, and
+    all-reduce, all-gather, reduce-scatter and all-to-all GB/s at the largest size and `by_size`), as
+    the planner's collective model reads them (launcher/planner/comm.py). Over 2 ranks an all-reduce
+    of n bytes takes n / bandwidth + 2 latency, the others n / 2 / their bandwidth + latency; the
+    4-byte all-reduce gives the latency. gloo needs its own number for each: its reduce-scatter
+    all-reduces the whole buffer, so it takes as long as an all-reduce, not half. And per size: a few
+    MiB reach half the bandwidth of 16 MiB, far more than the 4-byte latency explains."""
+    small, *rest = map(float, _run_ranks("_gloo_collectives_worker", 2, seconds).split())
 
-    def gbs(share: float, t: float) -> float:
-        return share * GLOO_BYTES / max(t - small * share, 1e-9) / 1e9
+    def gbs(nbytes: int, share: float, t: float) -> float:
+        return share * nbytes / max(t - small * share, 1e-9) / 1e9
 
-    return [latency * 1e6, gbs(1.0, reduce), gbs(0.5, gather), gbs(0.5, scatter)]
+    shares = (1.0, 0.5, 0.5, 0.5)  # all-reduce, all-gather, reduce-scatter, all-to-all
+    rows = [
+        [float(nbytes), *(gbs(nbytes, share, t) for share, t in zip(shares, rest[4 * i : 4 * i + 4]))]
+        for i, nbytes in enumerate(GLOO_SIZES)
+    ]
+    names = ("bandwidth_gbs", "all_gather_gbs", "reduce_scatter_gbs", "all_to_all_gbs")
+    # small / 2: the 4-byte all-reduce is all latency, 2 of them over 2 ranks (comm.hops(2) = 1)
+    return {"latency_us": small / 2 * 1e6, **dict(zip(names, rows[-1][1:])), "by_size": rows}
 
 
 def measure_tp_overhead(seconds: float = 1.0) -> float:
@@ -398,12 +428,10 @@ def measure_tp_overhead(seconds: float = 1.0) -> float:
     return float(_run_ranks("_tp_overhead_worker", 1, seconds)) * 1e6
 
 
-def gloo_link(cache_dir: str) -> list[float]:
-    """The cpu profile's link: [latency_us, all-reduce, all-gather, reduce-scatter GB/s] between 2
-    workers of 1 thread, measured once, cached. More workers than cores share them: the planner
-    scales these by the share (request.py)."""
-    key = "gloo_collectives_mean|world=2|threads=1"
-    return [float(x) for x in cached_measure(cache_dir, key, measure_gloo_link)]
+def gloo_link(cache_dir: str) -> dict[str, Any]:
+    """The cpu profile's link fields (`measure_gloo_link`) between 2 workers of 1 thread, measured
+    once, cached. More workers than cores share them: the planner scales these by the share (request.py)."""
+    return dict(cached_measure(cache_dir, "gloo_collectives_by_size|world=2|threads=1", measure_gloo_link))
 
 
 def tp_overhead_us(cache_dir: str) -> float:
@@ -412,6 +440,10 @@ def tp_overhead_us(cache_dir: str) -> float:
 
 def optimizer_ns_per_param(cache_dir: str) -> float:
     return float(cached_measure(cache_dir, "optimizer_ns_per_param|threads=1", measure_optimizer_step))
+
+
+def host_copy_ns_per_byte(cache_dir: str) -> float:
+    return float(cached_measure(cache_dir, "host_copy_ns_per_byte|threads=1", measure_host_copy))
 
 
 def block_overhead_us(cache_dir: str) -> float:

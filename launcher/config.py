@@ -202,6 +202,11 @@ class LinkConfig:
     # (gloo's reduce-scatter all-reduces the whole buffer); None: bandwidth_gbs (cpu: calibrated)
     all_gather_gbs: float | None = ranged(None, gt=0)
     reduce_scatter_gbs: float | None = ranged(None, gt=0)
+    all_to_all_gbs: float | None = ranged(None, gt=0)
+    # bandwidth by message size where it varies (cpu: gloo, calibrated): rows [bytes, all-reduce,
+    # all-gather, reduce-scatter, all-to-all GB/s]; between rows the planner interpolates in log size,
+    # outside them it takes the nearest row. None: the single numbers above at every size
+    by_size: list[list[float]] | None = None
 
 
 @dataclass
@@ -225,11 +230,21 @@ class HardwareConfig:
     # host time of the optimizer step per parameter a device updates (cpu: fused AdamW streaming from
     # memory); 0 on accelerators, where it is well under 1% of a step. None: calibrate
     optimizer_ns_per_param: float | None = ranged(0.0, ge=0)
+    # host time per byte of the copies FSDP makes around its collectives (cpu: into freshly allocated
+    # buffers, page faults included); 0 on accelerators (device copies at HBM speed). None: calibrate
+    host_copy_ns_per_byte: float | None = ranged(0.0, ge=0)
     links: list[LinkConfig] = field(default_factory=list)
 
 
 # HardwareConfig's scalar numbers that None asks to calibrate on this machine (cpu: launcher/hardware.py)
-CALIBRATED = ("peak_tflops", "matmul_efficiency", "host_overhead_us", "block_overhead_us", "optimizer_ns_per_param")
+CALIBRATED = (
+    "peak_tflops",
+    "matmul_efficiency",
+    "host_overhead_us",
+    "block_overhead_us",
+    "optimizer_ns_per_param",
+    "host_copy_ns_per_byte",
+)
 
 
 @dataclass

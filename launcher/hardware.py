@@ -23,17 +23,13 @@ def peak_flops(hw: HardwareConfig, threads: int, cache_dir: str) -> float:
 
 def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> HardwareConfig:
     """A copy of `hw` with its null numbers calibrated on this machine (peak FLOP/s at `threads`
-    threads, its sustained share, link latency and bandwidth, tensor-parallel and per-block host overhead)."""
+    threads, its sustained share, link latency and bandwidth by message size, tensor-parallel and
+    per-block host overhead, the optimizer's and the host copies' time)."""
     peak = hw.peak_tflops if hw.peak_tflops is not None else peak_flops(hw, threads, cache_dir) / 1e12
     links = []
     for link in hw.links:
         if link.bandwidth_gbs is None or link.latency_us is None:
-            measured = dict(
-                zip(
-                    ("latency_us", "bandwidth_gbs", "all_gather_gbs", "reduce_scatter_gbs"),
-                    calibration.gloo_link(cache_dir),
-                )
-            )
+            measured = calibration.gloo_link(cache_dir)
             link = replace(link, **{k: v for k, v in measured.items() if getattr(link, k) is None})
         links.append(link)
     measures = {  # CALIBRATED's other numbers (launcher/config.py)
@@ -41,6 +37,7 @@ def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> Hardwa
         "host_overhead_us": lambda: calibration.tp_overhead_us(cache_dir),
         "block_overhead_us": lambda: calibration.block_overhead_us(cache_dir),
         "optimizer_ns_per_param": lambda: calibration.optimizer_ns_per_param(cache_dir),
+        "host_copy_ns_per_byte": lambda: calibration.host_copy_ns_per_byte(cache_dir),
     }
     measured = {name: measure() for name, measure in measures.items() if getattr(hw, name) is None}
     return replace(hw, peak_tflops=peak, links=links, **measured)

@@ -7,7 +7,9 @@ runs hierarchically, the way NCCL's rings (one per NIC rail) and trees behave on
 a reduce-scatter moves (n_i - 1)/n_i of the data still unreduced at level i, inner levels first, so
 the fast inner links carry most bytes and the network only 1/n_1 of them; an all-gather is its
 mirror and an all-reduce is both. Time per level: bytes / (bandwidth per device) + hops x latency,
-hops = min(n - 1, 2 ceil(log2 n)) (rings for small groups, trees for large ones).
+hops = min(n - 1, 2 ceil(log2 n)) (rings for small groups, trees for large ones). Each level may
+give each collective its own bandwidth, and (cpu: gloo, calibrated) that bandwidth by message size:
+gloo moves a few MiB at about half the rate of 16 MiB, a cost the per-hop latency does not explain.
 
 Placement assumption: a group fits a domain when its footprint (stride x size) is no larger than
 the domain, e.g. 64 of the 72 GPUs of an NVL72 rack; the scheduler places whole groups.
@@ -44,13 +46,13 @@ def split(levels: tuple[Level, ...], stride: int, size: int) -> tuple[tuple[Leve
 
 
 @cache
-def _coeffs(levels: tuple[Level, ...], stride: int, size: int, kind: str) -> tuple[float, float]:
+def _coeffs(levels: tuple[Level, ...], stride: int, size: int, kind: str, nbytes: float | None) -> tuple[float, float]:
     """(seconds per byte of the full buffer, seconds of latency) for a hierarchical reduce-scatter,
-    or all-gather, at each level's bandwidth for that `kind` ("ring": the all-reduce's halves)."""
+    or all-gather, at each level's bandwidth for that `kind` ("ring": the all-reduce's halves) and
+    for the bytes still moving at that level (`nbytes` None: levels whose rate has no size)."""
     per_byte, latency, share = 0.0, 0.0, 1.0
     for level, n in split(levels, stride, size):
-        own = {"gather": level.gather_bandwidth, "scatter": level.scatter_bandwidth}.get(kind)
-        per_byte += (n - 1) / n * share / (own or level.bandwidth)
+        per_byte += (n - 1) / n * share / level.rate(kind, None if nbytes is None else nbytes * share)
         latency += hops(n) * level.latency
         share /= n
     return per_byte, latency
@@ -59,7 +61,8 @@ def _coeffs(levels: tuple[Level, ...], stride: int, size: int, kind: str) -> tup
 def _collective(levels: tuple[Level, ...], nbytes: float, stride: int, size: int, kind: str) -> float:
     if size <= 1 or nbytes <= 0:
         return 0.0
-    per_byte, latency = _coeffs(levels, stride, size, kind)
+    sized = nbytes if any(level.by_size for level in levels) else None  # else one cache entry for all sizes
+    per_byte, latency = _coeffs(levels, stride, size, kind, sized)
     return nbytes * per_byte + latency
 
 
@@ -103,7 +106,7 @@ def all_to_all(levels: tuple[Level, ...], nbytes: float, stride: int, size: int)
     slowest, latency, inside = 0.0, 0.0, 1
     for level, n in split(levels, stride, size):
         share = (inside * n - inside) / size  # members reached first through this level
-        slowest = max(slowest, nbytes * share / level.bandwidth)
+        slowest = max(slowest, nbytes * share / level.rate("all_to_all", nbytes))
         latency += hops(n) * level.latency
         inside *= n
     return slowest + latency

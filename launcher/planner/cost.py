@@ -241,11 +241,17 @@ def step_time(
     fwd = t_comp - bwd
     buckets = max(1, layers[busiest])
     s, rep = layout.fsdp_shard, layout.dp_replicate
+    experts = moe.rank_expert_params(m, layout, busiest)  # whole, before FSDP shards them over edp
     dp_total = dp_exposed = 0.0
     if s > 1:  # + the experts' own FSDP units over edp (ep > 1; ep divides dp_shard, so s > 1)
         e_gather, e_scatter, e_cross = moe.expert_fsdp_comm(m, layout, lv, busiest, elem, GRAD_BYTES)
         gather = comm.all_gather(lv, elem * params, t, s) + e_gather
+        gather += fsdp_copies(machine, elem * params, s, "gather") + fsdp_copies(
+            machine, elem * experts, layout.edp, "gather"
+        )
         scatter = comm.reduce_scatter(lv, GRAD_BYTES * params, t, s) + e_scatter
+        scatter += fsdp_copies(machine, GRAD_BYTES * params, s, "scatter")
+        scatter += fsdp_copies(machine, GRAD_BYTES * experts, layout.edp, "scatter")
         cross = (comm.all_reduce(lv, GRAD_BYTES * params / s, t * s, rep) if rep > 1 else 0.0) + e_cross
         if p == 1 and not layout.reshard_after_forward:  # ZeRO-2: one gather per microbatch, kept for backward
             dp_total = mb * (gather + scatter) + cross
@@ -263,8 +269,7 @@ def step_time(
         dp_total = comm.all_reduce(lv, GRAD_BYTES * params, t, rep)
         dp_exposed = _exposed(dp_total, bwd, buckets, c)
     # the optimizer updates the rank's FSDP shard, and its shard of its experts' own units (over edp)
-    experts = moe.rank_expert_params(m, layout, busiest) / layout.edp
-    t_opt = machine.optimizer_time * (params / s + experts)
+    t_opt = machine.optimizer_time * (params / s + experts / layout.edp)
 
     return StepTime(
         compute=mb * t_comp,
@@ -284,6 +289,18 @@ def step_time(
         ep_comm=mb * t_a2a,
         ep_level=moe.expert_level(lv, layout),
     )
+
+
+def fsdp_copies(machine: Machine, nbytes: float, ranks: int, kind: str) -> float:
+    """Host seconds of the copies around one FSDP collective (`kind` gather or scatter) of an `nbytes`
+    unit over `ranks`, torch 2.13's FSDP2: an all-gather copies the shard in and the whole out, a
+    reduce-scatter the gradients in (chunk_cat) and its 1/ranks out, nbytes (1 + 1/ranks) each; over
+    one rank there is no collective, and the gather is one copy of the whole, the scatter still two.
+    0 where the profile has no host copy time (accelerators)."""
+    if nbytes <= 0:
+        return 0.0
+    share = 1.0 if ranks == 1 and kind == "gather" else 1.0 + 1.0 / ranks
+    return machine.host_copy_time * nbytes * share
 
 
 def bubble_slots(layout: Layout) -> float:

@@ -7,7 +7,11 @@ sorted from the innermost (fastest, smallest) to the outermost. No torch here.
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
+
+KINDS = ("ring", "gather", "scatter", "all_to_all")  # the collectives a level may time differently
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,22 @@ class Level:
     latency: float  # seconds per hop
     gather_bandwidth: float | None = None  # all-gather, when the backend differs; None: bandwidth
     scatter_bandwidth: float | None = None  # reduce-scatter, likewise
+    all_to_all_bandwidth: float | None = None  # all-to-all, likewise
+    # (bytes, ring, gather, scatter, all-to-all bytes/s) rows by message size, ascending; () : one rate
+    by_size: tuple[tuple[float, ...], ...] = ()
+
+    def rate(self, kind: str, nbytes: float | None = None) -> float:
+        """Bytes/s of collective `kind` (KINDS) for a buffer of `nbytes` on this level: interpolated in
+        log size between the `by_size` rows (the nearest row outside them), else the one rate."""
+        if not self.by_size or nbytes is None:
+            own = {"gather": self.gather_bandwidth, "scatter": self.scatter_bandwidth}
+            return own.get(kind, self.all_to_all_bandwidth if kind == "all_to_all" else None) or self.bandwidth
+        col, rows = 1 + KINDS.index(kind), self.by_size
+        if nbytes <= rows[0][0] or nbytes >= rows[-1][0]:
+            return (rows[0] if nbytes <= rows[0][0] else rows[-1])[col]
+        i = bisect.bisect_left([row[0] for row in rows], nbytes)
+        lo, hi = rows[i - 1], rows[i]
+        return lo[col] * (hi[col] / lo[col]) ** (math.log(nbytes / lo[0]) / math.log(hi[0] / lo[0]))
 
     def time_sliced(self, share: float) -> Level:
         """This level when each process gets `share` of a core (CPU workers outnumbering the cores):
@@ -31,6 +51,8 @@ class Level:
             self.latency / share,
             self.gather_bandwidth and self.gather_bandwidth * share,
             self.scatter_bandwidth and self.scatter_bandwidth * share,
+            self.all_to_all_bandwidth and self.all_to_all_bandwidth * share,
+            tuple((row[0], *(r * share for r in row[1:])) for row in self.by_size),
         )
 
 
@@ -47,3 +69,4 @@ class Machine:
     block_overhead: float = 0.0  # seconds per block and microbatch, fwd + bwd (cpu: the framework's dispatch)
     optimizer_time: float = 0.0  # seconds per parameter a device updates, per step (cpu: fused AdamW)
     memory_bandwidth: float | None = None  # bytes/s of device memory (None: not given, cpu)
+    host_copy_time: float = 0.0  # seconds per byte of FSDP's copies around its collectives (cpu)

@@ -54,6 +54,8 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
             latency=link.latency_us * 1e-6,
             gather_bandwidth=rate(link, link.all_gather_gbs),
             scatter_bandwidth=rate(link, link.reduce_scatter_gbs),
+            all_to_all_bandwidth=rate(link, link.all_to_all_gbs),
+            by_size=tuple((row[0], *(rate(link, r) for r in row[1:])) for row in link.by_size or ()),
         )
         for link in sorted(hw.links, key=lambda link: link.size)
     )
@@ -68,5 +70,6 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
         host_overhead=float(hw.host_overhead_us) * 1e-6,
         block_overhead=float(hw.block_overhead_us) * 1e-6,
         optimizer_time=float(hw.optimizer_ns_per_param) * 1e-9,
+        host_copy_time=float(hw.host_copy_ns_per_byte) * 1e-9,
         memory_bandwidth=None if hw.memory_bandwidth_gbs is None else hw.memory_bandwidth_gbs * 1e9,
     )

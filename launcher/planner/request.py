@@ -38,6 +38,7 @@ def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
             host_overhead=mach.host_overhead / share,
             block_overhead=mach.block_overhead / share,
             optimizer_time=mach.optimizer_time / share,
+            host_copy_time=mach.host_copy_time / share,
         )
     return mach
 
