@@ -162,6 +162,42 @@ def test_ring_all_reduce_on_one_level():
     assert comm.all_reduce(lv, 1e9, 1, 32) < comm.all_reduce(lv, 1e9, 8, 32) / 4
 
 
+def test_a_small_message_costs_more_per_byte_where_the_link_is_calibrated_by_size():
+    # gloo-like rows: (bytes, all-reduce, all-gather, reduce-scatter, all-to-all bytes/s)
+    rows = ((2.0**18, 0.2e9, 0.1e9, 0.1e9, 0.1e9), (2.0**24, 1.6e9, 0.8e9, 0.4e9, 1.2e9))
+    sized = (Level("shm", 64, 1.6e9, 300e-6, 0.8e9, 0.4e9, 1.2e9, by_size=rows),)
+    flat = (Level("shm", 64, 1.6e9, 300e-6, 0.8e9, 0.4e9, 1.2e9),)
+    for collective in (comm.all_reduce, comm.all_gather, comm.reduce_scatter, comm.all_to_all):
+        small, big = collective(sized, 2.0**18, 1, 2), collective(sized, 2.0**24, 1, 2)
+        assert small / 2**18 > 2 * big / 2**24  # per byte, well beyond what the latency adds
+        assert big == pytest.approx(collective(flat, 2.0**24, 1, 2))  # the largest row: the single rates
+    # halfway in log size (2 MiB): the geometric mean of the two rows' rates; outside them, the nearest
+    assert sized[0].rate("gather", 2.0**21) == pytest.approx((0.1e9 * 0.8e9) ** 0.5)
+    assert sized[0].rate("ring", 1.0) == 0.2e9 and sized[0].rate("ring", 2.0**30) == 1.6e9
+    assert comm.all_gather(sized, 2.0**21, 1, 2) == pytest.approx(2**20 / (0.1e9 * 0.8e9) ** 0.5 + 300e-6)
+    # time-sliced workers scale every row
+    assert sized[0].time_sliced(0.5).rate("all_to_all", 2.0**18) == pytest.approx(0.05e9)
+
+
+def test_fsdp_host_copies_only_where_the_profile_has_a_host_copy_time():
+    import dataclasses
+
+    from launcher.planner.cost import fsdp_copies
+
+    cfg = make_cfg("small", "cpu", seq_len=256)
+    base = dataclasses.replace(problem(make_cfg("8b", seq_len=4096), 8), model=cfg.model, seq=256, elem=4)
+    assert base.machine.host_copy_time == 0.0  # accelerators: device copies at HBM speed
+    layout = Layout(dp_shard=2, micro=2)
+    gpu = predict(base, layout).time
+    copy = dataclasses.replace(base, machine=dataclasses.replace(base.machine, host_copy_time=1e-9))
+    t = predict(copy, layout).time
+    params = memory.rank_params(cfg.model, layout, 0)
+    # ZeRO-3: two gathers (elem 4) and a reduce-scatter (fp32), each copying 1 + 1/2 of the unit
+    assert t.dp_total - gpu.dp_total == pytest.approx(1e-9 * 1.5 * (2 * 4 + 4) * params)
+    assert fsdp_copies(copy.machine, 1e6, 1, "gather") == pytest.approx(1e-3)  # one rank: one copy out
+    assert fsdp_copies(copy.machine, 1e6, 1, "scatter") == pytest.approx(2e-3)  # cat in, copy out
+
+
 def test_bubble_shrinks_with_microbatches_and_virtual_stages():
     cfg = make_cfg("8b", seq_len=4096)
     prob = problem(cfg, 8)

@@ -20,6 +20,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert cpu.peak_tflops is None and cpu.host_overhead_us is None and cpu.block_overhead_us is None
     assert cpu.links[0].bandwidth_gbs is None and cpu.links[0].latency_us is None
     assert cpu.links[0].all_gather_gbs is None and cpu.links[0].reduce_scatter_gbs is None
+    assert cpu.links[0].by_size is None and cpu.host_copy_ns_per_byte is None
     monkeypatch.setattr(calibration, "measure_gemm_flops", lambda threads: 1e10)  # the GEMM has its own test
     resolved = hardware.resolve_hardware(cpu, 1, str(tmp_path))
     assert resolved.peak_tflops == pytest.approx(0.01)
@@ -27,6 +28,17 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert 0.01 < link.bandwidth_gbs < 1000  # GB/s between two local gloo processes
     assert 1 < link.latency_us < 100_000  # a 4-byte all-reduce: tens of microseconds to milliseconds
     assert 0.01 < link.all_gather_gbs < 1000 and 0.01 < link.reduce_scatter_gbs < 1000
+    assert 0.01 < link.all_to_all_gbs < 1000
+    # by message size: [bytes, all-reduce, all-gather, reduce-scatter, all-to-all GB/s], the largest = the above
+    assert [row[0] for row in link.by_size] == [2**18, 2**21, 2**24]
+    assert link.by_size[-1][1:] == [
+        link.bandwidth_gbs,
+        link.all_gather_gbs,
+        link.reduce_scatter_gbs,
+        link.all_to_all_gbs,
+    ]
+    assert all(0.001 < gbs < 1000 for row in link.by_size for gbs in row[1:])
+    assert 0.01 < resolved.host_copy_ns_per_byte < 100  # memory at 0.01-100 GB/s, page faults included
     assert 10 < resolved.host_overhead_us < 1_000_000  # DTensor dispatch of one block: well above zero
     assert 50 < resolved.block_overhead_us < 100_000  # ~100 ops forward and backward: about a millisecond
     assert 0.1 < resolved.optimizer_ns_per_param < 1000  # fused AdamW streams ~28 bytes per parameter
@@ -42,6 +54,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
         "measure_block_overhead",
         "measure_optimizer_step",
         "measure_gemm_sustained",
+        "measure_host_copy",
     ):
         monkeypatch.setattr(calibration, name, fail)
     again = hardware.resolve_hardware(cpu, 1, str(tmp_path))
@@ -49,6 +62,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert again.block_overhead_us == resolved.block_overhead_us
     assert again.optimizer_ns_per_param == resolved.optimizer_ns_per_param
     assert again.matmul_efficiency == resolved.matmul_efficiency
+    assert again.host_copy_ns_per_byte == resolved.host_copy_ns_per_byte
 
 
 def test_gemm_peak_is_recorded_with_when_and_how_and_raised_only_by_a_clear_margin(tmp_path, monkeypatch):
