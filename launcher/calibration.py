@@ -414,9 +414,13 @@ def measure_gloo_link(seconds: float = 0.6) -> dict[str, Any]:
         return share * nbytes / max(t - small * share, 1e-9) / 1e9
 
     shares = (1.0, 0.5, 0.5, 0.5)  # all-reduce, all-gather, reduce-scatter, all-to-all
+    times = [rest[4 * i : 4 * i + 4] for i in range(len(GLOO_SIZES))]
+    largest = [gbs(GLOO_SIZES[-1], share, t) for share, t in zip(shares, times[-1])]
+    # a smaller message never moves faster than the largest: a latency sample inflated by a busy
+    # moment must not make a small collective free
     rows = [
-        [float(nbytes), *(gbs(nbytes, share, t) for share, t in zip(shares, rest[4 * i : 4 * i + 4]))]
-        for i, nbytes in enumerate(GLOO_SIZES)
+        [float(nbytes), *(min(gbs(nbytes, share, t), top) for share, t, top in zip(shares, ts, largest))]
+        for nbytes, ts in zip(GLOO_SIZES, times)
     ]
     names = ("bandwidth_gbs", "all_gather_gbs", "reduce_scatter_gbs", "all_to_all_gbs")
     # small / 2: the 4-byte all-reduce is all latency, 2 of them over 2 ranks (comm.hops(2) = 1)
