@@ -38,8 +38,9 @@ and microbatch) adds to the step too; accelerators run ahead of the host and hid
 
 Host time where the host is the device (cpu profile, each calibrated; 0 on accelerators): every
 block's framework dispatch per microbatch (block_overhead: the ends weigh half a block each), and
-the optimizer step over the rank's parameters (optimizer_time per parameter). The cpu profile's
-matmul efficiency is the GEMM rate sustained with every core busy over the peak.
+the optimizer step over the rank's parameters (optimizer_time per parameter), and FSDP's copies
+around each all-gather and reduce-scatter (host_copy_time per byte, `fsdp_copies`). The cpu
+profile's matmul efficiency is the GEMM rate sustained with every core busy over the peak.
 
 Context parallelism: each rank computes seq / cp tokens of every sequence; per layer and microbatch
 it all-gathers K and V of the whole sequence over the cp group (2 b s h_kv / t elements) before its
