@@ -58,27 +58,30 @@ def _coeffs(levels: tuple[Level, ...], stride: int, size: int, kind: str, nbytes
     return per_byte, latency
 
 
-def _collective(levels: tuple[Level, ...], nbytes: float, stride: int, size: int, kind: str) -> float:
+def _collective(levels: tuple[Level, ...], nbytes: float, stride: int, size: int, kind: str, units: int = 1) -> float:
     if size <= 1 or nbytes <= 0:
         return 0.0
-    sized = nbytes if any(level.by_size for level in levels) else None  # else one cache entry for all sizes
+    # a level calibrated by size reads the rate of one unit's message; else one cache entry for all sizes
+    sized = nbytes / units if any(level.by_size for level in levels) else None
     per_byte, latency = _coeffs(levels, stride, size, kind, sized)
     return nbytes * per_byte + latency
 
 
-def reduce_scatter(levels: tuple[Level, ...], nbytes: float, stride: int, size: int) -> float:
-    """Seconds to reduce-scatter a buffer of `nbytes` (the full, unsharded size) over the group."""
-    return _collective(levels, nbytes, stride, size, "scatter")
+def reduce_scatter(levels: tuple[Level, ...], nbytes: float, stride: int, size: int, units: int = 1) -> float:
+    """Seconds to reduce-scatter a buffer of `nbytes` (the full, unsharded size) over the group, sent
+    as `units` equal collectives one after another (FSDP: one per unit; the rate of that size where
+    the level has one, the latency once, as the fits of the accelerator profiles took it)."""
+    return _collective(levels, nbytes, stride, size, "scatter", units)
 
 
-def all_gather(levels: tuple[Level, ...], nbytes: float, stride: int, size: int) -> float:
+def all_gather(levels: tuple[Level, ...], nbytes: float, stride: int, size: int, units: int = 1) -> float:
     """Seconds to all-gather into a buffer of `nbytes` (the full size): the reduce-scatter mirrored."""
-    return _collective(levels, nbytes, stride, size, "gather")
+    return _collective(levels, nbytes, stride, size, "gather", units)
 
 
-def all_reduce(levels: tuple[Level, ...], nbytes: float, stride: int, size: int) -> float:
+def all_reduce(levels: tuple[Level, ...], nbytes: float, stride: int, size: int, units: int = 1) -> float:
     """Seconds to all-reduce `nbytes`: a ring reduce-scatter then a ring all-gather."""
-    return 2.0 * _collective(levels, nbytes, stride, size, "ring")
+    return 2.0 * _collective(levels, nbytes, stride, size, "ring", units)
 
 
 def level_of(levels: tuple[Level, ...], footprint: int) -> Level:

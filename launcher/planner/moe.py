@@ -61,9 +61,10 @@ def expert_fsdp_comm(
     `rank`'s expert units over edp, and of the HSDP all-reduce of their shards over dp_replicate."""
     experts = rank_expert_params(m, layout, rank)
     stride, edp = layout.tp * layout.ep, layout.edp  # edp sits just outside ep
-    gather = comm.all_gather(levels, elem * experts, stride, edp)
-    scatter = comm.reduce_scatter(levels, grad_bytes * experts, stride, edp)
-    cross = comm.all_reduce(levels, grad_bytes * experts / edp, stride * edp, layout.dp_replicate)
+    units = max(1, rank_moe_layers(m, layout, rank))  # one unit per MoE layer
+    gather = comm.all_gather(levels, elem * experts, stride, edp, units)
+    scatter = comm.reduce_scatter(levels, grad_bytes * experts, stride, edp, units)
+    cross = comm.all_reduce(levels, grad_bytes * experts / edp, stride * edp, layout.dp_replicate, units)
     return gather, scatter, cross
 
 
