@@ -175,6 +175,9 @@ def test_a_small_message_costs_more_per_byte_where_the_link_is_calibrated_by_siz
     assert sized[0].rate("gather", 2.0**21) == pytest.approx((0.1e9 * 0.8e9) ** 0.5)
     assert sized[0].rate("ring", 1.0) == 0.2e9 and sized[0].rate("ring", 2.0**30) == 1.6e9
     assert comm.all_gather(sized, 2.0**21, 1, 2) == pytest.approx(2**20 / (0.1e9 * 0.8e9) ** 0.5 + 300e-6)
+    # FSDP moves a rank's 16 MiB in 8 units of 2 MiB: each at 2 MiB's rate (the latency once)
+    assert comm.all_gather(sized, 2.0**24, 1, 2, 8) == pytest.approx(2**23 / (0.1e9 * 0.8e9) ** 0.5 + 300e-6)
+    assert comm.all_gather(flat, 2.0**24, 1, 2, 8) == comm.all_gather(flat, 2.0**24, 1, 2)  # no size: unchanged
     # time-sliced workers scale every row
     assert sized[0].time_sliced(0.5).rate("all_to_all", 2.0**18) == pytest.approx(0.05e9)
 
