@@ -7,7 +7,7 @@ override. This module must not import torch: `plan` composes the same schema.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,8 @@ class Range:
     auto: bool = False  # "auto" passes too: the planner fills it in (batch.micro)
 
     def holds(self, value: Any) -> bool:
+        if isinstance(value, Sequence) and not isinstance(value, str):  # a table: every number in it
+            return all(v is not None and self.holds(v) for v in value)
         if value is None or value == "auto":
             return self.optional if value is None else self.auto
         if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
@@ -206,7 +208,7 @@ class LinkConfig:
     # bandwidth by message size where it varies (cpu: gloo, calibrated): rows [bytes, all-reduce,
     # all-gather, reduce-scatter, all-to-all GB/s]; between rows the planner interpolates in log size,
     # outside them it takes the nearest row. None: the single numbers above at every size
-    by_size: list[list[float]] | None = None
+    by_size: list[list[float]] | None = ranged(None, gt=0)
 
 
 @dataclass
