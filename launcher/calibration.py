@@ -427,7 +427,7 @@ def measure_gloo_link(seconds: float = 0.6) -> dict[str, Any]:
     ]
     names = ("bandwidth_gbs", "all_gather_gbs", "reduce_scatter_gbs", "all_to_all_gbs")
     # small / 2: the 4-byte all-reduce is all latency, 2 of them over 2 ranks (comm.hops(2) = 1)
-    return {"latency_us": small / 2 * 1e6, **dict(zip(names, rows[-1][1:])), "by_size": rows}
+    return {"latency_us": small / 2 * 1e6, **dict(zip(names, largest)), "by_size": rows}
 
 
 def measure_tp_overhead(seconds: float = 1.0) -> float:

@@ -246,13 +246,14 @@ def step_time(
     dp_total = dp_exposed = 0.0
     if s > 1:  # + the experts' own FSDP units over edp (ep > 1; ep divides dp_shard, so s > 1)
         e_gather, e_scatter, e_cross = moe.expert_fsdp_comm(m, layout, lv, busiest, elem, GRAD_BYTES)
-        gather = comm.all_gather(lv, elem * params, t, s, buckets) + e_gather
-        gather += fsdp_copies(machine, elem * params, s, "gather") + fsdp_copies(
-            machine, elem * experts, layout.edp, "gather"
-        )
+
+        def copies(kind: str, per_param: int) -> float:  # the rank's FSDP units, then its experts' over edp
+            own = fsdp_copies(machine, per_param * params, s, kind)
+            return own + fsdp_copies(machine, per_param * experts, layout.edp, kind)
+
+        gather = comm.all_gather(lv, elem * params, t, s, buckets) + e_gather + copies("gather", elem)
         scatter = comm.reduce_scatter(lv, GRAD_BYTES * params, t, s, buckets) + e_scatter
-        scatter += fsdp_copies(machine, GRAD_BYTES * params, s, "scatter")
-        scatter += fsdp_copies(machine, GRAD_BYTES * experts, layout.edp, "scatter")
+        scatter += copies("scatter", GRAD_BYTES)
         cross = (comm.all_reduce(lv, GRAD_BYTES * params / s, t * s, rep, buckets) if rep > 1 else 0.0) + e_cross
         if p == 1 and not layout.reshard_after_forward:  # ZeRO-2: one gather per microbatch, kept for backward
             dp_total = mb * (gather + scatter) + cross

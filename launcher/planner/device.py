@@ -33,7 +33,8 @@ class Level:
         log size between the `by_size` rows (the nearest row outside them), else the one rate."""
         if not self.by_size or nbytes is None:
             own = {"gather": self.gather_bandwidth, "scatter": self.scatter_bandwidth}
-            return own.get(kind, self.all_to_all_bandwidth if kind == "all_to_all" else None) or self.bandwidth
+            own["all_to_all"] = self.all_to_all_bandwidth
+            return own.get(kind) or self.bandwidth
         col, rows = 1 + KINDS.index(kind), self.by_size
         if nbytes <= rows[0][0] or nbytes >= rows[-1][0]:
             return (rows[0] if nbytes <= rows[0][0] else rows[-1])[col]
