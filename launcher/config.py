@@ -347,9 +347,10 @@ class TrainConfig:
     # autocast elsewhere (launcher/precision.py)
     dtype: str = "auto"  # auto | fp32 | bf16
     nccl_timeout_s: int = ranged(600, ge=1)  # cuda: a collective waiting longer fails the run instead of hanging
-    # CPU: glibc's allocator as it is (fast), or blocks of 4 MiB and more returned to the system when
-    # freed (lean: peak RSS is the run's tensors, not the allocator's cache; slower, launcher/train/fit.py);
-    # auto: lean for a `steps=0` memory check, fast for training
+    # CPU workers' glibc malloc (launcher/train/fit.py): fast keeps freed blocks for reuse (no page
+    # faults per large tensor; peak RSS includes glibc's cache), lean returns blocks of 4 MiB and more
+    # to the system (peak RSS is the run's tensors; slower); auto: lean for a `steps=0` memory check,
+    # fast for training
     cpu_allocator: str = "auto"
     # torch intra-op threads per worker; None: cores / local workers
     threads: int | None = ranged(None, ge=1, integer=True)

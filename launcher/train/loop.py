@@ -25,13 +25,13 @@ from launcher.parallel import Runner, parallelize
 from launcher.precision import autocast_for, precision_mode
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
 from launcher.train.fit import (
+    allocator_mode,
     gather_ranks,
     gather_rows,
-    lean_allocator,
     memory_lines,
     memory_summary,
     out_of_memory,
-    return_freed_memory,
+    set_cpu_allocator,
     smoke_step,
 )
 from launcher.train.guard import Guard, injected_nan, injected_nan_step
@@ -91,7 +91,8 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     rank_logger(run_dir, rank)
     device = pick_device(cfg)
-    lean = device.type == "cpu" and lean_allocator(cfg.cpu_allocator, cfg.steps) and return_freed_memory()
+    allocator = allocator_mode(cfg.cpu_allocator, cfg.steps) if device.type == "cpu" else ""
+    allocator = allocator if allocator and set_cpu_allocator(allocator) else "glibc default"
     coords = layout.coordinates(rank)
     owner = rank == owner_rank(layout)
     threads = worker_threads(cfg.threads, workers_per_node(layout.world_size, cfg.nodes))
@@ -129,8 +130,8 @@ def train(
         summary |= {"world_size": layout.world_size, "layout": asdict(layout), "model": cfg.model.name}
         summary |= {"params": n_params, "precision": precision_mode(cfg, layout), "compile": compile_enabled(cfg)}
         summary |= {"optimizer_impl": optimizer_impl(optimizer), "wall_time_s": time.perf_counter() - t_start}
-        if device.type == "cpu":  # lean: freed blocks go back to the system (launcher/train/fit.py)
-            summary["cpu_allocator"] = "lean" if lean else "fast"
+        if device.type == "cpu":  # how glibc's malloc was tuned (launcher/train/fit.py)
+            summary["cpu_allocator"] = allocator
         if runner.moe:  # the MoE experts' matmuls: loop, or grouped_mm (launcher/model/experts.py)
             summary["expert_impl"] = runner.moe[0].experts.impl
         if prediction is not None:
