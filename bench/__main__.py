@@ -19,6 +19,7 @@ BENCHES = [
     "context",
     "hf_import",
     "peer_shape",
+    "peer_floor",
     "moe",
     "fsdp_cpu",
 ]
