@@ -5,7 +5,7 @@ DeepSeek-V3 scale, stated as numbers.
 The claim: for a DeepSeek-V3-like shape (61 layers, width 7168, 256 routed experts of width 2048 + 1
 shared, top-8) on 2048 devices, the best layout without pipeline parallelism is within 5% of the best
 overall on gb200_nvl72 and tpu_v5p, and clearly worse on h100_sxm. The planner agrees on all three
-(1.00, 1.00, 0.71): see docs/parallelism.md, "Mixture of experts".
+(0.98, 1.00, 0.71): see docs/parallelism.md, "Mixture of experts".
 """
 
 from __future__ import annotations
