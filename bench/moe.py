@@ -1,4 +1,4 @@
-"""Mixture-of-experts figures on this CPU: `python -m bench moe [--quick]`.
+"""Mixture-of-experts figures on this CPU: `python -m bench moe [--quick] [--speed]` (--speed: table 1 alone).
 
 1. Speed: moe_small on 2 workers (FSDP over dp=2) at ep=1 and ep=2, one after the other: tokens/s,
    MFU by active FLOPs (flops.py), and the planner's predicted step time beside the measured median;
