@@ -72,6 +72,9 @@ class MoEConfig:
     bias_update_rate: float = ranged(0.001, ge=0)  # gamma: step of the selection bias per optimizer step
     aux_loss_coef: float = ranged(0.01, ge=0)  # balance=aux: weight of the load-balancing loss
     seq_aux_loss_coef: float = ranged(0.0, ge=0)  # sequence-wise balance loss (any balance); 0: off
+    # planner, ep > 1: the busiest ep rank's routed (token, expert) rows over the mean; 1.1 assumes routing
+    # balanced (a fresh model's first steps can route most tokens to one expert: docs/planner.md)
+    rank_imbalance: float = ranged(1.1, ge=1)
 
 
 @dataclass

@@ -187,13 +187,19 @@ def step_time(
     t, p, v, mb, cp = layout.tp, layout.pp, layout.chunks, layout.microbatches, layout.cp
     tokens = layout.micro * seq // cp  # this rank's share of the microbatch
     f_model = flops_per_token(m, seq)
-    f_hw = hardware_flops_per_token(m, seq, recomputed_layers(m.n_layers, layout)) + moe.extra_routed_flops(m, layout)
+    f_hw = hardware_flops_per_token(m, seq, recomputed_layers(m.n_layers, layout))
     f_out = 6.0 * counts(m).output_matmul
     f_layer = (f_model - f_out) / m.n_layers  # without recompute; a fully recomputed block: x 4/3
     layers = rank_layers(m.n_layers, p, v, layout.v_shape)
     last = layout.last_rank
     full = [full_layers(m.n_layers, layout, r) for r in range(p)]
     work = [(n + full[r] / 3.0) * f_layer + (f_out if r == last else 0.0) for r, n in enumerate(layers)]
+    # with ep > 1 the busiest ep rank's routed experts run rank_imbalance x the mean rows (a fully recomputed
+    # block repeats its forward, a third of them)
+    work = [
+        w + moe.extra_routed_flops(m, layout, r) * (1.0 + full[r] / (3.0 * max(1, layers[r])))
+        for r, w in enumerate(work)
+    ]
     # selective recompute repeats a block's forward non-matmul work: a third of its non-matmul time
     share = non_matmul_share(machine, m, layout)
     sel = [(n - full[r]) * share / 3.0 if layout.recompute == "selective" else 0.0 for r, n in enumerate(layers)]

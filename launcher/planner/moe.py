@@ -5,8 +5,10 @@
   `rank_expert_params`) sharded over the edp = dp_shard / ep ranks holding the same ones, so their
   weights, gradients and optimizer state divide by ep x edp = dp_shard; gathered whole (the ep-local
   part) per block like any FSDP unit. Under tensor parallelism a MoE layer runs whole on every tp rank.
-- Compute: active FLOPs (flops.py); with ep > 1 the busiest rank receives IMBALANCE times the mean
-  of the routed tokens, so its routed-expert FLOPs grow by that factor.
+- Compute: active FLOPs (flops.py); with ep > 1 the busiest ep rank receives `model.moe.rank_imbalance`
+  times the mean of the routed rows (1.1 by default: bias balancing keeps the busiest *expert* near
+  1.3-2 x the mean on moe_small, and an ep rank's experts/ep experts average most of that out), so its
+  routed-expert FLOPs and the rows it sends grow by that factor, and its ep peers wait for it.
 - Communication: four all-to-alls per MoE layer and microbatch (dispatch and combine, forward and
   backward), each rank sending its top_k copies of every token's hidden state, (ep - 1) / ep of it
   to other ranks, on the link levels the ep group spans (ep ranks spaced tp apart); they do not
@@ -22,11 +24,6 @@ from launcher.flops import expert_params, moe_layer_count
 from launcher.layout import Layout, rank_stages, stage_layers
 from launcher.planner import comm
 from launcher.planner.device import Level
-
-# Busiest ep rank's routed tokens over the mean. Bias balancing keeps moe_load_imbalance (the busiest
-# *expert* over the mean) near 1.3-2 on moe_small; an ep rank holds experts/ep experts, which averages
-# most of that out: 1.1 is the planner's assumption, not a measurement at scale.
-IMBALANCE = 1.1
 
 
 def routed_params(m: ModelConfig) -> int:
@@ -68,12 +65,12 @@ def expert_fsdp_comm(
     return gather, scatter, cross
 
 
-def extra_routed_flops(m: ModelConfig, layout: Layout) -> float:
-    """FLOPs per token the busiest ep rank adds over the mean (forward + backward)."""
-    if layout.ep == 1 or not m.moe.experts:
+def extra_routed_flops(m: ModelConfig, layout: Layout, rank: int) -> float:
+    """FLOPs per token the busiest ep rank adds over the mean on pipeline rank `rank`: its MoE layers'
+    routed experts at `rank_imbalance` x the mean rows (forward + backward, without recompute)."""
+    if layout.ep == 1:
         return 0.0
-    per_token = 6.0 * m.moe.top_k * expert_params(m) * moe_layer_count(m)
-    return (IMBALANCE - 1.0) * per_token
+    return (m.moe.rank_imbalance - 1.0) * 6.0 * m.moe.top_k * expert_params(m) * rank_moe_layers(m, layout, rank)
 
 
 def all_to_all_time(
@@ -82,7 +79,7 @@ def all_to_all_time(
     """Seconds of the four all-to-alls of every MoE layer of pipeline rank `rank`, one microbatch."""
     if layout.ep == 1:
         return 0.0
-    sent = IMBALANCE * tokens * m.moe.top_k * m.dim * elem  # the busiest rank's rows, all destinations
+    sent = m.moe.rank_imbalance * tokens * m.moe.top_k * m.dim * elem  # the busiest rank's rows, all destinations
     return 4 * rank_moe_layers(m, layout, rank) * comm.all_to_all(levels, sent, layout.tp, layout.ep)
 
 
