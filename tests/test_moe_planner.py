@@ -19,7 +19,7 @@ from launcher.flops import expert_params, flops_per_token
 from launcher.layout import Layout
 from launcher.planner import comm, plan
 from launcher.planner.memory import memory
-from launcher.planner.moe import expert_fsdp_comm, extra_routed_flops
+from launcher.planner.moe import ROW_PASSES, expert_fsdp_comm, extra_routed_flops, host_copies
 from launcher.planner.request import problem
 from launcher.planner.search import predict
 
@@ -112,3 +112,21 @@ def test_busiest_ep_rank_computes_and_sends_rank_imbalance_times_the_mean() -> N
     assert extra_routed_flops(half_dense, staged, 0) == 0.0
     assert extra_routed_flops(half_dense, staged, 1) == pytest.approx(0.1 * routed / 2)
     assert extra_routed_flops(m, Layout(dp_shard=16, micro=1, ep=1), 0) == 0.0
+
+
+def test_moe_routing_copies_cost_host_time_only_where_the_profile_has_a_host_copy_time() -> None:
+    """A CPU step copies every routed row ROW_PASSES times per MoE layer and microbatch, and stacks the
+    ep-local experts' fp32 weight gradients once; accelerators' profiles price no host copies."""
+    cfg = compose_config("+model=moe_small", "hardware=h100_sxm", "seq_len=128")
+    prob = problem(cfg, 2)
+    m = prob.model
+    assert prob.machine.host_copy_time == 0.0
+    copying = dataclasses.replace(prob, machine=dataclasses.replace(prob.machine, host_copy_time=1e-9))
+    for ep in (1, 2):
+        layout = Layout(dp_shard=2, micro=8, ep=ep)
+        gpu, cpu = predict(prob, layout).time, predict(copying, layout).time
+        rows = ROW_PASSES * 8 * 128 * m.moe.top_k * m.dim * prob.elem  # one microbatch of 8 x 128 tokens
+        stacked = m.moe.experts // ep * expert_params(m) * 4
+        assert cpu.host - gpu.host == pytest.approx(1e-9 * m.n_layers * (rows + stacked), rel=1e-9)
+    dense = dataclasses.replace(copying, model=compose_config("+model=small").model)
+    assert host_copies(dense.model, Layout(), dense.machine, 1024, 4, 0) == 0.0

@@ -115,7 +115,7 @@ class StepTime:
     pp_level: str
     ep_comm: float = 0.0  # MoE all-to-alls (launcher/planner/moe.py)
     ep_level: str = ""
-    host: float = 0.0  # every block's framework dispatch the device does not hide (cpu)
+    host: float = 0.0  # every block's framework dispatch the device does not hide, MoE routing's copies (cpu)
     optimizer: float = 0.0  # the optimizer step over the rank's parameters (cpu)
 
     @property
@@ -223,7 +223,7 @@ def step_time(
     all_reduces = 4 * n + 2 * k + sp_regather * (n - k) + ends
     t_tp = t_host = 0.0
     blocks_run = layers[busiest] + ends / 2  # the embedding and the output with the loss weigh half a block each
-    t_block = machine.block_overhead * blocks_run
+    t_block = machine.block_overhead * blocks_run + moe.host_copies(m, layout, machine, tokens, elem, busiest)
     c = CONTENTION.get(machine.kind, CONTENTION["cuda"])
     if t > 1:
         blocks = (all_reduces - ends) * comm.all_reduce(lv, act_bytes, 1, t)

@@ -15,6 +15,9 @@
   overlap compute here. The experts' FSDP traffic (`expert_fsdp_comm`): all-gathers and gradient
   reduce-scatters over edp (ranks spaced tp x ep apart), with the same schedule and overlap as the
   other FSDP units, and under HSDP an all-reduce of their shards over dp_replicate.
+- Host copies (`host_copies`, cpu): routing moves every routed row several times around the experts'
+  matmuls, and the expert loop's backward stacks its experts' weight gradients; priced at the
+  calibrated host copy rate, as FSDP's copies are (0 on accelerators, whose profiles have none).
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from launcher.config import ModelConfig
 from launcher.flops import expert_params, moe_layer_count
 from launcher.layout import Layout, rank_stages, stage_layers
 from launcher.planner import comm
-from launcher.planner.device import Level
+from launcher.planner.device import Level, Machine
+
+# Copies of the routed (token, expert) rows per MoE layer and microbatch (launcher/model/moe.py `route`):
+# forward, the gather into expert order, the experts' outputs joined, gated, added back per token;
+# backward, the same four and the gates' gradient
+ROW_PASSES = 9
 
 
 def routed_params(m: ModelConfig) -> int:
@@ -71,6 +79,15 @@ def extra_routed_flops(m: ModelConfig, layout: Layout, rank: int) -> float:
     if layout.ep == 1:
         return 0.0
     return (m.moe.rank_imbalance - 1.0) * 6.0 * m.moe.top_k * expert_params(m) * rank_moe_layers(m, layout, rank)
+
+
+def host_copies(m: ModelConfig, layout: Layout, machine: Machine, tokens: int, elem: int, rank: int) -> float:
+    """Host seconds of pipeline rank `rank`'s MoE layers' copies, one microbatch of `tokens` per rank:
+    ROW_PASSES over the routed rows, and the expert loop's backward stacking the weight gradients of
+    its ep-local experts (its `unbind`'s backward; fp32 gradients)."""
+    rows = ROW_PASSES * tokens * m.moe.top_k * m.dim * elem
+    stacked = m.moe.experts // layout.ep * expert_params(m) * 4
+    return machine.host_copy_time * rank_moe_layers(m, layout, rank) * (rows + stacked)
 
 
 def all_to_all_time(
