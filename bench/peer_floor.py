@@ -13,8 +13,6 @@ slowest rank's floor).
 from __future__ import annotations
 
 import multiprocessing
-import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,10 +23,12 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from bench.fresh import timed_train
-from bench.peer_shape import ENTRY, LAYOUTS, ROOT, SHAPE
+from bench.fsdp_cpu import BATCH, peer_config
+from bench.peer_shape import LAYOUTS, ROOT, run
 
-DIM, LAYERS, HEADS, FFN, VOCAB, SEQ, BATCH = 256, 6, 16, 768, 2048, 2048, 8
+PEER = peer_config(1, [])
+M, SEQ = PEER.model, PEER.seq_len
+DIM, LAYERS, HEADS, FFN, VOCAB = M.dim, M.n_layers, M.n_heads, M.ffn_dim, M.vocab_size
 # (tensor-parallel degree, threads per rank, ranks); FSDP's ranks each run the whole model on their batch
 RANKS = {"1 process": (1, 2, 1), "tp=2": (2, 1, 2), "fsdp dp_shard=2": (1, 1, 2)}
 
@@ -68,16 +68,6 @@ def kernels_s(tp: int, threads: int) -> tuple[float, float]:
     return LAYERS * attention_s(tp), matmuls_s(tp)
 
 
-def step_s(layout: list[str], tmp: Path, tag: str) -> float:
-    run_dir = tmp / tag
-    args = [*SHAPE, *layout, "steps=4", "eval.every=0", "metrics.console=none", "metrics.wandb.mode=disabled"]
-    args += ["checkpoint.every=0", f"run_dir={run_dir}", f"cache_dir={tmp / 'cache'}"]
-    env = {**os.environ, "LAUNCHER_OUTPUTS": str(tmp)}
-    summary, _ = timed_train([sys.executable, "-c", ENTRY, *args], ROOT, env, run_dir)
-    (global_batch,) = (int(a.split("=")[1]) for a in layout if a.startswith("batch.global="))
-    return global_batch * SEQ / summary["median_tokens_per_s"]
-
-
 def main(argv: list[str]) -> None:
     table = Table(title="peer shape: the step against the kernels every trainer shares (seconds per step)")
     for col in ("layout", "step", "SDPA fwd+bwd", "matmuls", "everything else", "ceiling (step / floor)"):
@@ -88,7 +78,8 @@ def main(argv: list[str]) -> None:
             tp, threads, ranks = RANKS[name]
             with spawn.Pool(ranks) as pool:
                 sdpa, mm = max(pool.starmap(kernels_s, [(tp, threads)] * ranks), key=sum)
-            step = step_s(layout, Path(tmp), f"floor-{i}")
+            # seconds per step: each of the ranks // tp data-parallel replicas runs BATCH sequences
+            step = ranks // tp * BATCH * SEQ / run(ROOT, layout, 4, Path(tmp), f"floor-{i}")[0]
             rest = step - sdpa - mm
             table.add_row(name, f"{step:.2f}", f"{sdpa:.2f}", f"{mm:.2f}", f"{rest:.2f}", f"{step / (sdpa + mm):.2f}x")
     Console().print(table)

@@ -32,8 +32,11 @@ class Level:
         """Bytes/s of collective `kind` (KINDS) for a buffer of `nbytes` on this level: interpolated in
         log size between the `by_size` rows (the nearest row outside them), else the one rate."""
         if not self.by_size or nbytes is None:
-            own = {"gather": self.gather_bandwidth, "scatter": self.scatter_bandwidth}
-            own["all_to_all"] = self.all_to_all_bandwidth
+            own = {
+                "gather": self.gather_bandwidth,
+                "scatter": self.scatter_bandwidth,
+                "all_to_all": self.all_to_all_bandwidth,
+            }
             return own.get(kind) or self.bandwidth
         col, rows = 1 + KINDS.index(kind), self.by_size
         if nbytes <= rows[0][0] or nbytes >= rows[-1][0]:

@@ -86,7 +86,7 @@ def host_copies(m: ModelConfig, layout: Layout, machine: Machine, tokens: int, e
     ROW_PASSES over the routed rows, and the expert loop's backward stacking the weight gradients of
     its ep-local experts (its `unbind`'s backward; fp32 gradients)."""
     rows = ROW_PASSES * tokens * m.moe.top_k * m.dim * elem
-    stacked = m.moe.experts // layout.ep * expert_params(m) * 4
+    stacked = routed_params(m) // layout.ep * 4
     return machine.host_copy_time * rank_moe_layers(m, layout, rank) * (rows + stacked)
 
 

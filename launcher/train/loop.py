@@ -91,8 +91,9 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     rank_logger(run_dir, rank)
     device = pick_device(cfg)
-    allocator = allocator_mode(cfg.cpu_allocator, cfg.steps) if device.type == "cpu" else ""
-    allocator = allocator if allocator and set_cpu_allocator(allocator) else "glibc default"
+    allocator = allocator_mode(cfg.cpu_allocator, cfg.steps)
+    if device.type == "cpu" and not set_cpu_allocator(allocator):
+        allocator = "glibc default"  # not glibc: no mallopt
     coords = layout.coordinates(rank)
     owner = rank == owner_rank(layout)
     threads = worker_threads(cfg.threads, workers_per_node(layout.world_size, cfg.nodes))
