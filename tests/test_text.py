@@ -17,7 +17,8 @@ from tokenizers import Tokenizer
 from launcher.data import text, tokenizer
 from launcher.data.build import TextCache, encode
 from launcher.data.corpus import load_splits
-from launcher.data.text import corpus_files, ensure_cache
+from launcher.data.text import MEMO, corpus_files, ensure_cache
+from launcher.files import write_atomic
 from tests.conftest import assert_bad_input, losses, make_config, run_cli, tiny_args
 from tests.textdata import train_bpe, write_corpus
 
@@ -83,6 +84,21 @@ def test_cache_is_keyed_by_content_and_built_once_by_concurrent_processes(
         f.write(json.dumps({"text": "one more document"}) + "\n")
     assert ensure_cache(cfg.data).tokens != built[0].tokens
     assert [p.name for p in hashed if p.suffix == ".jsonl"] == ["part-0.jsonl"]
+
+
+def test_threads_of_one_process_write_one_file_atomically(tmp_path: Path) -> None:
+    """Each writer renames its own temporary file (the pid alone is shared by threads: CI once lost the
+    digest memo's rename to the other builder thread)."""
+    target = tmp_path / MEMO
+
+    def write(i: int) -> None:
+        for _ in range(50):
+            write_atomic(target, json.dumps({"writer": i}))
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, range(4)))  # re-raises a writer's error
+    assert json.loads(target.read_text())["writer"] in range(4)
+    assert [p.name for p in tmp_path.iterdir()] == [MEMO]  # no temporary file left behind
 
 
 def test_bos_and_eos_come_from_the_model_folder(tmp_path: Path) -> None:

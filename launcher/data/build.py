@@ -22,6 +22,7 @@ import numpy as np
 from launcher.config import make_dir
 from launcher.data import tokenizer as tok
 from launcher.errors import LauncherError
+from launcher.files import temp_beside
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets' loaders
 
@@ -153,8 +154,7 @@ def build_cache(
 
     workers = workers or os.cpu_count() or 1
     make_dir(cache.tokens.parent, "data.cache_dir")
-    tmp_tokens = cache.tokens.with_name(f"{cache.tokens.name}.{os.getpid()}.tmp")
-    tmp_docs = cache.docs.with_name(f"{cache.docs.name}.{os.getpid()}.tmp")
+    tmp_tokens, tmp_docs = temp_beside(cache.tokens), temp_beside(cache.docs)
     total_chars = sum(f.stat().st_size for f in files)
     columns = (
         TextColumn("tokenizing"),

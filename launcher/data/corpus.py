@@ -6,7 +6,6 @@ Both end as memory-mapped 1-D numpy arrays of token ids, split into train and va
 from __future__ import annotations
 
 import hashlib
-import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 from launcher.config import DataConfig, LauncherError, make_dir
 from launcher.data.build import TextCache
 from launcher.data.loader import min_tokens
+from launcher.files import write_atomic
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,7 @@ def build_stdlib_tokens(max_bytes: int, out: Path) -> None:
     if not chunks:
         raise LauncherError("data=stdlib found no Python sources: use data=tokens data.path=FILE")
     make_dir(out.parent, "data.cache_dir")
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(b"".join(chunks)[:max_bytes])
-    tmp.replace(out)
+    write_atomic(out, b"".join(chunks)[:max_bytes])
 
 
 def stdlib_cache_path(cfg: DataConfig) -> Path:

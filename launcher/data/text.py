@@ -14,7 +14,6 @@ import fcntl
 import glob
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ from launcher.config import DataConfig, make_dir
 from launcher.data import tokenizer as tok
 from launcher.data.build import BUILDERS, TextCache, build_cache, check_text_key
 from launcher.errors import LauncherError
+from launcher.files import write_atomic
 
 CACHE_VERSION = "text-v1"  # bump when the cache layout changes
 MEMO = "file-digests.json"  # content hashes of corpus files by (path, size, mtime), beside the caches
@@ -89,9 +89,7 @@ def digests(files: list[Path], cache_dir: Path) -> list[str]:
         found.append(digest)
     if fresh:  # a lost race between two writers only costs a later run one more hash
         make_dir(cache_dir, "data.cache_dir")
-        tmp = memo_file.with_name(f"{MEMO}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memo | fresh))
-        tmp.replace(memo_file)
+        write_atomic(memo_file, json.dumps(memo | fresh))
     return found
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.config import LauncherError, WandbConfig
+from launcher.files import write_atomic
 from launcher.metrics.moe_load import LayerLoad, load_histograms
 
 
@@ -93,8 +94,5 @@ class WandbSink:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically: a reader never sees half a file. The temporary name is this process's own, as
-    several processes may write the same file at once (e.g. the calibration cache)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    """Write atomically (several processes may write the same file at once, e.g. the calibration cache)."""
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
