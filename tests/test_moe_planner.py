@@ -129,4 +129,4 @@ def test_moe_routing_copies_cost_host_time_only_where_the_profile_has_a_host_cop
         stacked = m.moe.experts // ep * expert_params(m) * 4
         assert cpu.host - gpu.host == pytest.approx(1e-9 * m.n_layers * (rows + stacked), rel=1e-9)
     dense = dataclasses.replace(copying, model=compose_config("+model=small").model)
-    assert host_copies(dense.model, Layout(), dense.machine, 1024, 4, 0) == 0.0
+    assert host_copies(dense.model, Layout(), dense.machine, 1024, 4, 0, 4) == 0.0

@@ -193,12 +193,12 @@ def step_time(
     layers = rank_layers(m.n_layers, p, v, layout.v_shape)
     last = layout.last_rank
     full = [full_layers(m.n_layers, layout, r) for r in range(p)]
-    work = [(n + full[r] / 3.0) * f_layer + (f_out if r == last else 0.0) for r, n in enumerate(layers)]
-    # with ep > 1 the busiest ep rank's routed experts run rank_imbalance x the mean rows (a fully recomputed
-    # block repeats its forward, a third of them)
+    # with ep > 1 the busiest ep rank's experts route rank_imbalance x the mean rows: their extra FLOPs are
+    # spread over the rank's blocks (a fully recomputed one repeats its forward, as for the rest)
     work = [
-        w + moe.extra_routed_flops(m, layout, r) * (1.0 + full[r] / (3.0 * max(1, layers[r])))
-        for r, w in enumerate(work)
+        (n + full[r] / 3.0) * (f_layer + moe.extra_routed_flops(m, layout, r) / max(1, n))
+        + (f_out if r == last else 0.0)
+        for r, n in enumerate(layers)
     ]
     # selective recompute repeats a block's forward non-matmul work: a third of its non-matmul time
     share = non_matmul_share(machine, m, layout)
@@ -223,7 +223,8 @@ def step_time(
     all_reduces = 4 * n + 2 * k + sp_regather * (n - k) + ends
     t_tp = t_host = 0.0
     blocks_run = layers[busiest] + ends / 2  # the embedding and the output with the loss weigh half a block each
-    t_block = machine.block_overhead * blocks_run + moe.host_copies(m, layout, machine, tokens, elem, busiest)
+    t_block = machine.block_overhead * blocks_run
+    t_block += moe.host_copies(m, layout, machine, tokens, elem, busiest, GRAD_BYTES)
     c = CONTENTION.get(machine.kind, CONTENTION["cuda"])
     if t > 1:
         blocks = (all_reduces - ends) * comm.all_reduce(lv, act_bytes, 1, t)

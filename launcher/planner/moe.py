@@ -81,12 +81,14 @@ def extra_routed_flops(m: ModelConfig, layout: Layout, rank: int) -> float:
     return (m.moe.rank_imbalance - 1.0) * 6.0 * m.moe.top_k * expert_params(m) * rank_moe_layers(m, layout, rank)
 
 
-def host_copies(m: ModelConfig, layout: Layout, machine: Machine, tokens: int, elem: int, rank: int) -> float:
+def host_copies(
+    m: ModelConfig, layout: Layout, machine: Machine, tokens: int, elem: int, rank: int, grad_bytes: int
+) -> float:
     """Host seconds of pipeline rank `rank`'s MoE layers' copies, one microbatch of `tokens` per rank:
     ROW_PASSES over the routed rows, and the expert loop's backward stacking the weight gradients of
-    its ep-local experts (its `unbind`'s backward; fp32 gradients)."""
+    its ep-local experts (its `unbind`'s backward)."""
     rows = ROW_PASSES * tokens * m.moe.top_k * m.dim * elem
-    stacked = routed_params(m) // layout.ep * 4
+    stacked = routed_params(m) // layout.ep * grad_bytes
     return machine.host_copy_time * rank_moe_layers(m, layout, rank) * (rows + stacked)
 
 
