@@ -31,14 +31,13 @@ import torch
 
 from launcher import flops
 from launcher.calibration import measure_gemm_flops
-from launcher.config import ModelConfig, TrainConfig
+from launcher.config import CONF_DIR, ModelConfig, TrainConfig
 from launcher.layout import build_mesh, from_config, worker_threads
 from launcher.model.init import initialized_model, meta_model
 from launcher.parallel import parallelize
 from launcher.parallel.context import split_sequence
 from launcher.train.optim import build_optimizer
 
-ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = [dict(tp=tp, dp=dp, pp=pp) for pp in (1, 2) for dp in (1, 2) for tp in (1, 2)]
 
 
@@ -50,7 +49,7 @@ def model_config(name: str) -> ModelConfig:
     from omegaconf import OmegaConf
 
     base = OmegaConf.structured(ModelConfig)
-    return OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")))
+    return OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.load(Path(CONF_DIR) / "model" / f"{name}.yaml")))
 
 
 def bench_config(model: ModelConfig, layout: dict[str, int], seq_len: int, batch: int) -> TrainConfig:

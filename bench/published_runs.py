@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher import planner
-from launcher.config import LauncherError, TrainConfig
+from launcher.config import CONF_DIR, LauncherError, TrainConfig
 from launcher.planner import memory
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(CONF_DIR)
 
 # Megatron's GPT: 51200 vocabulary (50257 padded), learned positions, GELU, LayerNorm, biases, dropout;
 # the input embedding is shared with the output layer. Across pipeline stages Megatron keeps a copy on
@@ -43,7 +43,7 @@ def gpt(name: str, dim: int, layers: int, heads: int, seq: int, pp: int, vocab: 
 class Run:
     name: str
     source: str
-    model: Any  # a conf/model name, or the fields of a ModelConfig
+    model: Any  # a launcher/conf/model name, or the fields of a ModelConfig
     hardware: str
     gpus: int
     tp: int

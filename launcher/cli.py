@@ -157,17 +157,35 @@ def plan() -> None:
     run_app("plan", plan_task)
 
 
+EXPORT_HELP = (
+    "The model weights of a sharded checkpoint (any layout) as one safetensors file, or as a Hugging Face\n"
+    "Llama folder (format=hf). Named export-weights: a bare `export` is the shell's own builtin."
+)
+EXPORT_EXAMPLES = """examples:
+  export-weights outputs/DATE/TIME/checkpoints model.safetensors   # the newest complete checkpoint
+  export-weights runs/tiny/checkpoints llama-tiny format=hf        # a folder transformers loads
+  export-weights old-run/checkpoints/step_400 m.safetensors model=tiny   # a checkpoint without its model
+
+docs: docs/checkpoints.md and README.md ("From and to Hugging Face") in the project's repository"""
+
+
 def export() -> None:
-    """`export CHECKPOINT OUT [format=hf] [model=NAME] [shard_gib=5]`: the model weights of a sharded
-    checkpoint as one safetensors file (format=safetensors, the default) or a Hugging Face Llama folder."""
+    """`export-weights CHECKPOINT OUT [KEY=VALUE ...]` (EXPORT_HELP)."""
     import argparse
 
     from launcher.train.export import export as write
 
-    parser = argparse.ArgumentParser(prog="export", description=export.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="export-weights",
+        description=EXPORT_HELP,
+        epilog=EXPORT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("checkpoint", help="a step_* checkpoint folder, or a folder of them (newest is used)")
     parser.add_argument("out", help="output .safetensors file, or folder (format=hf)")
-    parser.add_argument("options", nargs="*", help="format=safetensors|hf, model=NAME, shard_gib=GIB")
+    parser.add_argument(
+        "options", nargs="*", metavar="KEY=VALUE", help="format=safetensors|hf, model=NAME, shard_gib=GIB (hf, 5)"
+    )
     args = parser.parse_args()
     try:
         options = export_options(args.options)
@@ -177,7 +195,7 @@ def export() -> None:
 
 
 def export_options(items: list[str]) -> dict[str, Any]:
-    """`key=value` options of `export`: format, model (a conf/model name, for checkpoints that do not
+    """`key=value` options of `export-weights`: format, model (a launcher/conf/model name, for checkpoints that do not
     record their model), shard_gib (HF shard size)."""
     from launcher.config import compose_config
 
@@ -185,19 +203,21 @@ def export_options(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in ("format", "model", "shard_gib"):
-            raise LauncherError(f"export: unknown option {item!r}: use format=hf, model=NAME or shard_gib=GIB")
+            raise LauncherError(f"export-weights: unknown option {item!r}: use format=hf, model=NAME or shard_gib=GIB")
         if key == "format":
             options["fmt"] = value
         elif key == "model":
             try:
                 options["model"] = compose_config(f"+model={value}").model
             except (HydraException, OmegaConfBaseException) as err:
-                raise LauncherError(f"export: model={value}: {compose_error(err)}") from None
+                raise LauncherError(f"export-weights: model={value}: {compose_error(err)}") from None
         else:
             try:
                 options["shard_gib"] = float(value)
             except ValueError:
                 options["shard_gib"] = 0.0
             if not options["shard_gib"] > 0:
-                raise LauncherError(f"export: shard_gib={value}: give a positive number of GiB, e.g. shard_gib=5")
+                raise LauncherError(
+                    f"export-weights: shard_gib={value}: give a positive number of GiB, e.g. shard_gib=5"
+                )
     return options

@@ -1,6 +1,6 @@
 """The typed configuration schema: every key, its type, its default and (numeric keys) its range, in one place.
 
-Registered in Hydra's ConfigStore as ``base_train`` / ``base_plan``; the YAML files under conf/ only
+Registered in Hydra's ConfigStore as ``base_train`` / ``base_plan``; the YAML files under launcher/conf/ only
 override. This module must not import torch: `plan` composes the same schema.
 """
 
@@ -79,13 +79,14 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig:
-    """Architecture. Defaults are the CPU-sized `small` model (byte-level vocabulary)."""
+    """Architecture. Defaults are conf/model/small.yaml, field for field (tests/test_config.py), so `train`
+    and `train +model=small` build the same model and load each other's checkpoints."""
 
     name: str = "small"
     dim: int = ranged(256, ge=1)
     n_layers: int = ranged(4, ge=1)
     n_heads: int = ranged(8, ge=1)
-    n_kv_heads: int | None = ranged(None, ge=1, integer=True)  # None: as many as n_heads (no GQA)
+    n_kv_heads: int | None = ranged(4, ge=1, integer=True)  # None: as many as n_heads (no GQA)
     head_dim: int | None = ranged(None, ge=1, integer=True)  # None: dim / n_heads (Qwen3: 128 at any width)
     ffn_dim: int = ranged(688, ge=1)  # hidden width of the MLP (per gate for SwiGLU)
     vocab_size: int = ranged(256, ge=1)
@@ -362,7 +363,7 @@ class TrainConfig:
     force: bool = False
 
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # package data: found from an installed wheel too
 
 
 def compose_config(*overrides: str, config_name: str = "train") -> TrainConfig:

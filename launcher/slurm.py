@@ -1,6 +1,6 @@
 """SLURM, the submission side: job resources from the layout, preflight checks, plain sbatch scripts.
 
-- `-m hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml) submits through hydra-submitit-launcher;
+- `-m hydra/launcher=slurm` (launcher/conf/hydra/launcher/slurm.yaml) submits through hydra-submitit-launcher;
   its resources come from the resolver `${slurm_job:KEY}`, computed here from the resolved layout and
   hardware profile (`job_resources`), and every one stays overridable (`hydra.launcher.KEY=...`).
   `SlurmLauncher` checks before anything is submitted (`preflight`) and honours `slurm.dry_run`.
@@ -77,7 +77,7 @@ def _resolve(key: str, *, _root_: Any) -> Any:
 
 
 def register_resolver() -> None:
-    """`${slurm_job:tasks_per_node}` etc. in conf/hydra/launcher/slurm.yaml (idempotent)."""
+    """`${slurm_job:tasks_per_node}` etc. in launcher/conf/hydra/launcher/slurm.yaml (idempotent)."""
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, _resolve)
 

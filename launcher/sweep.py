@@ -1,6 +1,6 @@
 """The end of a multirun: one summary of every sweep point, measured beside predicted.
 
-`SweepSummary` is a Hydra callback (conf/train.yaml: hydra.callbacks). On `on_multirun_end` it reads
+`SweepSummary` is a Hydra callback (launcher/conf/train.yaml: hydra.callbacks). On `on_multirun_end` it reads
 each job's summary.json in the sweep directory and writes there:
 - `sweep_summary.csv` / `sweep_summary.json`: one row per job (overrides, layout, measured and
   predicted tokens/s and MFU, loss, memory, status, error);

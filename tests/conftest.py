@@ -48,6 +48,20 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     )
 
 
+def run_shell(line: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run a command line in a fresh bash, as a user types it, with this venv's console scripts first on PATH."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "PATH": path, "LAUNCHER_OUTPUTS": str(cwd or ROOT / "outputs")}
+    return subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", line],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd or ROOT,
+        timeout=600,
+    )
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """Loss per step from a run's metrics.jsonl; a step trained again (resume, restart) keeps its last value."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

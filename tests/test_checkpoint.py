@@ -128,7 +128,9 @@ def test_sigterm_saves_current_step_exits_preempted_and_resumes(tmp_path: Path) 
 def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "steps=3", "checkpoint.every=3")
     train(cfg, tmp_path / "r")
-    result = run_cli("export", str(tmp_path / "r" / "checkpoints"), str(tmp_path / "model.safetensors"), cwd=tmp_path)
+    result = run_cli(
+        "export-weights", str(tmp_path / "r" / "checkpoints"), str(tmp_path / "model.safetensors"), cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     out = Path(result.stdout.strip())
     exported = Transformer(cfg.model)

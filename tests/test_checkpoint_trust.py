@@ -86,7 +86,7 @@ def test_no_readable_checkpoint_stops_with_exit_2_and_keeps_them(reference: Path
     assert sorted(str(p.relative_to(run)) for p in (run / "checkpoints").rglob("*")) == before
     assert not (run / "metrics.jsonl").exists() and not marker.exists()
 
-    result = run_cli("export", str(run / "checkpoints"), str(tmp_path / "m.safetensors"), cwd=tmp_path)
+    result = run_cli("export-weights", str(run / "checkpoints"), str(tmp_path / "m.safetensors"), cwd=tmp_path)
     assert result.returncode == 2 and "no readable checkpoint" in result.stderr.splitlines()[-1]
     assert not marker.exists() and not (tmp_path / "m.safetensors").exists()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,11 @@ def test_default_is_small_model_on_stdlib_cpu() -> None:
     cfg = make_config()
     assert (cfg.model.name, cfg.data.name, cfg.hardware.name) == ("small", "stdlib", "cpu")
     assert cfg.batch == {"micro": 8, "global": None}
+
+
+def test_the_default_model_is_conf_model_small_field_for_field() -> None:
+    """One `small`: `train` and `train +model=small` build the same model, so either loads the other's checkpoint."""
+    assert asdict(make_config().model) == asdict(make_config("+model=small").model)
 
 
 def test_plus_model_8b_with_tp_composes() -> None:
@@ -81,10 +87,22 @@ def test_help_and_cfg_job(tmp_path: Path) -> None:
     assert result.returncode == 0 and "model" in result.stdout
 
 
-@pytest.mark.parametrize("app", ["train", "plan"])
-def test_help_names_the_app(app: str, tmp_path: Path) -> None:
+HELP_MUST_NAME = {  # what a newcomer needs from each command's --help
+    "train": ["+model=", "hardware=", "nodes=", "tp=", "pp=", "dp=", "steps=", "batch.global=", "--cfg job", "docs/"],
+    "plan": ["+model=", "hardware=", "nodes=", "seq_len=", "batch.global=", "plan.top=", "--cfg job", "docs/"],
+    "export-weights": ["format=hf", "model=NAME", "examples:", "docs/"],
+}
+
+
+@pytest.mark.parametrize("app", sorted(HELP_MUST_NAME))
+def test_help_teaches_in_under_40_lines(app: str, tmp_path: Path) -> None:
+    """--help: the app's name, the keys people set, examples and the docs, in < 40 lines at 100 columns."""
     result = run_cli(app, "--help", cwd=tmp_path)
-    assert result.returncode == 0 and result.stdout.startswith(f"{app} is powered by Hydra."), result.stdout[:200]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith((f"{app}: ", f"usage: {app} ")), result.stdout[:200]
+    assert sum(max(1, -(-len(line) // 100)) for line in result.stdout.splitlines()) < 40, result.stdout
+    assert [word for word in HELP_MUST_NAME[app] if word not in result.stdout] == []
+    assert f"{app} " in result.stdout.split("xamples:")[1]  # the examples run this command
 
 
 def test_plan_writes_nothing(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
-"""Every command shown in README.md and docs/*.md runs: the docs cannot rot.
+"""Every command shown in README.md and docs/*.md runs, typed into bash as written: the docs cannot rot.
 
-Commands come from ```bash blocks. CPU training runs are shortened (`steps=2`, tiny data); a run that
-needs hardware this machine lacks becomes a dry run; SLURM submissions are covered by test_slurm.py
-against a real cluster; lines with placeholders (DATE, TIME, ...) are skipped.
+Commands come from ```bash blocks. CPU training runs are shortened (`steps=2`, tiny data, appended as
+further overrides); a run that needs hardware this machine lacks becomes a dry run; SLURM submissions
+are covered by test_slurm.py against a real cluster; lines with placeholders (DATE, TIME, ...) are
+skipped. Each command name resolves, in bash, to this project's console script, not a shell builtin.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import sys
+from importlib.metadata import distribution
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_shell
 from tests.textdata import train_bpe, write_corpus
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -23,24 +26,29 @@ PLACEHOLDER = re.compile(r"\b(DATE|TIME|NAME|FILE)\b|\.\.\.")
 GPU = re.compile(r"hardware=(?!cpu\b)|\+recipe=(llama|megatron)|\+model=(8b|70b|405b|1b|gpt2)")
 
 
+SCRIPTS = tuple(sorted(e.name for e in distribution("launcher").entry_points if e.group == "console_scripts"))
+
+
 def doc_commands() -> list[tuple[str, str]]:
+    """Every line of a ```bash block that runs one of the console scripts, or evals one's output."""
     found = []
     for doc in DOCS:
         for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S):
             for line in block.splitlines():
                 command = line.split(" #")[0].strip()
-                if command.split(" ")[0] in ("train", "plan", "export"):
+                name = command.removeprefix('eval "$(').split(" ")[0]
+                if name in SCRIPTS:
                     found.append((doc.name, command))
     return found
 
 
-def runnable(command: str, tmp: Path) -> list[str] | None:
-    """The command as the test runs it, or None when another test covers it."""
+def runnable(command: str, tmp: Path) -> str | None:
+    """The command line as bash runs it, or None when another test covers it."""
     if command in COVERED or PLACEHOLDER.search(command) or "hydra/launcher=slurm" in command:
         return None
     args = shlex.split(command)
-    if args[0] != "train" or any(a in ("--help", "--cfg", "--shell-completion") or a.startswith("--") for a in args):
-        return args
+    if args[0] != "train" or any(a.startswith("--") for a in args):
+        return command
     quick = [
         "steps=2",
         "eval.every=0",
@@ -50,8 +58,10 @@ def runnable(command: str, tmp: Path) -> list[str] | None:
         "checkpoint.every=0",
     ]
     if GPU.search(command):
-        return [*args, "dry_run=true"]
-    return [*args, *quick] if "-m" in args else [*args, *quick, f"run_dir={tmp / 'run'}"]
+        quick = ["dry_run=true"]
+    elif "-m" not in args:
+        quick.append(f"run_dir={tmp / 'run'}")
+    return " ".join([command, *map(shlex.quote, quick)])
 
 
 def prepare_hf(command: str, tmp: Path) -> None:
@@ -70,6 +80,9 @@ def prepare_hf(command: str, tmp: Path) -> None:
 
 COVERED = {  # commands another test already runs in full
     "train -m tp=1,2 pp=1,2 steps=50": "tests/test_sweep.py::test_layout_sweep_tp_pp",
+    "train --config-dir=myconf +model=mine hardware=mycluster --cfg job": (
+        "tests/test_install.py::test_a_users_own_model_and_hardware_from_their_directory"
+    ),
 }
 COMMANDS = doc_commands()
 
@@ -78,20 +91,27 @@ def test_docs_show_commands() -> None:
     assert len(COMMANDS) >= 15
 
 
+def test_documented_command_names_are_the_projects_scripts() -> None:
+    """`export` was the shell's builtin: every name the docs type must reach our console script, and no
+    script may share its name with a bash builtin, keyword or another command on PATH."""
+    assert {c.removeprefix('eval "$(').split(" ")[0] for _, c in COMMANDS} == set(SCRIPTS)
+    for name in SCRIPTS:
+        found = run_shell(f"type -a -t {name}; type -a -P {name}").stdout.split()
+        assert found == ["file", str(Path(sys.executable).parent / name)], (name, found)
+
+
 @pytest.mark.parametrize(("doc", "command"), COMMANDS, ids=[f"{d}:{c[:60]}" for d, c in COMMANDS])
 def test_documented_command_runs(doc: str, command: str, tmp_path: Path) -> None:
-    args = runnable(command, tmp_path)
-    if args is None:
+    line = runnable(command, tmp_path)
+    if line is None:
         pytest.skip(COVERED.get(command, "placeholder path, or a SLURM submission (tests/test_slurm.py)"))
     (np.arange(4096, dtype=np.uint16) % 256).tofile(tmp_path / "train.bin")  # for `data=tokens data.path=train.bin`
-    if "data=text" in args:  # corpus/ (.jsonl, .txt, .parquet), tokenizer.json and a model folder my-model/
+    if "data=text" in line:  # corpus/ (.jsonl, .txt, .parquet), tokenizer.json and a model folder my-model/
         write_corpus(tmp_path / "corpus", max_chars=100_000)
         train_bpe(tmp_path / "tokenizer.json", vocab_size=512)
         (tmp_path / "my-model").mkdir()
         shutil.copy(tmp_path / "tokenizer.json", tmp_path / "my-model" / "tokenizer.json")
         (tmp_path / "my-model" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
     prepare_hf(command, tmp_path)
-    if "--shell-completion" in args:
-        args = ["train", "--shell-completion", "install=bash"]
-    result = run_cli(*args, cwd=tmp_path)
-    assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    result = run_shell(line, cwd=tmp_path)
+    assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"

@@ -78,7 +78,7 @@ def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path, tie
     cfg = tiny_config(tmp_path, "steps=2", "checkpoint.every=2", f"model.tied_embeddings={tied}")
     train(cfg, tmp_path / "r")
     out = tmp_path / "hf"
-    result = run_cli("export", str(tmp_path / "r" / "checkpoints"), str(out), "format=hf", "shard_gib=0.0001")
+    result = run_cli("export-weights", str(tmp_path / "r" / "checkpoints"), str(out), "format=hf", "shard_gib=0.0001")
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()) == out
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -150,7 +150,7 @@ def test_pp2_checkpoint_exports_and_imports_back(tmp_path: Path) -> None:
     result = run_cli("train", *args, f"run_dir={tmp_path / 'pp2'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = tmp_path / "hf"
-    assert run_cli("export", str(tmp_path / "pp2" / "checkpoints"), str(out), "format=hf").returncode == 0
+    assert run_cli("export-weights", str(tmp_path / "pp2" / "checkpoints"), str(out), "format=hf").returncode == 0
     cfg = tiny_config(tmp_path)
     torch.testing.assert_close(
         hf_logits(out), our_logits(cfg, consolidated_model_state(newest(tmp_path / "pp2"))), rtol=0, atol=1e-5
@@ -190,6 +190,6 @@ def test_damaged_or_rescaled_folders_are_one_line(tmp_path: Path) -> None:
 def test_export_format_hf_refuses_a_non_llama_model(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "steps=1", "checkpoint.every=1", "model.mlp=gelu")
     train(cfg, tmp_path / "r")
-    result = run_cli("export", str(tmp_path / "r" / "checkpoints"), str(tmp_path / "hf"), "format=hf")
+    result = run_cli("export-weights", str(tmp_path / "r" / "checkpoints"), str(tmp_path / "hf"), "format=hf")
     assert result.returncode == 2 and "model.mlp=gelu (Llama: swiglu)" in result.stderr, result.stderr
     assert not (tmp_path / "hf").exists()

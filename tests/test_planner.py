@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from bench.published_runs import make_cfg
 from launcher import planner
-from launcher.config import LauncherError
+from launcher.config import CONF_DIR, LauncherError
 from launcher.flops import GIB, num_params
 from launcher.layout import ZERO_BUBBLE, Layout
 from launcher.planner import comm, memory
@@ -21,7 +21,7 @@ from launcher.planner.device import Level
 from launcher.planner.request import problem
 from launcher.planner.search import predict
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(CONF_DIR)
 
 
 def fixed(tp, pp, dp, shard, micro, glob, **kw):

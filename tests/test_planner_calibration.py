@@ -10,9 +10,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from launcher import calibration, hardware
-from launcher.config import HardwareConfig
+from launcher.config import CONF_DIR, HardwareConfig
 
-CPU_YAML = Path(__file__).resolve().parents[1] / "conf" / "hardware" / "cpu.yaml"
+CPU_YAML = Path(CONF_DIR) / "hardware" / "cpu.yaml"
 
 
 def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""`hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml): hydra-submitit-launcher's SLURM launcher,
+"""`hydra/launcher=slurm` (launcher/conf/hydra/launcher/slurm.yaml): hydra-submitit-launcher's SLURM launcher,
 with the project's preflight checks first (launcher/slurm.py) and `slurm.dry_run=true` submitting nothing.
 Hydra only instantiates plugins from the hydra_plugins package, hence this thin class here."""
 

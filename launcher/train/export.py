@@ -87,7 +87,7 @@ def write_hf(checkpoint: Path, target: Path, model: ModelConfig | None, shard_gi
 
     metadata = verify(checkpoint)
     cfg = model or saved_model(checkpoint)
-    check_llama(cfg, "export format=hf")
+    check_llama(cfg, "export-weights format=hf")
     specs = model_tensors(metadata)
     if cfg.tied_embeddings:  # HF stores the shared matrix once, as the embedding
         specs.pop("output.weight", None)
@@ -120,7 +120,7 @@ def saved_model(checkpoint: Path) -> ModelConfig:
     """The architecture a checkpoint was trained with (saved beside its step since format=hf exists)."""
     saved = read_extras(checkpoint).get("model")
     if not isinstance(saved, dict):
-        raise LauncherError(f"export: {checkpoint} does not record its model: add model=NAME (e.g. model=tiny)")
+        raise LauncherError(f"export-weights: {checkpoint} does not record its model: add model=NAME (e.g. model=tiny)")
     return ModelConfig(**saved)
 
 
@@ -133,7 +133,7 @@ WRITERS: dict[str, Callable[[Path, Path, ModelConfig | None, float], Path]] = {
 def check_target(out: Path, fmt: str) -> None:
     """An HF export replaces a folder only when it is an earlier HF export (it holds config.json)."""
     if fmt == "hf" and out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / CONFIG).is_file())):
-        raise LauncherError(f"export: {out} exists and is not a Hugging Face folder: give a new folder")
+        raise LauncherError(f"export-weights: {out} exists and is not a Hugging Face folder: give a new folder")
 
 
 def export(
@@ -143,12 +143,14 @@ def export(
     (`fmt="safetensors"`) or an HF Llama folder (`fmt="hf"`; `model`: the architecture when the checkpoint
     does not record it)."""
     if fmt not in WRITERS:
-        raise LauncherError(f"export: format={fmt}: choose one of {', '.join(FORMATS)}")
+        raise LauncherError(f"export-weights: format={fmt}: choose one of {', '.join(FORMATS)}")
     path, target = Path(source).expanduser(), Path(out).expanduser()
     check_target(target, fmt)
     candidates = [path] if (path / MARKER).is_file() else complete_checkpoints(path)
     if not candidates:
-        raise LauncherError(f"export: {source} holds no complete checkpoint; give a step_* folder or its parent")
+        raise LauncherError(
+            f"export-weights: {source} holds no complete checkpoint; give a step_* folder or its parent"
+        )
     failures: list[tuple[Path, str]] = []
     for checkpoint in candidates:
         try:
@@ -156,4 +158,4 @@ def export(
         except UnreadableCheckpoint as err:
             failures.append((checkpoint, str(err)))
             print(f"warning: checkpoint {checkpoint} is unreadable ({err}); trying the previous one", file=sys.stderr)
-    raise no_readable(candidates[0].parent, failures, "export: give another checkpoint folder")
+    raise no_readable(candidates[0].parent, failures, "export-weights: give another checkpoint folder")
