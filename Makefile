@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 ARGS    ?=
 LINTED  := launcher tests bench $(wildcard hydra_plugins scripts/*.py)
 
-.PHONY: setup train test bench gpu-check lint clean
+.PHONY: setup train test bench gpu-check wheelhouse lint clean
 
 setup: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,hf]'
+	$(BIN)/pip install -q -e '.[all,dev]'
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -28,8 +28,20 @@ bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)
 
 # the prepared one-GPU check of the CUDA path (bench/gpu_check.py); ARGS: --hardware=NAME --out=DIR
+# --deadline=S --only=NAME,... --rehearse. PYTHON=python3: an environment of your own (a GPU node's torch
+# with the launcher installed from a wheelhouse) instead of .venv
+ifdef PYTHON
+gpu-check:
+	$(PYTHON) -m bench gpu_check $(ARGS)
+else
 gpu-check: $(STAMP)
 	$(BIN)/python -m bench gpu_check $(ARGS)
+endif
+
+# every dependency but torch as wheels, for a node without internet (scripts/wheelhouse.py);
+# ARGS: --out=DIR --python-version=3.12 --extras=all|none|wandb,text,...
+wheelhouse: $(STAMP)
+	$(BIN)/python scripts/wheelhouse.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)

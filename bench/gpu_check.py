@@ -1,76 +1,144 @@
-"""`make gpu-check` (`python -m bench gpu_check [--hardware=NAME] [--out=DIR]`): the CUDA path on one GPU.
+"""`make gpu-check` (`python -m bench gpu_check [--hardware=NAME] [--out=DIR] [--deadline=S] [--only=A,B]
+[--rehearse]`): the CUDA path on one GPU, through the `train` command a user runs, in one lease.
 
-In a few minutes, through the `train` command a user runs (each run's summary.json and metrics.jsonl):
-1. `1b`, 30 steps of 8 x 2048 tokens, bf16 + compile: tokens/s, TFLOP/s and MFU against the profile's peak (goal on an
-   H100/H200: MFU >= 55%);
-2. `125m` with FSDP2 (its bf16 MixedPrecisionPolicy, fused AdamW over DTensor shards) against the
-   same steps without FSDP (bf16 autocast): losses equal within bf16 tolerance. `train` never shards
-   over one rank, so this one run goes through the Python API on a one-rank mesh;
-3. a checkpoint saved on the GPU and reloaded: the resumed run's next losses equal the original's;
-4. `8b` with `steps=0`: every shard allocated for real, measured memory beside the planner's;
-5. `125m` with `profile.start=2 profile.memory=true`: a CUDA trace and a memory snapshot are written;
-6. the MoE experts' grouped GEMM (`torch._grouped_mm`) against the loop over experts on a Qwen3-30B-A3B
-   layer's shapes (bench/gpu_moe.py): bf16 outputs and gradients within GROUPED_RTOL of the largest
-   entry, and the forward + backward time of each; then `moe_small` in bf16 trains on it
-   (`expert_impl` in its summary).
-Measured peak memory is printed beside the planner's prediction for each. Exit 1 if any check fails
-or there is no CUDA device (one line, at once).
+Checks (each `--only` name, its budget of the deadline, its rows):
+- throughput: `1b`, 30 steps of 8 x 2048 tokens, bf16 + compile: tokens/s, TFLOP/s and MFU over the
+  steps after a warm-up (compile time stays out), judged against the goal (MFU >= 55% on H100/H200);
+  measured peak memory beside the planner's training prediction;
+- fsdp: `125m` with FSDP2 (bf16 MixedPrecisionPolicy, fused AdamW over DTensor shards, one-rank mesh,
+  bench/gpu_fsdp.py) against the same steps without FSDP: losses within bf16 tolerance; then a
+  checkpoint saved on the GPU and resumed: the same next losses;
+- build: `8b` with `steps=0`: every shard allocated for real; its peak (the weights, and the runtime's
+  own memory) beside the planner's weights and overhead, like with like;
+- profile: `profile.memory=true` writes a CUDA trace and an allocator snapshot;
+- moe: the experts' grouped GEMM against the loop (bench/gpu_moe.py), then `moe_small` trains on it.
+Every run is a subprocess with a timeout inside its check's budget and the overall `--deadline`
+(default 420 s); a check that cannot start in time is a `skipped` row. Each row is printed and flushed
+as it finishes and appended as one JSON line to OUT/results.jsonl, so a lease cut short keeps the rows
+done; a failing check never stops the others. `--rehearse` runs the same orchestration on this CPU
+with `hardware=cpu` and tiny models (CI proves the plumbing). Exit 1 if a row failed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# device name (torch.cuda.get_device_name) → hardware profile; anything else: h100_sxm
-PROFILES = (("H200", "h200"), ("H100", "h100_sxm"), ("A100", "a100"), ("B200", "b200"), ("V100", "v100_dgx2"))
 QUIET = ("eval.every=0", "metrics.wandb.mode=disabled", "metrics.console=plain", "resume=never")
-SMALL = ("+model=125m", "steps=10", "seq_len=1024", "batch.micro=8", "compile=false", "optim.warmup_steps=2")
 LOSS_RTOL = 1e-2  # FSDP's bf16 parameters vs autocast's bf16 casts: the same math, rounded differently
-RESUME_RTOL = 1e-3  # the same state on the same GPU: equal up to kernel non-determinism
+RESUME_RTOL = 1e-3  # the same state on the same device: equal up to kernel non-determinism
 GROUPED_RTOL = 2e-2  # bf16 both ways, summed in another order: a few bf16 ulps of the largest entry
+MFU_GOAL = 0.55  # H100/H200, 1b bf16 + compile
+MIN_START_S = 20.0  # a check with less time than this left is skipped, not started
+WIDTHS = (26, 10, 9, 8, 7, 9, 11)
+HEADER = ("check", "result", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "planned GiB", "note")
 
 
 @dataclass
 class Check:
     name: str
-    ok: bool
+    result: str  # ok | FAIL | below goal | skipped
     note: str
-    summary: dict[str, Any] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)  # tokens_per_s, tflops, mfu, peak_gib, planned_gib
 
 
-def profile_for(device_name: str) -> str:
-    return next((profile for key, profile in PROFILES if key in device_name.upper()), "h100_sxm")
+@dataclass(frozen=True)
+class Target:
+    """What the checks run: one GPU and the models that fill it, or this CPU with tiny ones (rehearsal)."""
+
+    hardware: tuple[str, ...]
+    cuda: bool
+    big: tuple[str, ...]  # throughput
+    warmup: int  # steps left out of throughput (compile, allocator)
+    small: tuple[str, ...]  # fsdp, resume, profile
+    build: tuple[str, ...]
+    moe: tuple[str, ...]
+    experts: dict[str, int]  # the grouped-GEMM comparison's shapes
+    goal: float | None
 
 
-def on_one_gpu(hw: str) -> tuple[str, str]:
-    """The profile, on one of its devices (a GPU profile's world is otherwise its whole node)."""
-    return f"hardware={hw}", "hardware.devices_per_node=1"
+def gpu_target(hw: str) -> Target:
+    small = ("+model=125m", "steps=10", "seq_len=1024", "batch.micro=8", "compile=false", "optim.warmup_steps=2")
+    return Target(
+        hardware=(f"hardware={hw}", "hardware.devices_per_node=1"),  # a GPU profile's world is its whole node
+        cuda=True,
+        big=("+model=1b", "steps=30", "seq_len=2048", "batch.micro=8", "compile=true", "dtype=bf16"),
+        warmup=5,
+        small=small,
+        build=("+model=8b", "force=true"),  # one GPU cannot train 8b, it can hold it
+        moe=("+model=moe_small", "steps=10", "seq_len=1024", "batch.micro=8", "dtype=bf16", "compile=false"),
+        experts={"experts": 128, "dim": 2048, "hidden": 768, "rows": 4096 * 8},  # Qwen3-30B-A3B, one layer
+        goal=MFU_GOAL,
+    )
 
 
-def train_cli(run_dir: Path, *overrides: str, timeout: float = 300) -> tuple[int, dict[str, Any], str]:
-    """`train` as a user runs it: (exit code, summary.json or {}, the last line it printed)."""
-    cmd = [str(Path(sys.executable).with_name("train")), f"run_dir={run_dir}", *QUIET, *overrides]
+def rehearsal() -> Target:
+    tiny = ("+model=tiny", "steps=10", "seq_len=64", "batch.micro=4", "optim.warmup_steps=2", "data.max_bytes=200000")
+    return Target(
+        hardware=("hardware=cpu", "threads=1"),
+        cuda=False,
+        big=(*tiny[:1], "steps=8", *tiny[2:]),
+        warmup=2,
+        small=tiny,
+        build=("+model=small",),
+        moe=("+model=moe_tiny", *tiny[1:]),
+        experts={"experts": 8, "dim": 64, "hidden": 32, "rows": 300},
+        goal=None,
+    )
+
+
+class Clock:
+    """Seconds left for one check: the lesser of its budget and the overall deadline."""
+
+    def __init__(self, deadline: float, budget: float) -> None:
+        self.end = min(deadline, time.monotonic() + budget)
+
+    def left(self) -> float:
+        return max(1.0, self.end - time.monotonic())
+
+
+def failure_line(output: str) -> str:
+    """The line that says what went wrong: our `error:` line, a traceback's last line, else the last line
+    that is not a warning."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    for pattern in (r"^error: ", r"^[\w.]*(Error|Exception|Interrupt)\b"):
+        found = [line for line in lines if re.match(pattern, line)]
+        if found:
+            return found[-1][:300]
+    plain = [line for line in lines if "warn" not in line.lower()]
+    return (plain or lines or ["no output"])[-1][:300]
+
+
+def run_logged(cmd: list[str], log: Path, clock: Clock) -> tuple[int, str]:
+    """A command with the clock's timeout, its output kept in `log`: (exit code, what went wrong)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return 124, {}, f"timed out after {timeout:.0f} s"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "train.out").write_text(proc.stdout + proc.stderr)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=clock.left())
+    except subprocess.TimeoutExpired as err:
+        out = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
+        log.write_text(out)
+        return 124, f"timed out after {err.timeout:.0f} s (the check's budget or --deadline)"
+    log.write_text(proc.stdout + proc.stderr)
+    return proc.returncode, failure_line(proc.stderr + "\n" + proc.stdout) if proc.returncode else ""
+
+
+def train_cli(run_dir: Path, target: Target, clock: Clock, *overrides: str) -> tuple[int, dict[str, Any], str]:
+    """`train` as a user runs it: (exit code, summary.json or {}, what went wrong)."""
+    cmd = [sys.executable, "-c", "from launcher.cli import train; train()", f"run_dir={run_dir}", *QUIET]
+    rc, why = run_logged([*cmd, *target.hardware, *overrides], run_dir / "train.out", clock)
     summary_file = run_dir / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-    return proc.returncode, summary, lines[-1] if lines else ""
+    return rc, json.loads(summary_file.read_text()) if summary_file.exists() else {}, why
 
 
-def step_losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def close(a: dict[int, float], b: dict[int, float], rtol: float) -> tuple[bool, float]:
@@ -79,127 +147,179 @@ def close(a: dict[int, float], b: dict[int, float], rtol: float) -> tuple[bool, 
     return worst <= rtol, worst
 
 
-def throughput(out: Path, hw: str) -> Check:
-    rc, summary, last = train_cli(
-        out / "1b", "+model=1b", *on_one_gpu(hw), "steps=30", "seq_len=2048", "batch.micro=8",
-        "compile=true", "dtype=bf16", "checkpoint.every=0",
-    )  # fmt: skip
-    if rc:
-        return Check("1b bf16 + compile", False, f"exit {rc}: {last}")
-    mfu = summary["median_mfu"]
-    return Check("1b bf16 + compile", True, f"MFU {mfu:.1%} (goal >= 55%), {summary['precision']}", summary)
+def losses(run_dir: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in metrics(run_dir)}
 
 
-def fsdp_equality(out: Path, hw: str) -> tuple[Check, Check]:
-    """125m without FSDP (checkpoints at 5 and 10), with FSDP, and resumed from step 5."""
-    ref_dir = out / "125m"
-    rc, reference, last = train_cli(ref_dir, *SMALL, *on_one_gpu(hw), "checkpoint.every=5")
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def throughput(out: Path, t: Target, clock: Clock) -> list[Check]:
+    run = out / "throughput"
+    rc, summary, why = train_cli(run, t, clock, *t.big, "checkpoint.every=0")
     if rc:
-        failed = Check("125m reference", False, f"exit {rc}: {last}")
-        return failed, failed
-    fsdp_dir = out / "125m_fsdp"
-    worker = [sys.executable, "-m", "bench.gpu_fsdp", str(fsdp_dir), *SMALL, *on_one_gpu(hw)]
-    proc = subprocess.run(worker, capture_output=True, text=True, timeout=300)
-    if proc.returncode:
-        fsdp = Check("125m FSDP2 = no FSDP", False, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}")
+        return [Check("throughput", "FAIL", f"exit {rc}: {why}")]
+    timed = [row for row in metrics(run) if row["step"] > t.warmup]
+    mfu = median([r["mfu"] for r in timed])
+    figures = {
+        "tokens_per_s": median([r["tokens_per_s"] for r in timed]),
+        "tflops": median([r["tflops_per_device"] for r in timed]),
+        "mfu": mfu,
+        "peak_gib": summary.get("peak_mem_gib"),
+        "planned_gib": (summary.get("prediction") or {}).get("memory_gib"),
+    }
+    steps = f"steps {t.warmup + 1}-{timed[-1]['step']}, {summary.get('precision')}"
+    if t.goal is None:
+        return [Check("throughput", "ok", f"{steps}; the MFU goal is judged on GPUs", figures)]
+    verdict = "met" if mfu >= t.goal else "below"
+    return [
+        Check("throughput", "ok" if mfu >= t.goal else "below goal", f"{steps}; goal {t.goal:.0%} {verdict}", figures)
+    ]
+
+
+def fsdp_and_resume(out: Path, t: Target, clock: Clock) -> list[Check]:
+    """`small` without FSDP (checkpoints at 5 and 10), with FSDP on a one-rank mesh, and resumed from step 5."""
+    ref = out / "reference"
+    rc, _, why = train_cli(ref, t, clock, *t.small, "checkpoint.every=5")
+    if rc:
+        return [Check("fsdp: reference run", "FAIL", f"exit {rc}: {why}")]
+    fsdp_dir = out / "fsdp"
+    worker = [sys.executable, "-m", "bench.gpu_fsdp", str(fsdp_dir), *t.small, *t.hardware]
+    rc, why = run_logged(worker, fsdp_dir / "worker.out", clock)
+    if rc:
+        fsdp = Check("fsdp: FSDP2 = no FSDP", "FAIL", f"exit {rc}: {why}")
     else:
         result = json.loads((fsdp_dir / "result.json").read_text())
-        ok, worst = close({int(k): v for k, v in result["losses"].items()}, step_losses(ref_dir), LOSS_RTOL)
+        ok, worst = close({int(k): v for k, v in result["losses"].items()}, losses(ref), LOSS_RTOL)
         note = f"losses within {worst:.1e} (tolerance {LOSS_RTOL:.0e}), {result['precision']}, {result['optimizer']}"
-        fsdp = Check("125m FSDP2 = no FSDP", ok, note, {"peak_mem_gib": result["peak_mem_gib"]})
-    resumed_dir = out / "125m_resumed"
-    checkpoint = ref_dir / "checkpoints" / "step_00000005"
-    rc, resumed, last = train_cli(resumed_dir, *SMALL, *on_one_gpu(hw), f"resume={checkpoint}", "checkpoint.every=0")
+        fsdp = Check("fsdp: FSDP2 = no FSDP", "ok" if ok else "FAIL", note, {"peak_gib": result["peak_mem_gib"]})
+    resumed = out / "resumed"
+    checkpoint = ref / "checkpoints" / "step_00000005"
+    rc, _, why = train_cli(resumed, t, clock, *t.small, f"resume={checkpoint}", "checkpoint.every=0")
     if rc:
-        return fsdp, Check("checkpoint save + resume", False, f"exit {rc}: {last}")
-    ok, worst = close(step_losses(resumed_dir), step_losses(ref_dir), RESUME_RTOL)
+        return [fsdp, Check("fsdp: save + resume", "FAIL", f"exit {rc}: {why}")]
+    ok, worst = close(losses(resumed), losses(ref), RESUME_RTOL)
     note = f"steps 6-10 after resuming step 5: within {worst:.1e} (tolerance {RESUME_RTOL:.0e})"
-    return fsdp, Check("checkpoint save + resume", ok, note, resumed)
+    return [fsdp, Check("fsdp: save + resume", "ok" if ok else "FAIL", note)]
 
 
-def build_only(out: Path, hw: str) -> Check:
-    """8b, steps=0: the real build of every shard (force: one GPU cannot train 8b, it can hold it)."""
-    rc, summary, last = train_cli(out / "8b", "+model=8b", *on_one_gpu(hw), "steps=0", "force=true")
+def build_only(out: Path, t: Target, clock: Clock) -> list[Check]:
+    """steps=0: the real build of every shard; its peak is the weights, compared with the planned weights."""
+    rc, summary, why = train_cli(out / "build", t, clock, *t.build, "steps=0")
     if rc:
-        return Check("8b steps=0", False, f"exit {rc}: {last}")
-    return Check("8b steps=0", True, last, summary)
+        return [Check("build: steps=0", "FAIL", f"exit {rc}: {why}")]
+    planned = (summary.get("prediction") or {}).get("memory") or {}
+    weights = planned["params"] + planned["overhead"] if planned else None
+    figures = {"peak_gib": summary.get("peak_mem_gib"), "planned_gib": weights}
+    return [Check("build: steps=0", "ok", f"{t.build[0]}: the weights and the runtime's overhead, both sides", figures)]
 
 
-def profiled(out: Path, hw: str) -> Check:
-    """profile.memory=true: the Chrome trace (with CUDA kernels) and the allocator snapshot."""
-    run = out / "125m_profile"
-    rc, summary, last = train_cli(run, *SMALL, *on_one_gpu(hw), "steps=3", "profile.start=2", "profile.memory=true")
+def profiled(out: Path, t: Target, clock: Clock) -> list[Check]:
+    """The Chrome trace (with CUDA kernels on a GPU) and, on CUDA, the allocator snapshot."""
+    run = out / "profile"
+    memory = f"profile.memory={str(t.cuda).lower()}"
+    rc, summary, why = train_cli(run, t, clock, *t.small, "steps=3", "profile.start=2", memory, "checkpoint.every=0")
     if rc:
-        return Check("profile + memory snapshot", False, f"exit {rc}: {last}")
+        return [Check("profile", "FAIL", f"exit {rc}: {why}")]
     files = sorted(p.name for p in (run / "profile").iterdir())
-    ok = files == ["rank0.memory.pickle", "rank0.trace.json"] and "CUDA" in summary.get("profile", [""])[0]
-    return Check("profile + memory snapshot", ok, f"{files}; {summary.get('profile', ['-'])[0][:90]}")
+    want = ["rank0.memory.pickle", "rank0.trace.json"] if t.cuda else ["rank0.trace.json"]
+    top = summary.get("profile", [""])[0]
+    ok = files == want and ("CUDA" in top or not t.cuda)
+    return [Check("profile", "ok" if ok else "FAIL", f"{files}; {top[:80]}")]
 
 
-def grouped_gemm(out: Path, hw: str) -> tuple[Check, Check]:
-    """128 experts of 2048 x 768 over 4096 tokens x top-8 (Qwen3-30B-A3B, one layer, ep=1), then moe_small."""
-    import torch
-
-    from bench.gpu_moe import compare_paths
-    from launcher.model.experts import Experts, select_impl
-
-    device = torch.device("cuda")
-    selected = select_impl(Experts(128, 2048, 768), device, bf16=True)
-    r = compare_paths(device, experts=128, dim=2048, hidden=768, rows=4096 * 8)
-    worst = max(r["max_rel_diff"])
-    note = (
-        f"{selected}; outputs, grads within {worst:.1e} (tolerance {GROUPED_RTOL:.0e}); fwd+bwd "
-        f"loop {r['loop_ms']:.2f} ms, grouped {r['grouped_ms']:.2f} ms ({r['loop_ms'] / r['grouped_ms']:.1f}x)"
-    )
-    kernel = Check("MoE grouped GEMM = loop", selected == "grouped_mm" and worst <= GROUPED_RTOL, note)
-    rc, summary, last = train_cli(
-        out / "moe_small", "+model=moe_small", *on_one_gpu(hw), "steps=10", "seq_len=1024", "batch.micro=8",
-        "dtype=bf16", "compile=false", "checkpoint.every=0",
-    )  # fmt: skip
+def moe(out: Path, t: Target, clock: Clock) -> list[Check]:
+    """The grouped GEMM against the loop over experts, then a MoE model trains on the grouped path (CUDA)."""
+    kernel_dir = out / "moe_kernel"
+    shapes = [f"--{k}={v}" for k, v in t.experts.items()]
+    rc, why = run_logged([sys.executable, "-m", "bench.gpu_moe", str(kernel_dir), *shapes], kernel_dir / "out", clock)
     if rc:
-        return kernel, Check("moe_small bf16", False, f"exit {rc}: {last}")
+        kernel = Check("moe: grouped GEMM = loop", "FAIL", f"exit {rc}: {why}")
+    else:
+        r = json.loads((kernel_dir / "result.json").read_text())
+        worst = max(r["max_rel_diff"])
+        speed = f"fwd+bwd loop {r['loop_ms']:.2f} ms, grouped {r['grouped_ms']:.2f} ms"
+        note = f"{r['selected']}; within {worst:.1e} (tolerance {GROUPED_RTOL:.0e}); {speed}"
+        ok = worst <= GROUPED_RTOL and (r["selected"] == "grouped_mm" or not t.cuda)
+        kernel = Check("moe: grouped GEMM = loop", "ok" if ok else "FAIL", note)
+    rc, summary, why = train_cli(out / "moe_model", t, clock, *t.moe, "checkpoint.every=0")
+    if rc:
+        return [kernel, Check("moe: model trains", "FAIL", f"exit {rc}: {why}")]
     impl = summary.get("expert_impl")
-    return kernel, Check("moe_small bf16", impl == "grouped_mm", f"expert_impl={impl}", summary)
+    ok = impl == "grouped_mm" or not t.cuda
+    return [kernel, Check("moe: model trains", "ok" if ok else "FAIL", f"expert_impl={impl}")]
 
 
-def table(checks: list[Check]) -> str:
-    rows = [("check", "result", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "planned GiB", "note")]
-    for c in checks:
-        s = c.summary
-        planned = (s.get("prediction") or {}).get("memory_gib")
-        rows.append((
-            c.name,
-            "ok" if c.ok else "FAIL",
-            f"{s['median_tokens_per_s']:,.0f}" if "median_tokens_per_s" in s else "-",
-            f"{s['median_tflops_per_device']:.0f}" if "median_tflops_per_device" in s else "-",
-            f"{s['median_mfu']:.1%}" if "median_mfu" in s else "-",
-            f"{s['peak_mem_gib']:.1f}" if s.get("peak_mem_gib") is not None else "-",
-            f"{planned:.1f}" if planned is not None else "-",
-            c.note,
-        ))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+# name (for --only), budget in seconds (of the default deadline's 420), check
+CHECKS: list[tuple[str, float, Callable[[Path, Target, Clock], list[Check]]]] = [
+    ("throughput", 150, throughput),
+    ("fsdp", 110, fsdp_and_resume),
+    ("build", 60, build_only),
+    ("profile", 45, profiled),
+    ("moe", 55, moe),
+]
+
+
+def row(c: Check) -> str:
+    f = c.figures
+
+    def num(key: str, fmt: str) -> str:
+        return "-" if f.get(key) is None else format(f[key], fmt)
+
+    cells = (c.name, c.result, num("tokens_per_s", ",.0f"), num("tflops", ".3g"), num("mfu", ".1%"))
+    cells += (num("peak_gib", ".1f"), num("planned_gib", ".1f"))
+    return "  ".join(v.ljust(w) for v, w in zip(cells, WIDTHS)) + "  " + c.note
+
+
+def run_checks(out: Path, target: Target, checks: list, deadline_s: float) -> list[Check]:
+    """Every check in turn inside the deadline; each row printed and appended to results.jsonl as it ends."""
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + deadline_s
+    print("  ".join(v.ljust(w) for v, w in zip(HEADER, WIDTHS)) + "  " + HEADER[-1], flush=True)
+    done: list[Check] = []
+    for name, budget, check in checks:
+        left = deadline - time.monotonic()
+        if left < MIN_START_S:
+            rows = [Check(name, "skipped", f"--deadline: {max(left, 0):.0f} s left, {budget:.0f} s budgeted")]
+        else:
+            try:
+                rows = check(out, target, Clock(deadline, budget))
+            except Exception as err:  # noqa: BLE001 - one check's failure never stops the others
+                rows = [Check(name, "FAIL", f"{type(err).__name__}: {failure_line(str(err))}")]
+        for c in rows:
+            print(row(c), flush=True)
+            with (out / "results.jsonl").open("a") as f:
+                f.write(json.dumps(asdict(c)) + "\n")
+        done += rows
+    return done
 
 
 def main(argv: list[str]) -> None:
-    import torch
+    opts = dict(a.removeprefix("--").partition("=")[::2] for a in argv)
+    rehearse = "rehearse" in opts
+    if rehearse:
+        name, target = "this CPU (rehearsal: hardware=cpu, tiny models)", rehearsal()
+    else:
+        import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu-check: no CUDA device (torch.cuda.is_available() is False): run it on an NVIDIA GPU")
-    opts = dict(a.removeprefix("--").split("=", 1) for a in argv if "=" in a)
-    name = torch.cuda.get_device_name(0)
-    hw = opts.get("hardware", profile_for(name))
-    out = Path(opts.get("out", Path("outputs") / "gpu-check" / time.strftime("%Y%m%d-%H%M%S"))).resolve()
-    print(f"gpu-check on {name} (hardware={hw}); runs under {out}", flush=True)
-    t0 = time.perf_counter()
-    checks = [
-        throughput(out, hw),
-        *fsdp_equality(out, hw),
-        build_only(out, hw),
-        profiled(out, hw),
-        *grouped_gemm(out, hw),
-    ]
-    print(table(checks))
-    print(f"{sum(c.ok for c in checks)}/{len(checks)} checks passed in {time.perf_counter() - t0:.0f} s")
-    if not all(c.ok for c in checks):
+        from launcher.hardware import profile_for_device
+
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu-check: no CUDA device (torch.cuda.is_available() is False): run it on an NVIDIA GPU")
+        name = torch.cuda.get_device_name(0)
+        target = gpu_target(opts.get("hardware") or profile_for_device(name))
+    only = [n for n in opts.get("only", "").split(",") if n]
+    unknown = sorted(set(only) - {n for n, _, _ in CHECKS})
+    if unknown:
+        raise SystemExit(f"gpu-check: unknown check {unknown[0]!r}: choose from {', '.join(n for n, _, _ in CHECKS)}")
+    out = Path(opts.get("out") or Path("outputs") / "gpu-check" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    deadline = float(opts.get("deadline") or 420)
+    print(f"gpu-check on {name} ({' '.join(target.hardware)}); deadline {deadline:.0f} s; under {out}", flush=True)
+    start = time.monotonic()
+    rows = run_checks(out, target, [c for c in CHECKS if not only or c[0] in only], deadline)
+    counts = {r: sum(c.result == r for c in rows) for r in ("ok", "below goal", "FAIL", "skipped")}
+    summary = ", ".join(f"{n} {r}" for r, n in counts.items() if n)
+    print(f"gpu-check: {summary} in {time.monotonic() - start:.0f} s (rows in {out / 'results.jsonl'})", flush=True)
+    if counts["FAIL"]:
         sys.exit(1)

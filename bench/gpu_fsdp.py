@@ -3,6 +3,7 @@
 `train` shards with FSDP only over two or more ranks, and one GPU holds one NCCL rank, so this runs
 the launcher's own pieces (model, FSDP2 wrapping with the cuda bf16 policy, runner, optimizer, data)
 on a one-rank mesh, step by step as the loop does, and writes each step's loss to RUN_DIR/result.json.
+On a CPU (gpu_check --rehearse) the same over gloo, in fp32.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from launcher.train.optim import build_optimizer, optimizer_impl
 def main(run_dir: Path, overrides: list[str]) -> None:
     cfg = compose_config(*overrides)
     cuda_env_defaults(cfg.hardware.kind)
-    device = pick_device(cfg)  # cuda:0
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    device = pick_device(cfg)  # cuda:0, or the CPU (gpu_check --rehearse: gloo, fp32)
+    cuda = device.type == "cuda"
+    backend = {"backend": "nccl", "device_id": device} if cuda else {"backend": "gloo"}
+    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **backend)
     layout = from_config(cfg, 1)
-    mesh = build_mesh(layout, "cuda")
+    mesh = build_mesh(layout, device.type)
     model = meta_model(cfg.model)
-    shard_blocks(model, mesh["dp_shard"], reshard_after_forward=True, mp_policy=BF16_FSDP)
+    shard_blocks(model, mesh["dp_shard"], reshard_after_forward=True, mp_policy=BF16_FSDP if cuda else None)
     materialize([model], cfg.seed, device)
     runner = ParallelRunner([model], layout.micro, autocast=None, mesh=mesh, layout=layout)
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
@@ -49,7 +52,7 @@ def main(run_dir: Path, overrides: list[str]) -> None:
         schedule.step()
     result = {
         "losses": losses,
-        "precision": "fsdp_bf16",
+        "precision": "fsdp_bf16" if cuda else "fp32",
         "optimizer": optimizer_impl(optimizer),
         "peak_mem_gib": memory_gib(device),
     }

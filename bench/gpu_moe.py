@@ -4,17 +4,24 @@ The grouped GEMM against the loop over experts, both in bf16 on the same uneven 
 multiples of 8, so the padding runs, and one expert without tokens): the largest difference of the
 outputs and of every gradient relative to that tensor's largest entry, and the median time of a
 forward + backward of each. Runs anywhere `torch._grouped_mm` does (tests/test_gpu_check.py: CPU).
+
+`python -m bench.gpu_moe OUT --experts=E --dim=D --hidden=H --rows=R` (gpu_check's moe check, in its own
+process so the check's timeout holds): the comparison on CUDA (else the CPU), and which path the
+launcher selects there, into OUT/result.json.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from launcher.model.experts import grouped_swiglu, loop_swiglu
+from launcher.model.experts import Experts, grouped_swiglu, loop_swiglu, select_impl
 
 
 def uneven_counts(experts: int, rows: int, generator: torch.Generator) -> list[int]:
@@ -62,3 +69,15 @@ def compare_paths(
         for got, want in zip(results["grouped"], results["loop"])
     ]
     return {"counts": counts, "max_rel_diff": diffs, "loop_ms": results["loop_ms"], "grouped_ms": results["grouped_ms"]}
+
+
+def main(out: Path, shapes: dict[str, int]) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = compare_paths(device, **shapes)
+    result["selected"] = select_impl(Experts(shapes["experts"], shapes["dim"], shapes["hidden"]), device, bf16=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), {k.removeprefix("--"): int(v) for k, v in (a.split("=") for a in sys.argv[2:])})

@@ -70,11 +70,16 @@ def _read_cache(path: Path) -> dict[str, Any]:
         return {}  # a corrupt cache is re-measured, never fatal
 
 
-def cached_measure(cache_dir: str, key: str, measure: Callable[[], Any]) -> Any:
-    """Return the cached value for `key` on this machine, measuring (and caching) it once."""
+def _full_key(key: str) -> str:
+    """A cache entry holds for one CPU model and torch version."""
     import torch
 
-    full_key = f"{cpu_model()}|torch={torch.__version__}|{key}"
+    return f"{cpu_model()}|torch={torch.__version__}|{key}"
+
+
+def cached_measure(cache_dir: str, key: str, measure: Callable[[], Any]) -> Any:
+    """Return the cached value for `key` on this machine, measuring (and caching) it once."""
+    full_key = _full_key(key)
     path = _cache_file(cache_dir)
     cache = _read_cache(path)
     if full_key not in cache:
@@ -168,14 +173,18 @@ def gemm_flops(threads: int, cache_dir: str) -> float:
     return _flops(cached_measure(cache_dir, _gemm_key(threads), lambda: gemm_record(threads)))
 
 
+def cached_gemm_flops(threads: int, cache_dir: str) -> float | None:
+    """The cached GEMM peak at `threads` threads, or None when this machine was never calibrated (no measuring)."""
+    entry = _read_cache(_cache_file(cache_dir)).get(_full_key(_gemm_key(threads)))
+    return None if entry is None else _flops(entry)
+
+
 def offer_gemm_peak(threads: int, cache_dir: str, measured: float) -> str | None:
     """A later GEMM measurement: when it beats the cached peak by more than PEAK_MARGIN, it replaces it
     (the cached one was taken at a busy moment, and inflated every MFU since); the one line saying so."""
-    import torch
-
     path = _cache_file(cache_dir)
     cache = _read_cache(path)
-    full_key = f"{cpu_model()}|torch={torch.__version__}|{_gemm_key(threads)}"
+    full_key = _full_key(_gemm_key(threads))
     if full_key not in cache or measured <= _flops(cache[full_key]) * (1 + PEAK_MARGIN):
         return None
     old = _flops(cache[full_key])

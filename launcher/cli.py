@@ -18,6 +18,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from launcher.compat import hydra_errors_raised, hydra_full_error
 from launcher.config import CONF_DIR, TrainConfig, make_dir
 from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError
+from launcher.extras import install_hint, installed, require
+
+SUBMITIT_PLUGIN = "hydra_plugins.hydra_submitit_launcher"  # conf/hydra/launcher/slurm.yaml builds on its config
 
 
 def schema_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
@@ -46,6 +49,8 @@ def compose_error(err: Exception) -> str:
     if isinstance(cause, ValidationError) and cause.full_key and isinstance(cause.child_node, ValueNode):
         expected = type(cause.child_node).__name__.removesuffix("Node")  # IntegerNode -> Integer
         return f"{cause.full_key}={cause.value}: expected a value of type {expected}"
+    if isinstance(err, MissingConfigException) and "submitit" in str(err) and not installed(SUBMITIT_PLUGIN):
+        return f"hydra/launcher=slurm needs the hydra_submitit_launcher package: {install_hint(SUBMITIT_PLUGIN)}"
     if isinstance(err, MissingConfigException):  # its first paragraph; then the options, or the search path
         found = str(err).split("\n\n")[0]
         if err.options and err.missing_cfg_file:
@@ -125,6 +130,11 @@ def _train_task(cfg: TrainConfig) -> None:
         make_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
     check_source(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
     check_folder(cfg)  # init.from: a readable Llama folder of exactly the model's shapes
+    if cfg.metrics.wandb.mode != "disabled" and not installed("wandb"):
+        if cfg.metrics.wandb.mode == "online":
+            require("wandb", what="metrics.wandb.mode=online")
+        print(f"note: wandb is not installed, metrics go to metrics.jsonl only ({install_hint('wandb')})")
+        cfg.metrics.wandb.mode = "disabled"
     if cfg.metrics.wandb.mode == "online":
         check_wandb_login()
     # a bad path, or checkpoints none of which is readable, fails here
@@ -188,6 +198,7 @@ def export() -> None:
     )
     args = parser.parse_args()
     try:
+        require("safetensors", what="export-weights")
         options = export_options(args.options)
         print(write(args.checkpoint, args.out, **options))
     except LauncherError as err:
@@ -221,3 +232,52 @@ def export_options(items: list[str]) -> dict[str, Any]:
                     f"export-weights: shard_gib={value}: give a positive number of GiB, e.g. shard_gib=5"
                 )
     return options
+
+
+DOCTOR_HELP = (
+    "Is this machine ready for a run? One line a check (ok, warning, fail): torch and its tested range, CUDA,\n"
+    "cuDNN, NCCL, GPUs and driver, SDPA kernels, torch.compile, a process group, SLURM, free disk, the matmul\n"
+    "rate against the hardware profile, optional extras. Exit 1 when something a run needs is missing."
+)
+DOCTOR_EXAMPLES = """examples:
+  doctor                                  # this machine, its GPU's profile (or cpu)
+  doctor hardware=h100_sxm run_dir=/scratch/runs   # the profile and the folder your runs will use
+  doctor compile=true                     # also compile one block where compile=auto is off (CPU)
+
+docs: README.md ("On a cluster without internet", "On GPUs") in the project's repository"""
+
+
+def doctor() -> None:
+    """`doctor [hardware=NAME] [run_dir=DIR] [cache_dir=DIR] [compile=true|false]` (DOCTOR_HELP)."""
+    import argparse
+    import os
+
+    from launcher.config import compile_enabled, compose_config
+    from launcher.doctor import Setting, default_hardware, run
+
+    parser = argparse.ArgumentParser(
+        prog="doctor",
+        description=DOCTOR_HELP,
+        epilog=DOCTOR_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("options", nargs="*", metavar="KEY=VALUE", help="hardware=, run_dir=, cache_dir=, compile=")
+    options = dict(item.partition("=")[::2] for item in parser.parse_args().options)
+    unknown = sorted(set(options) - {"hardware", "run_dir", "cache_dir", "compile"})
+    try:
+        if unknown:
+            raise LauncherError(
+                f"doctor: unknown option {unknown[0]!r}: use hardware=, run_dir=, cache_dir= or compile="
+            )
+        keys = [
+            f"hardware={options.get('hardware') or default_hardware()}",
+            f"compile={options.get('compile', 'auto')}",
+        ]
+        cfg = compose_config(*keys, *([f"cache_dir={options['cache_dir']}"] if "cache_dir" in options else []))
+    except (HydraException, OmegaConfBaseException) as err:
+        exit_with(LauncherError(f"doctor: {compose_error(err)}"))
+    except LauncherError as err:
+        exit_with(err)
+    run_dir = Path(options.get("run_dir") or os.environ.get("LAUNCHER_OUTPUTS", "outputs")).expanduser().resolve()
+    setting = Setting(cfg.hardware, run_dir, Path(cfg.cache_dir).expanduser().resolve(), compile_enabled(cfg))
+    sys.exit(run(setting))

@@ -11,6 +11,13 @@ from dataclasses import replace
 from launcher import calibration
 from launcher.config import HardwareConfig, LauncherError
 
+# a CUDA device's name (torch.cuda.get_device_name) → its hardware profile; anything else: h100_sxm
+DEVICE_PROFILES = (("H200", "h200"), ("H100", "h100_sxm"), ("A100", "a100"), ("B200", "b200"), ("V100", "v100_dgx2"))
+
+
+def profile_for_device(device_name: str) -> str:
+    return next((profile for key, profile in DEVICE_PROFILES if key in device_name.upper()), "h100_sxm")
+
 
 def peak_flops(hw: HardwareConfig, threads: int, cache_dir: str) -> float:
     """Peak FLOP/s of one device: the profile's number, or the calibrated CPU GEMM peak."""

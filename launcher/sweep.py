@@ -28,6 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.errors import FAILED, LauncherError
+from launcher.extras import install_hint, installed
 
 FIELDS = (
     "job",
@@ -296,8 +297,12 @@ def summarize(sweep_dir: Path, file: Any = None) -> list[dict[str, Any]]:
         return rows
     print_table(rows, f"sweep {sweep_dir}", file)
     written = write_files(rows, sweep_dir)
-    charts = [plot(rows, sweep_dir / "sweep_summary.png"), plot_losses(rows, sweep_dir / "sweep_losses.png")]
     out = file or sys.stdout
+    charts = []
+    if installed("matplotlib"):
+        charts = [plot(rows, sweep_dir / "sweep_summary.png"), plot_losses(rows, sweep_dir / "sweep_losses.png")]
+    else:  # a minimal install: the table and the files, no charts
+        print(f"note: no charts without matplotlib ({install_hint('matplotlib')})", file=out)
     print(f"sweep summary: {', '.join(str(p) for p in [*written, *(c for c in charts if c)])}", file=out)
     return rows
 

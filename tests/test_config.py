@@ -91,6 +91,7 @@ HELP_MUST_NAME = {  # what a newcomer needs from each command's --help
     "train": ["+model=", "hardware=", "nodes=", "tp=", "pp=", "dp=", "steps=", "batch.global=", "--cfg job", "docs/"],
     "plan": ["+model=", "hardware=", "nodes=", "seq_len=", "batch.global=", "plan.top=", "--cfg job", "docs/"],
     "export-weights": ["format=hf", "model=NAME", "examples:", "docs/"],
+    "doctor": ["hardware=", "run_dir=", "compile=true", "examples:", "docs:"],
 }
 
 

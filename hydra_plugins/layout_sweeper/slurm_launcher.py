@@ -4,9 +4,9 @@ Hydra only instantiates plugins from the hydra_plugins package, hence this thin 
 
 from typing import Any
 
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf
 
+from launcher.extras import installed
 from launcher.slurm import describe, preflight
 
 
@@ -18,15 +18,20 @@ def job_task(cfg: Any) -> None:
     train_task(OmegaConf.to_object(cfg))
 
 
-class SlurmLauncher(SubmititSlurmLauncher):
-    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-        super().setup(hydra_context=hydra_context, task_function=job_task, config=config)
+# Hydra imports every plugin module: on a minimal install (no submitit) this one defines nothing, and
+# `hydra/launcher=slurm` stops at composition with one line naming the extra (launcher/cli.py)
+if installed("hydra_plugins.hydra_submitit_launcher"):
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 
-    def launch(self, job_overrides: Any, initial_job_idx: int) -> Any:
-        assert self.config is not None
-        # a LauncherError here reaches the CLI as it is (launcher.compat.hydra_errors_raised): one line, exit 2
-        preflight(self.config, int(self.params.get("tasks_per_node") or 1), self.params.get("partition"))
-        if self.config.slurm.dry_run:
-            describe(self.params, job_overrides, initial_job_idx)
-            return []
-        return super().launch(job_overrides, initial_job_idx)
+    class SlurmLauncher(SubmititSlurmLauncher):
+        def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
+            super().setup(hydra_context=hydra_context, task_function=job_task, config=config)
+
+        def launch(self, job_overrides: Any, initial_job_idx: int) -> Any:
+            assert self.config is not None
+            # a LauncherError here reaches the CLI as it is (launcher.compat.hydra_errors_raised): one line, exit 2
+            preflight(self.config, int(self.params.get("tasks_per_node") or 1), self.params.get("partition"))
+            if self.config.slurm.dry_run:
+                describe(self.params, job_overrides, initial_job_idx)
+                return []
+            return super().launch(job_overrides, initial_job_idx)

@@ -122,6 +122,9 @@ def check_source(cfg: DataConfig, vocab_size: int, seq_len: int, evaluates: bool
     text = None
     if cfg.name == "text":
         from launcher.data.text import ensure_cache
+        from launcher.extras import require
+
+        require("datasets", "tokenizers", what="data=text")
 
         text = ensure_cache(cfg, vocab_size, announce=True)
     splits = load_splits(cfg, text)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.config import ModelConfig, TrainConfig
 from launcher.errors import LauncherError
+from launcher.extras import require
 
 if TYPE_CHECKING:
     import torch
@@ -184,6 +185,7 @@ def check_folder(cfg: TrainConfig) -> None:
     if not path:
         return
     check_llama(cfg.model, "init.from")
+    require("safetensors", what="init.from")
     folder = HFFolder.open(path)
     scaling = folder.config.get("rope_parameters") or folder.config.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
