@@ -11,7 +11,7 @@ Tensors are stored with their global shapes (DTensor and FSDP shards are resolve
 checkpoint written under one layout loads under another.
 
 A checkpoint may come from an untrusted or damaged disk: nothing in it is unpickled beyond DCP's own
-index classes and tensors (launcher/compat.py), and any file that fails to load (index, shards, extras,
+index classes and tensors (launcher/train/untrusted.py), and any file that fails to load (index, shards, extras,
 RNG) makes the whole checkpoint unreadable: the previous one is tried, and when checkpoints exist but
 none loads, the run stops (exit 2) rather than start over and prune them.
 """
@@ -78,7 +78,7 @@ def why(err: BaseException) -> str:
 
 
 def read_metadata(path: Path) -> Any:
-    """DCP's index of `path`, read with the restricted unpickler (launcher/compat.py)."""
+    """DCP's index of `path`, read with the restricted unpickler (launcher/train/untrusted.py)."""
     try:
         return SafeFileSystemReader(str(path)).read_metadata()
     except pickle.UnpicklingError as err:
