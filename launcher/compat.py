@@ -72,13 +72,23 @@ def sub_mesh(mesh: DeviceMesh, *dims: str) -> DeviceMesh:
         return mesh[dims if len(dims) > 1 else dims[0]]
 
 
-def enable_async_tp() -> None:
-    """torch's async tensor parallelism: inductor's micro-pipeline pass splits each TP all-gather /
-    reduce-scatter around its matmul into chunks that overlap (symmetric memory over NVLink; since
-    torch 2.8 a group needs no `enable_symm_mem_for_group`). A private inductor flag, as torchtitan sets it."""
+def enable_async_tp(group_name: str) -> None:
+    """torch's async tensor parallelism over the TP group `group_name`: inductor's micro-pipeline pass
+    splits each TP all-gather / reduce-scatter around its matmul into chunks that overlap (symmetric
+    memory over NVLink). A private inductor flag, as torchtitan sets it. torch 2.13 deprecates
+    `enable_symm_mem_for_group` ("no longer needed"), yet its pass still skips a group that has not
+    called it: called where torch has it, its deprecation warning silenced."""
+    import warnings
+
     import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symm_mem
 
     inductor_config._micro_pipeline_tp = True
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group_name)
 
 
 def fake_store() -> Store:

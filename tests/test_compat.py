@@ -308,12 +308,31 @@ def test_submitit_requeues_on_the_signal_we_send(monkeypatch: pytest.MonkeyPatch
             signal.signal(s, handler)
 
 
-def test_enable_async_tp_sets_inductors_micro_pipeline_pass(monkeypatch):
+def test_enable_async_tp_arms_inductors_micro_pipeline_pass_for_the_group(monkeypatch) -> None:
+    """The flag, and the group check torch 2.13's pass makes before fusing a collective
+    (torch/_inductor/fx_passes/micro_pipeline_tp.py: `is_symm_mem_enabled_for_group`): True for the
+    group enabled (rank 3 of a fake world of 8, 2-rank TP groups), for no other. A torch without
+    `enable_symm_mem_for_group` (it is deprecated in 2.13) still gets the flag."""
     import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symm_mem
+    from torch.distributed.device_mesh import init_device_mesh
 
-    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)  # restored after the test
-    compat.enable_async_tp()
-    assert inductor_config._micro_pipeline_tp is True
+    monkeypatch.setattr(symm_mem, "_group_name_to_store", {})  # the registry the check reads
+    dist.init_process_group("fake", store=compat.fake_store(), rank=3, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+        tp, dp = (mesh[dim].get_group().group_name for dim in ("tp", "dp"))
+        with inductor_config.patch(_micro_pipeline_tp=False):  # pytest's monkeypatch would delete it on undo
+            assert not symm_mem.is_symm_mem_enabled_for_group(tp)
+            compat.enable_async_tp(tp)
+            assert inductor_config._micro_pipeline_tp is True
+            assert symm_mem.is_symm_mem_enabled_for_group(tp) and not symm_mem.is_symm_mem_enabled_for_group(dp)
+        monkeypatch.delattr(symm_mem, "enable_symm_mem_for_group")
+        with inductor_config.patch(_micro_pipeline_tp=False):
+            compat.enable_async_tp(dp)
+            assert inductor_config._micro_pipeline_tp is True
+    finally:
+        dist.destroy_process_group()
 
 
 def test_grouped_mm_multiplies_each_row_group_by_its_matrix() -> None:

@@ -150,3 +150,44 @@ def test_fsdp_bf16_policy_and_fused_adamw_match_autocast_within_bf16(
         assert result["impl"] == "fused" and result["master_dtype"] == torch.float32
         # bf16 rounding apart (measured: ~1e-4), the same computation
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-3)
+
+
+def _shard_on_fake_world(cfg: TrainConfig, rank: int, world: int) -> dict[str, str]:
+    """Parallelize `cfg`'s meta model as `rank` of a fake world; the mesh's group names by dimension."""
+    import torch.distributed as dist
+
+    from launcher import compat
+    from launcher.model.init import meta_model as build
+    from launcher.parallel import shard_model
+
+    layout = from_config(cfg, world)
+    dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world)
+    try:
+        mesh = build_mesh(layout, "cpu")
+        shard_model(build(cfg.model), layout, cfg, mesh)
+        return {dim: mesh[dim].get_group().group_name for dim in ("tp", "dp_shard")}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("keys", "armed"), [({}, True), ({"pp": 2, "pp_schedule": "interleaved_zb"}, False)])
+def test_async_tp_arms_the_micro_pipeline_pass_for_the_tp_group(
+    monkeypatch: pytest.MonkeyPatch, keys: dict, armed: bool
+) -> None:
+    """torch 2.13's micro-pipeline pass (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses a TP
+    collective with its matmul only when `is_symm_mem_enabled_for_group(group)`, which reads a registry
+    that only `enable_symm_mem_for_group` fills. Rank 5 of a fake world of 8 (tp=2): after parallelizing
+    with async_tp=true, the check holds for its TP group and no other, and inductor's flag is set; with a
+    zero-bubble schedule, whose blocks stay eager (no compile), nothing is armed."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    monkeypatch.setattr(symm_mem, "_group_name_to_store", {})  # what the pass reads; fresh per test
+    cfg = make_cfg(CUDA, tp=2, sequence_parallel=True, async_tp=True, **keys)
+    cfg.batch["global"] = 16
+    # the config module's own patch: pytest's monkeypatch would delete the entry on undo
+    with inductor_config.patch(_micro_pipeline_tp=False):
+        groups = _shard_on_fake_world(cfg, 5, 8)
+        assert inductor_config._micro_pipeline_tp is armed
+    assert symm_mem.is_symm_mem_enabled_for_group(groups["tp"]) is armed
+    assert not symm_mem.is_symm_mem_enabled_for_group(groups["dp_shard"])
