@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import io
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -245,23 +245,25 @@ def dump_cuda_memory_snapshot(path: str) -> None:
 @functools.cache
 def _dcp_classes() -> dict[str, type]:
     """DCP's reader and load planner that trust nothing on disk beyond DCP's own index classes and
-    tensors (launcher/train/untrusted.py says why), built on first use (they subclass torch's
+    tensors (launcher/train/untrusted.py says why and reads with them), built on first use (they subclass torch's
     classes: defining them at import would import torch)."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    from launcher.train.untrusted import load_dcp_metadata
-
     class SafeFileSystemReader(FileSystemReader):
-        """DCP's file reader with the restricted `.metadata` unpickler (tensors are already read with
-        `torch.load(weights_only=True)` by DCP itself)."""
+        """DCP's file reader with `.metadata` read by `load_metadata`, the restricted unpickler
+        (tensors are already read with `torch.load(weights_only=True)` by DCP itself)."""
+
+        def __init__(self, path: str, load_metadata: Callable[[IO[bytes]], Metadata]) -> None:
+            super().__init__(path)
+            self.load_metadata = load_metadata
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             path = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(path, "rb") as stream:
-                metadata = load_dcp_metadata(stream)
+                metadata = self.load_metadata(stream)
             if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata does
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

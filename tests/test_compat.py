@@ -210,7 +210,7 @@ def test_restricted_unpickler_reads_what_the_full_one_reads(checkpoint: Path) ->
     restricted = load_dcp_metadata(io.BytesIO(raw))  # an unlisted class here: torch changed the format
     assert restricted == pickle.loads(raw)
     assert any(key.startswith("model.") for key in restricted.state_dict_metadata)
-    assert SafeFileSystemReader(str(checkpoint)).read_metadata().storage_meta is not None
+    assert SafeFileSystemReader(str(checkpoint), load_dcp_metadata).read_metadata().storage_meta is not None
 
 
 def test_restricted_unpickler_refuses_other_objects() -> None:
@@ -225,7 +225,7 @@ def test_restricted_unpickler_refuses_other_objects() -> None:
 
 
 def test_every_storage_item_is_a_torch_save_record_inside_its_file(checkpoint: Path) -> None:
-    items = dcp_storage_items(SafeFileSystemReader(str(checkpoint)).read_metadata())
+    items = dcp_storage_items(SafeFileSystemReader(str(checkpoint), load_dcp_metadata).read_metadata())
     assert items
     for name, spans in items.items():
         data = (checkpoint / name).read_bytes()

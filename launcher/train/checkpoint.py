@@ -11,16 +11,16 @@ Tensors are stored with their global shapes (DTensor and FSDP shards are resolve
 checkpoint written under one layout loads under another.
 
 A checkpoint may come from an untrusted or damaged disk: nothing in it is unpickled beyond DCP's own
-index classes and tensors (launcher/train/untrusted.py), and any file that fails to load (index, shards, extras,
-RNG) makes the whole checkpoint unreadable: the previous one is tried, and when checkpoints exist but
-none loads, the run stops (exit 2) rather than start over and prune them.
+index classes and tensors (launcher/train/untrusted.py, the reading side), and any file that fails
+to load (index, shards, extras, RNG) makes the whole checkpoint unreadable: the previous one is
+tried, and when checkpoints exist but none loads, the run stops (exit 2) rather than start over and
+prune them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 import shutil
 import time
@@ -42,15 +42,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, SafeLoadPlanner, dcp_storage_items
+from launcher.compat import SafeLoadPlanner
 from launcher.config import CheckpointConfig, LauncherError
 from launcher.train.preemption import agree
+from launcher.train.untrusted import (
+    EXTRAS,
+    UnreadableCheckpoint,
+    check_shards,
+    read_index,
+    read_rng,
+    safe_reader,
+    verify,
+    why,
+)
 
 log = logging.getLogger("launcher")
 # a one-process run saves without a process group on purpose; DCP warns about that on every call
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 MARKER = "complete.json"
-EXTRAS = "extras.json"
 FORMAT = 1
 NAME = re.compile(r"step_\d{8}")
 
@@ -65,80 +74,6 @@ def complete_checkpoints(root: Path) -> list[Path]:
         return []
     found = [p for p in root.glob("step_*") if p.is_dir() and NAME.fullmatch(p.name)]
     return sorted((p for p in found if (p / MARKER).is_file()), key=step_of, reverse=True)
-
-
-class UnreadableCheckpoint(Exception):
-    """A file of a checkpoint failed to load; the message names the file and why."""
-
-
-def why(err: BaseException) -> str:
-    """`Type: first sentence` of an error (torch's unpickling errors run on for paragraphs)."""
-    text = str(err).strip().split("\n")[0].split(". ")[0]
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-def read_metadata(path: Path) -> Any:
-    """DCP's index of `path`, read with the restricted unpickler (launcher/train/untrusted.py)."""
-    try:
-        return SafeFileSystemReader(str(path)).read_metadata()
-    except pickle.UnpicklingError as err:
-        raise UnreadableCheckpoint(str(err)) from None  # "unexpected object X in .metadata"
-    except Exception as err:
-        raise UnreadableCheckpoint(f".metadata: {why(err)}") from None
-
-
-def read_extras(path: Path) -> dict[str, Any]:
-    try:
-        extras = json.loads((path / EXTRAS).read_text())
-    except (OSError, ValueError) as err:
-        raise UnreadableCheckpoint(f"{EXTRAS}: {why(err)}") from None
-    if not isinstance(extras, dict) or not isinstance(extras.get("step"), int):
-        raise UnreadableCheckpoint(f"{EXTRAS}: not an object with an integer step")
-    return extras
-
-
-def read_rng(file: Path) -> torch.Tensor:
-    try:
-        with warnings.catch_warnings():  # a foreign pickle protocol warns before it fails: the error says it
-            warnings.simplefilter("ignore")
-            state = torch.load(file, weights_only=True)
-    except Exception as err:
-        raise UnreadableCheckpoint(f"{file.name}: {why(err)}") from None
-    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
-        raise UnreadableCheckpoint(f"{file.name}: not an RNG state (a uint8 tensor)")
-    return state
-
-
-def read_index(path: Path) -> tuple[Any, dict[str, Any]]:
-    """A checkpoint's index and extras: what every rank reads to load it. Raises UnreadableCheckpoint."""
-    return read_metadata(path), read_extras(path)
-
-
-def verify(path: Path) -> Any:
-    """What can be checked without the model, by one process for all ranks: the index, the extras,
-    every RNG file, and that every shard file holds the bytes the index points into, each item
-    starting as a torch.save record. Returns the index; raises UnreadableCheckpoint."""
-    metadata, _ = read_index(path)
-    for rng in sorted(path.glob("rng_rank*.pt")):
-        read_rng(rng)
-    check_shards(path, metadata)
-    return metadata
-
-
-def check_shards(path: Path, metadata: Any) -> None:
-    """Every shard file holds the bytes the index points into, each item starting as a torch.save
-    record (zeroed or foreign bytes fail here, naming the file); raises UnreadableCheckpoint."""
-    for name, items in dcp_storage_items(metadata).items():
-        shard, needed = path / name, max(offset + length for offset, length in items)
-        size = shard.stat().st_size if shard.is_file() else None
-        if size is None or size < needed:
-            what = "missing" if size is None else f"truncated ({size} of {needed} bytes)"
-            raise UnreadableCheckpoint(f"{name}: {what}")
-        with shard.open("rb") as stream:  # each item a torch.save record: zeroed or foreign bytes fail here
-            for offset, _ in items:
-                stream.seek(offset)
-                if stream.read(len(TORCH_SAVE_MAGIC)) != TORCH_SAVE_MAGIC:
-                    raise UnreadableCheckpoint(f"{name}: no tensor record at byte {offset}")
 
 
 def no_readable(root: Path, failures: list[tuple[Path, str]], fix: str) -> LauncherError:
@@ -350,7 +285,7 @@ def load_shards(state: dict[str, Any], path: Path, metadata: Any) -> None:
     try:
         dcp.load(
             state,
-            storage_reader=SafeFileSystemReader(str(path)),
+            storage_reader=safe_reader(path),
             planner=SafeLoadPlanner(),
             no_dist=not dist.is_initialized(),
         )
