@@ -91,6 +91,19 @@ def enable_async_tp(group_name: str) -> None:
             enable(group_name)
 
 
+def bound_device(device: torch.device | None) -> dict[str, Any]:
+    """`init_process_group`'s `device_id=device` where torch takes it: NCCL then creates the communicator
+    at once on that GPU (no guess at the first collective), splits subgroups from it, and `barrier()`
+    uses it. {} without a device or on a torch without the parameter."""
+    import inspect
+
+    import torch.distributed as dist
+
+    if device is None or "device_id" not in inspect.signature(dist.init_process_group).parameters:
+        return {}
+    return {"device_id": device}
+
+
 def fake_store() -> Store:
     """The store of the "fake" process-group backend: every collective returns at once, with no peer.
     torch ships it under torch.testing only."""

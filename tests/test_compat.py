@@ -335,6 +335,16 @@ def test_enable_async_tp_arms_inductors_micro_pipeline_pass_for_the_group(monkey
         dist.destroy_process_group()
 
 
+def test_bound_device_where_init_process_group_takes_one(monkeypatch) -> None:
+    """`device_id=` for NCCL's eager, GPU-bound init where torch has the parameter (2.3+); nothing
+    without a device, or on a torch whose init_process_group lacks it."""
+    gpu = torch.device("cuda", 3)
+    assert compat.bound_device(gpu) == {"device_id": gpu}
+    assert compat.bound_device(None) == {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend=None, init_method=None, **kwargs: None)
+    assert compat.bound_device(gpu) == {}
+
+
 def test_grouped_mm_multiplies_each_row_group_by_its_matrix() -> None:
     """torch._grouped_mm's (2-D x 3-D, int32 group ends) form, which runs on CPU as well; its fast
     kernel is only on CUDA sm90 and sm100."""

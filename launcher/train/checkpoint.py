@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from launcher.compat import SafeLoadPlanner
 from launcher.config import CheckpointConfig, LauncherError
-from launcher.train.preemption import agree
+from launcher.train.preemption import agree, collective_device
 from launcher.train.untrusted import (
     EXTRAS,
     UnreadableCheckpoint,
@@ -318,5 +318,6 @@ def check_shapes(path: Path, metadata: Any, state: dict[str, Any]) -> None:
 
 
 def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    if dist.is_initialized():  # NCCL: on this rank's GPU, not one torch guesses from the rank
+        device = collective_device()
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
