@@ -267,3 +267,33 @@ def test_checkpoint_barriers_run_on_this_ranks_gpu(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(dist, "barrier", barrier)
     checkpoint._barrier()
     assert barrier.calls == [((), {"device_ids": [2]})]
+
+
+def test_checkpoints_keep_and_restore_each_ranks_gpu_rng_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Dropout on a GPU draws from the GPU's generator: a cuda run's checkpoint keeps its state beside
+    the CPU's, and resuming puts it back on that GPU. A checkpoint without one (a CPU run's, or one
+    saved before) still loads and leaves the GPU's generator alone."""
+    from launcher.model.init import initialized_model
+    from launcher.train.checkpoint import Checkpointer, Stateful, complete_checkpoints
+    from tests.conftest import tiny_config
+
+    saved = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", Recorded(saved))
+    restore = Recorded()
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restore)
+    cfg = tiny_config(tmp_path)
+    model = initialized_model(cfg.model, cfg.seed, torch.device("cpu"))
+    optimizer, _ = build_optimizer([model], cfg.optim, 4)
+    gpu, cpu_run = torch.device("cuda", 1), tmp_path / "cpu"
+    Checkpointer(cfg.checkpoint, tmp_path / "gpu", 0, device=gpu).save([model], optimizer, Stateful(1, {}))
+    Checkpointer(cfg.checkpoint, cpu_run, 0).save([model], optimizer, Stateful(1, {}))
+    assert sorted(p.name for p in (tmp_path / "gpu" / "step_00000001").glob("rng_*")) == [
+        "rng_cuda_rank0.pt",
+        "rng_rank0.pt",
+    ]
+    resumed = Checkpointer(cfg.checkpoint, tmp_path / "gpu", 0, device=gpu)
+    assert resumed.load(complete_checkpoints(tmp_path / "gpu"), [model], optimizer).step == 1
+    (args, _), *more = restore.calls
+    assert not more and torch.equal(args[0], saved) and args[1] == gpu
+    old = Checkpointer(cfg.checkpoint, cpu_run, 0, device=gpu).load(complete_checkpoints(cpu_run), [model], optimizer)
+    assert old.step == 1 and len(restore.calls) == 1

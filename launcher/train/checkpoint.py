@@ -1,7 +1,8 @@
 """Sharded checkpoints with torch.distributed.checkpoint: atomic, pruned safely, resharding on load.
 
 A checkpoint is a folder `step_NNNNNNNN/` holding DCP's shards (each rank writes its own), the
-training extras as JSON (step, data position, LR schedule), each rank's RNG state, and last a
+training extras as JSON (step, data position, LR schedule), each rank's RNG states (the CPU's, and
+on CUDA its GPU's, from which dropout there draws; `rng_states`), and last a
 `complete.json` marker. It is written under `step_NNNNNNNN.partial/` and renamed once every rank
 has finished, so a crash mid-save leaves no folder that looks complete. Only complete checkpoints
 are loaded; a newest one that fails to load is skipped for the previous one (with a warning), and
@@ -143,11 +144,33 @@ def model_view(parts: list[nn.Module]) -> nn.Module:
     return view
 
 
+# each generator's state file, by name prefix: rank r's is PREFIX + f"rank{r}.pt"
+RNG_FILES = ("rng_", "rng_cuda_")
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's generator states by file prefix: the CPU's, and on CUDA the GPU's (dropout there)."""
+    states = {"rng_": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["rng_cuda_"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore what `rng_states` saved; a state this run has no generator for (a CUDA checkpoint resumed
+    on CPU), or a checkpoint without one (a CPU run's, or one from before GPU states were kept), is skipped."""
+    if "rng_" in states:
+        torch.set_rng_state(states["rng_"])
+    if "rng_cuda_" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["rng_cuda_"], device)
+
+
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, root: Path, rank: int) -> None:
+    def __init__(self, cfg: CheckpointConfig, root: Path, rank: int, device: torch.device | None = None) -> None:
         self.cfg = cfg
         self.root = root
         self.rank = rank
+        self.device = device or torch.device("cpu")  # cuda: the GPU's RNG state is saved too
         self.pending: tuple[Future, Path, Path, Stateful] | None = None  # async save in flight
         self.unreadable: set[Path] = set()  # failed to load: kept until a newer one is saved
         self.newest_saved = -1  # step of the newest checkpoint this run completed
@@ -170,7 +193,8 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         _barrier()
-        torch.save(torch.get_rng_state(), partial / f"rng_rank{self.rank}.pt")
+        for prefix, state in rng_states(self.device).items():
+            torch.save(state, partial / f"{prefix}rank{self.rank}.pt")
         state = self.state(parts, optimizer)
         t0 = time.perf_counter()
         try:
@@ -242,12 +266,12 @@ class Checkpointer:
         failures: list[tuple[Path, str]] = []
         for path in candidates:
             state = self.state(parts, optimizer)
-            error, extras, rng = "", {}, None
+            error, extras, rng = "", {}, {}
             try:  # this rank's files only: the launcher verified the rest once (preflight_resume)
                 metadata, extras = read_index(path)
                 check_shapes(path, metadata, state)  # another model: a LauncherError on every rank
-                rng_file = path / f"rng_rank{self.rank}.pt"
-                rng = read_rng(rng_file) if rng_file.is_file() else None  # other world sizes have none
+                files = {prefix: path / f"{prefix}rank{self.rank}.pt" for prefix in RNG_FILES}
+                rng = {prefix: read_rng(f) for prefix, f in files.items() if f.is_file()}  # other world sizes: none
             except UnreadableCheckpoint as err:
                 error = str(err)
             error = first_error(error)  # agreed before DCP's collective load, which every rank must enter
@@ -270,8 +294,7 @@ class Checkpointer:
             model = model_view(parts)
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, optimizer, state["optim"])
-            if rng is not None:  # same world size: exact continuation of dropout randomness
-                torch.set_rng_state(rng)
+            set_rng_states(rng, self.device)  # same world size: exact continuation of dropout randomness
             log.info("resumed from %s at step %d", path, extras["step"])
             return Stateful(step=int(extras.pop("step")), extras=extras)
         if failures:

@@ -145,7 +145,7 @@ def train(
         return summary
 
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    checkpointer = Checkpointer(cfg.checkpoint, ckpt_root, rank)
+    checkpointer = Checkpointer(cfg.checkpoint, ckpt_root, rank, device)
     start = 0
     guard = Guard(cfg.optim.skip_nonfinite, rank, checkpointer)
     resumed = checkpointer.load(resolve_resume(cfg.resume, ckpt_root), runner.parts, optimizer)

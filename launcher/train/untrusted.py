@@ -125,7 +125,7 @@ def verify(path: Path) -> Any:
     every RNG file, and that every shard file holds the bytes the index points into, each item
     starting as a torch.save record. Returns the index; raises UnreadableCheckpoint."""
     metadata, _ = read_index(path)
-    for rng in sorted(path.glob("rng_rank*.pt")):
+    for rng in sorted(path.glob("rng_*rank*.pt")):  # the CPU's and the GPU's of each rank
         read_rng(rng)
     check_shards(path, metadata)
     return metadata
