@@ -297,3 +297,21 @@ def test_checkpoints_keep_and_restore_each_ranks_gpu_rng_state(monkeypatch: pyte
     assert not more and torch.equal(args[0], saved) and args[1] == gpu
     old = Checkpointer(cfg.checkpoint, cpu_run, 0, device=gpu).load(complete_checkpoints(cpu_run), [model], optimizer)
     assert old.step == 1 and len(restore.calls) == 1
+
+
+def test_cuda_memory_counts_the_context_and_nccl_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's prediction is tensors + an overhead for the CUDA context and NCCL's buffers, so the
+    measured figure is the device memory the process held at its peak: the allocator's peak reservation
+    (8 GiB here) plus what is used outside the allocator (10 GiB used on the device - 7 reserved now),
+    not the tensors' own peak (6 GiB), which the metrics keep as mem_allocated_gib."""
+    from launcher.metrics.meter import Meter, memory_gib
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 7 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 8 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 6 * gib)
+    device = torch.device("cuda", 0)
+    assert memory_gib(device) == 11.0
+    row = Meter(1024, 1e9, 1e15, 8, device).stop(1, 2.0, 1e-3, 1.0)
+    assert row["mem_gib"] == 11.0 and row["mem_allocated_gib"] == 6.0
