@@ -1,8 +1,9 @@
 """Every private Hydra / submitit API the project uses, in one place (PyTorch's: compat.py).
 
-Each is used here for a reason (no public API does the same) and has a test in tests/test_compat.py
-that checks the signature or behaviour the project relies on, so an upgrade that changes one fails
-there, loudly, rather than somewhere in a run. Neither library is imported until an API is used.
+Each is used here for a reason (no public API does the same) and has a test in
+tests/test_compat_hydra.py that checks the signature or behaviour the project relies on, so an
+upgrade that changes one fails there, loudly, rather than somewhere in a run. Neither library is
+imported until an API is used.
 """
 
 from __future__ import annotations
