@@ -15,7 +15,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, ValueNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from launcher.compat import hydra_errors_raised, hydra_full_error
+from launcher.compat_hydra import hydra_errors_raised, hydra_full_error
 from launcher.config import CONF_DIR, TrainConfig, make_dir
 from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError
 from launcher.extras import install_hint, installed, require

@@ -1,25 +1,16 @@
-"""Every private PyTorch / Hydra / submitit API the project uses, in one place.
+"""Every private PyTorch API the project uses, in one place (Hydra's and submitit's: compat_hydra.py).
 
 Each is used here for a reason (no public API does the same) and has a test in tests/test_compat.py
 that checks the signature or behaviour the project relies on, so an upgrade that changes one fails
 there, loudly, rather than somewhere in a run. torch is imported only when a torch API is used:
 `plan` and the SLURM submission side import this module without it.
-
-Distributed checkpoint (DCP) reading: DCP stores its index, `.metadata`, as a Python pickle and reads it
-with the full unpickler, which runs whatever code a crafted file names. A checkpoint may come from a
-shared or downloaded disk, so the project reads `.metadata` with an unpickler that admits only the
-classes a DCP index holds, and non-tensor values with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
-import os
-import pickle
-import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -81,13 +72,36 @@ def sub_mesh(mesh: DeviceMesh, *dims: str) -> DeviceMesh:
         return mesh[dims if len(dims) > 1 else dims[0]]
 
 
-def enable_async_tp() -> None:
-    """torch's async tensor parallelism: inductor's micro-pipeline pass splits each TP all-gather /
-    reduce-scatter around its matmul into chunks that overlap (symmetric memory over NVLink; since
-    torch 2.8 a group needs no `enable_symm_mem_for_group`). A private inductor flag, as torchtitan sets it."""
+def enable_async_tp(group_name: str) -> None:
+    """torch's async tensor parallelism over the TP group `group_name`: inductor's micro-pipeline pass
+    splits each TP all-gather / reduce-scatter around its matmul into chunks that overlap (symmetric
+    memory over NVLink). A private inductor flag, as torchtitan sets it. torch 2.13 deprecates
+    `enable_symm_mem_for_group` ("no longer needed"), yet its pass still skips a group that has not
+    called it: called where torch has it, its deprecation warning silenced."""
+    import warnings
+
     import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symm_mem
 
     inductor_config._micro_pipeline_tp = True
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group_name)
+
+
+def bound_device(device: torch.device | None) -> dict[str, Any]:
+    """`init_process_group`'s `device_id=device` where torch takes it: NCCL then creates the communicator
+    at once on that GPU (no guess at the first collective), splits subgroups from it, and `barrier()`
+    uses it. {} without a device or on a torch without the parameter."""
+    import inspect
+
+    import torch.distributed as dist
+
+    if device is None or "device_id" not in inspect.signature(dist.init_process_group).parameters:
+        return {}
+    return {"device_id": device}
 
 
 def fake_store() -> Store:
@@ -241,70 +255,28 @@ def dump_cuda_memory_snapshot(path: str) -> None:
 
 
 # --- distributed checkpoint -------------------------------------------------------------------------
-# Everything a DCP `.metadata` pickle references (torch 2.6 .. 2.13), besides dtypes (`torch.float32`).
-DCP_METADATA_GLOBALS = frozenset(
-    {
-        *(
-            ("torch.distributed.checkpoint.metadata", name)
-            for name in (
-                "Metadata",
-                "MetadataIndex",
-                "StorageMeta",
-                "TensorStorageMetadata",
-                "BytesStorageMetadata",
-                "ChunkStorageMetadata",
-                "TensorProperties",
-                "_MEM_FORMAT_ENCODING",
-            )
-        ),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # looks up a torch.layout by name, e.g. "torch.strided"
-        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
-        ("pathlib", "WindowsPath"),
-        ("collections", "OrderedDict"),
-    }
-)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if (module, name) in DCP_METADATA_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"unexpected object {module}.{name} in .metadata")
-
-
-def load_dcp_metadata(stream: IO[bytes]) -> Metadata:
-    """A DCP index from `stream`, admitting only DCP's own classes; UnpicklingError otherwise."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    metadata = _MetadataUnpickler(stream).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"unexpected object {type(metadata).__name__} in .metadata")
-    return metadata
-
-
 @functools.cache
 def _dcp_classes() -> dict[str, type]:
-    """DCP's reader and load planner with the restricted reading, built on first use (they subclass
-    torch's classes: defining them at import would import torch)."""
+    """DCP's reader and load planner that trust nothing on disk beyond DCP's own index classes and
+    tensors (launcher/train/untrusted.py says why and reads with them), built on first use (they subclass torch's
+    classes: defining them at import would import torch)."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(FileSystemReader):
-        """DCP's file reader with the restricted `.metadata` unpickler (tensors are already read with
-        `torch.load(weights_only=True)` by DCP itself)."""
+        """DCP's file reader with `.metadata` read by `load_metadata`, the restricted unpickler
+        (tensors are already read with `torch.load(weights_only=True)` by DCP itself)."""
+
+        def __init__(self, path: str, load_metadata: Callable[[IO[bytes]], Metadata]) -> None:
+            super().__init__(path)
+            self.load_metadata = load_metadata
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             path = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(path, "rb") as stream:
-                metadata = load_dcp_metadata(stream)
+                metadata = self.load_metadata(stream)
             if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata does
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -343,63 +315,3 @@ def dcp_storage_items(metadata: Metadata) -> dict[str, list[tuple[int, int]]]:
     for info in (metadata.storage_data or {}).values():
         items.setdefault(info.relative_path, []).append((info.offset, info.length))
     return items
-
-
-# --- Hydra --------------------------------------------------------------------------------------------
-def basic_sweeper() -> type:
-    """Hydra's basic sweeper, which the layout sweeper extends (split_arguments, get_job_batch, is_done,
-    validate_batch_is_legal, its `overrides` batches). Looked up when called: Hydra re-executes its
-    plugin modules when it scans them, and a class taken before the scan would be a stale copy."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-
-    return BasicSweeper
-
-
-FULL_ERROR = "HYDRA_FULL_ERROR"  # Hydra's documented switch; "1": run_and_report re-raises
-
-
-def hydra_full_error() -> bool:
-    """The user asked Hydra for full tracebacks."""
-    return os.environ.get(FULL_ERROR) == "1"
-
-
-@contextlib.contextmanager
-def hydra_errors_raised() -> Iterator[Callable[[], None]]:
-    """While active, `hydra.main` lets an exception out as the object it is, instead of printing it
-    and exiting 1. Yields `restore`, which puts the user's own setting back before the block ends
-    (when the task starts: Hydra reports the task's own crashes as the user asked)."""
-    old = os.environ.get(FULL_ERROR)
-
-    def restore() -> None:
-        if old is None:
-            os.environ.pop(FULL_ERROR, None)
-        else:
-            os.environ[FULL_ERROR] = old
-
-    os.environ[FULL_ERROR] = "1"
-    try:
-        yield restore
-    finally:
-        restore()
-
-
-# --- submitit -----------------------------------------------------------------------------------------
-SUBMITIT_COMMAND = "python -u -m submitit.core._submit"  # what a submitit job runs (for the dry run)
-
-
-def sbatch_script(**params: Any) -> str:
-    """The sbatch script submitit would submit for these executor parameters (`slurm.dry_run`);
-    submitit writes it only as part of a submission."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    return _make_sbatch_string(**params)
-
-
-def submitit_requeue_signal() -> signal.Signals | None:
-    """Inside a submitit SLURM job, the signal on which submitit's own handler checkpoints the job,
-    requeues it and exits (SUBMITIT_PREEMPT_SIGNAL, USR2 by default); None elsewhere."""
-    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
-        return None
-    from submitit.core.job_environment import JobEnvironment
-
-    return signal.Signals["SIG" + JobEnvironment.USR_SIG]

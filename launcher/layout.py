@@ -496,6 +496,13 @@ def from_config(cfg: TrainConfig, world: int | None) -> Layout:
     return lay
 
 
+def async_tp_applies(layout: Layout, async_tp: bool) -> bool:
+    """Whether torch's async TP overlaps this layout's TP collectives (`async_tp`: asked for, and the
+    config checks passed: cuda, compile, sequence parallelism): with TP, and blocks that are compiled
+    (zero-bubble schedules leave them eager; parallel/__init__.py `_compile`)."""
+    return async_tp and layout.tp > 1 and layout.sequence_parallel and not layout.zero_bubble
+
+
 # --- where it runs ---------------------------------------------------------------------------------------
 def rank_of(layout: Layout, pp: int = 0, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 0, cp: int = 0) -> int:
     """The rank at these coordinates (the order in the module docstring)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from launcher.compat import failure_line, leave_process_groups
+from launcher.compat import bound_device, failure_line, leave_process_groups
 from launcher.config import TrainConfig
 from launcher.errors import CROSSING, LauncherError, WorkerFailed
 from launcher.layout import Layout, owner_rank
@@ -57,28 +57,79 @@ def env_rank() -> RankEnv | None:
     return None
 
 
+# Each setting under every name torch reads it by, the current one first (older torch reads the later
+# ones): a value the user gave under any of them is kept, and ours goes under all of them.
 CUDA_ENV = {
     # a NCCL error or timeout tears the process down (the agent or the scheduler sees a failed rank)
     # instead of leaving it blocked in a collective
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING",): "1",
     # the allocator grows segments in place: less fragmentation as activation sizes vary
-    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"): "expandable_segments:True",
+    # NCCL's flight recorder keeps each group's last 2000 collectives and dumps them when one times out
+    # or fails, so that a hang leaves a trace of who waited on what (where: `flight_recorder_env`)
+    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
 }
+FLIGHT_RECORDER_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # + the rank: one file each
+
+
+def set_defaults(settings: dict[tuple[str, ...], str], environ: MutableMapping[str, str]) -> None:
+    for names, value in settings.items():
+        if not any(name in environ for name in names):
+            environ.update(dict.fromkeys(names, value))
 
 
 def cuda_env_defaults(kind: str, environ: MutableMapping[str, str] = os.environ) -> None:
     """The CUDA runtime settings a run starts with, unless the user set them; nothing off cuda. Read
     when the CUDA allocator and NCCL start, so this runs before either (workers inherit it)."""
     if kind == "cuda":
-        for key, value in CUDA_ENV.items():
-            environ.setdefault(key, value)
+        set_defaults(CUDA_ENV, environ)
+
+
+def flight_recorder_env(run_dir: Path, environ: MutableMapping[str, str] = os.environ) -> None:
+    """The flight recorder's dumps under the run directory (`flight_recorder/rank_N`), unless the user
+    chose a place: torch's default, /tmp on the node, is often cleared when the job ends."""
+    if not any(name in environ for name in FLIGHT_RECORDER_FILE):
+        folder = run_dir / "flight_recorder"
+        folder.mkdir(parents=True, exist_ok=True)
+        set_defaults({FLIGHT_RECORDER_FILE: str(folder / "rank_")}, environ)
+
+
+def local_device(local_rank: int) -> int:
+    """This rank's GPU among those it sees: its local rank modulo their number. torchrun, and SLURM tasks
+    that see the whole node, see every GPU; a SLURM site that binds one GPU per task shows each task
+    only its own (device 0), whatever its SLURM_LOCALID."""
+    import torch
+
+    return local_rank % max(1, torch.cuda.device_count())
+
+
+def join_group(cfg: TrainConfig, env: RankEnv, run_dir: Path) -> None:
+    """Join the default process group: NCCL bound to this rank's GPU (set as the current device), its
+    flight recorder writing under `run_dir`; gloo on CPUs."""
+    import torch
+    import torch.distributed as dist
+
+    device = None
+    if cfg.hardware.kind == "cuda":
+        device = torch.device("cuda", local_device(env.local_rank))
+        torch.cuda.set_device(device)
+        flight_recorder_env(run_dir)
+    store = None
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # The agent's store outlives a restart: without a per-attempt prefix, a restarted group can
+        # read the dead workers' addresses and wait on them forever.
+        base, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size))
+        store = dist.PrefixStore(f"launcher/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base)
+    cuda = device is not None
+    backend, timeout = ("nccl", timedelta(seconds=cfg.nccl_timeout_s)) if cuda else ("gloo", None)  # torch's default
+    dist.init_process_group(
+        backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **bound_device(device)
+    )
 
 
 def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None = None) -> dict[str, Any]:
     """Body of every rank when the world is larger than one: join the group, train, leave."""
-    import torch
-    import torch.distributed as dist
-
     from launcher.train.loop import train
 
     if os.environ.get(LOCAL_WORKER_ENV):
@@ -86,17 +137,7 @@ def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict |
     env = env_rank()
     assert env is not None, "run_rank needs RANK/WORLD_SIZE (torchrun, elastic launch) or SLURM variables"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if cfg.hardware.kind == "cuda":
-        torch.cuda.set_device(env.local_rank)
-    backend = "nccl" if cfg.hardware.kind == "cuda" else "gloo"
-    store = None
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        # The agent's store outlives a restart: without a per-attempt prefix, a restarted group can
-        # read the dead workers' addresses and wait on them forever.
-        base, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size))
-        store = dist.PrefixStore(f"launcher/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base)
-    timeout = timedelta(seconds=cfg.nccl_timeout_s) if backend == "nccl" else None  # gloo: torch's default
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    join_group(cfg, env, run_dir)
     try:
         return train(cfg, run_dir, env.rank, layout, prediction)
     finally:

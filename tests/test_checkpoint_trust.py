@@ -11,9 +11,9 @@ import pytest
 
 from launcher.compat import TORCH_SAVE_MAGIC, dcp_storage_items
 from launcher.config import LauncherError
-from launcher.train.checkpoint import read_metadata
 from launcher.train.export import export
 from launcher.train.loop import train
+from launcher.train.untrusted import read_metadata
 from tests.conftest import run_cli, tiny_args, tiny_config
 from tests.test_checkpoint import losses
 

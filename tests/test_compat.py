@@ -1,4 +1,4 @@
-"""Each private PyTorch / Hydra / submitit API in launcher/compat.py still has the signature and the
+"""Each private PyTorch API in launcher/compat.py still has the signature and the
 behaviour the project relies on: these fail loudly on an upgrade that changes one, naming the API to port."""
 
 from __future__ import annotations
@@ -7,27 +7,19 @@ import inspect
 import io
 import os
 import pickle
-import signal
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 
-import hydra
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigAttributeError
 
 from launcher import compat
-from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items, load_dcp_metadata
-from launcher.config import CONF_DIR
+from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items
 from launcher.model.init import initialized_model
 from launcher.train.checkpoint import Checkpointer, Stateful
 from launcher.train.optim import build_optimizer
+from launcher.train.untrusted import load_dcp_metadata
 from tests.conftest import tiny_config
 
 
@@ -209,7 +201,7 @@ def test_restricted_unpickler_reads_what_the_full_one_reads(checkpoint: Path) ->
     restricted = load_dcp_metadata(io.BytesIO(raw))  # an unlisted class here: torch changed the format
     assert restricted == pickle.loads(raw)
     assert any(key.startswith("model.") for key in restricted.state_dict_metadata)
-    assert SafeFileSystemReader(str(checkpoint)).read_metadata().storage_meta is not None
+    assert SafeFileSystemReader(str(checkpoint), load_dcp_metadata).read_metadata().storage_meta is not None
 
 
 def test_restricted_unpickler_refuses_other_objects() -> None:
@@ -224,95 +216,49 @@ def test_restricted_unpickler_refuses_other_objects() -> None:
 
 
 def test_every_storage_item_is_a_torch_save_record_inside_its_file(checkpoint: Path) -> None:
-    items = dcp_storage_items(SafeFileSystemReader(str(checkpoint)).read_metadata())
+    items = dcp_storage_items(SafeFileSystemReader(str(checkpoint), load_dcp_metadata).read_metadata())
     assert items
     for name, spans in items.items():
         data = (checkpoint / name).read_bytes()
         assert all(off + length <= len(data) and data[off : off + 4] == TORCH_SAVE_MAGIC for off, length in spans)
 
 
-# --- Hydra --------------------------------------------------------------------------------------------
-def test_hydra_main_raises_compose_errors_as_objects(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(compat.FULL_ERROR, raising=False)
-    monkeypatch.setattr(sys, "argv", ["train", "stpes=1"])
-    app = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")(lambda cfg: None)
-    try:
-        with compat.hydra_errors_raised(), pytest.raises(ConfigCompositionException) as raised:
-            app()
-        assert isinstance(raised.value.__cause__, ConfigAttributeError)
-        assert raised.value.__cause__.full_key == "stpes"
-        assert not compat.hydra_full_error()  # the user's setting is back
-        with pytest.raises(SystemExit):  # without: Hydra prints and exits
-            app()
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def test_basic_sweeper_runs_the_batches_the_layout_sweeper_sets() -> None:
-    sweeper = compat.basic_sweeper()(max_batch_size=None, params=None)
-    parsed = OverridesParser.create().parse_overrides(["a=1,2", "b=3"])
-    assert sweeper.split_arguments(parsed, None) == [[["a=1", "b=3"], ["a=2", "b=3"]]]
-    sweeper.overrides = [[["a=1"], ["a=2"]], [["a=3"]]]
-    sweeper.batch_index = 0
-    assert sweeper.get_job_batch() == [["a=1"], ["a=2"]] and not sweeper.is_done()
-    assert sweeper.get_job_batch() == [["a=3"]] and sweeper.is_done()
-    assert list(inspect.signature(sweeper.validate_batch_is_legal).parameters) == ["batch"]
-
-
-# --- submitit -----------------------------------------------------------------------------------------
-def test_sbatch_script_takes_the_executor_parameters() -> None:
-    text = compat.sbatch_script(
-        command=f"{compat.SUBMITIT_COMMAND} <folder>",
-        folder="/tmp/jobs/%j",
-        job_name="train",
-        map_count=None,
-        additional_parameters={"requeue": True},
-        nodes=2,
-        ntasks_per_node=4,
-        cpus_per_task=8,
-        gpus_per_node=4,
-        time=60,
-        partition="gpu",
-        account=None,
-        signal_delay_s=120,
-        setup=["export OMP_NUM_THREADS=8"],
-    )
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --partition=gpu", "#SBATCH --requeue"):
-        assert line in text
-    assert "submitit.core._submit" in text and "export OMP_NUM_THREADS=8" in text
-
-
-def test_submitit_command() -> None:
-    from submitit.slurm.slurm import SlurmExecutor
-
-    command = SlurmExecutor._submitit_command_str.fget(SimpleNamespace(python="python", folder="/jobs"))
-    assert command == f"{compat.SUBMITIT_COMMAND} /jobs"
-
-
-def test_submitit_requeues_on_the_signal_we_send(monkeypatch: pytest.MonkeyPatch) -> None:
-    from submitit.core.job_environment import JobEnvironment, SignalHandler
-
-    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
-    assert compat.submitit_requeue_signal() is None
-    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
-    sig = compat.submitit_requeue_signal()
-    assert sig is not None
-    saved = {s: signal.getsignal(s) for s in (sig, signal.SIGTERM, signal.SIGCONT)}
-    try:
-        JobEnvironment()._handle_signals(None, None)  # what submitit does when a job starts
-        handler = signal.getsignal(sig)
-        assert getattr(handler, "__func__", None) is SignalHandler.checkpoint_and_try_requeue
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-
-
-def test_enable_async_tp_sets_inductors_micro_pipeline_pass(monkeypatch):
+# --- PyTorch, continued -----------------------------------------------------------------------------
+def test_enable_async_tp_arms_inductors_micro_pipeline_pass_for_the_group(monkeypatch) -> None:
+    """The flag, and the group check torch 2.13's pass makes before fusing a collective
+    (torch/_inductor/fx_passes/micro_pipeline_tp.py: `is_symm_mem_enabled_for_group`): True for the
+    group enabled (rank 3 of a fake world of 8, 2-rank TP groups), for no other. A torch without
+    `enable_symm_mem_for_group` (it is deprecated in 2.13) still gets the flag."""
     import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symm_mem
+    from torch.distributed.device_mesh import init_device_mesh
 
-    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)  # restored after the test
-    compat.enable_async_tp()
-    assert inductor_config._micro_pipeline_tp is True
+    monkeypatch.setattr(symm_mem, "_group_name_to_store", {})  # the registry the check reads
+    dist.init_process_group("fake", store=compat.fake_store(), rank=3, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+        tp, dp = (mesh[dim].get_group().group_name for dim in ("tp", "dp"))
+        with inductor_config.patch(_micro_pipeline_tp=False):  # pytest's monkeypatch would delete it on undo
+            assert not symm_mem.is_symm_mem_enabled_for_group(tp)
+            compat.enable_async_tp(tp)
+            assert inductor_config._micro_pipeline_tp is True
+            assert symm_mem.is_symm_mem_enabled_for_group(tp) and not symm_mem.is_symm_mem_enabled_for_group(dp)
+        monkeypatch.delattr(symm_mem, "enable_symm_mem_for_group")
+        with inductor_config.patch(_micro_pipeline_tp=False):
+            compat.enable_async_tp(dp)
+            assert inductor_config._micro_pipeline_tp is True
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bound_device_where_init_process_group_takes_one(monkeypatch) -> None:
+    """`device_id=` for NCCL's eager, GPU-bound init where torch has the parameter (2.3+); nothing
+    without a device, or on a torch whose init_process_group lacks it."""
+    gpu = torch.device("cuda", 3)
+    assert compat.bound_device(gpu) == {"device_id": gpu}
+    assert compat.bound_device(None) == {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend=None, init_method=None, **kwargs: None)
+    assert compat.bound_device(gpu) == {}
 
 
 def test_grouped_mm_multiplies_each_row_group_by_its_matrix() -> None:

@@ -85,6 +85,88 @@ def test_matches_single_process(results: dict, references: dict, variant: str, c
         torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+# ------------------------------------------- which SDPA kernel can take context parallelism's calls
+
+SEQ, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 2, 8  # GQA: two query heads per KV head
+
+
+def _attend_recorded(rank: int, world_size: int, device_type: str, flash: bool) -> dict:
+    """One GQA sequence's attention through this cp rank's `attend`, on a cp mesh of `device_type`,
+    with the arguments of every `F.scaled_dot_product_attention` call it makes recorded. `flash`: torch's
+    flash op stands in (CPU tensors) where SDPA would pick it on a GPU, recording the head counts it gets."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.attention import bias
+
+    from launcher.config import ModelConfig
+    from launcher.model.transformer import Attention
+    from launcher.parallel import context
+    from launcher.parallel.context import apply_context_parallel
+
+    real, calls, flash_calls = F.scaled_dot_product_attention, [], []
+
+    def recorded(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **kw):  # noqa: ANN001, ANN202
+        kind = type(attn_mask).__name__ if attn_mask is not None else None
+        calls.append(dict(mask=kind, causal=is_causal, gqa=enable_gqa, q=q.shape[-2], k=k.shape[-2]))
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kw)
+
+    def flash_op(q, k, v, dropout_p, is_causal, return_debug_mask, scale):  # noqa: ANN001, ANN202
+        flash_calls.append((q.shape[1], k.shape[1], is_causal))
+        offset = k.shape[-2] - q.shape[-2]  # flash's causal flag: aligned to the lower right
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(offset)
+        return (real(q, k, v, attn_mask=keep, enable_gqa=True, scale=scale),)
+
+    # context.py's calls only: torch's bias dispatches on F's own function
+    context.F = SimpleNamespace(scaled_dot_product_attention=recorded)
+    if flash:
+        bias.can_use_flash_attention = lambda params, debug=False: True
+        torch.ops.aten._scaled_dot_product_flash_attention = flash_op
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HEADS, SEQ, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(1, KV_HEADS, SEQ, HEAD_DIM, generator=gen) for _ in range(2))
+    cfg = ModelConfig(dim=HEADS * HEAD_DIM, n_heads=HEADS, n_kv_heads=KV_HEADS)
+    model = nn.Sequential(Attention(cfg))
+    apply_context_parallel(model, SimpleNamespace(get_group=lambda: dist.group.WORLD, device_type=device_type), SEQ)
+    positions = local_positions(SEQ, world_size, rank)
+    out = model[0].attend(*(t[..., positions, :] for t in (q, k, v)), 0.0, True)
+    reference = real(q, k, v, is_causal=True, enable_gqa=True)[..., positions, :]
+    return {"calls": calls, "flash": flash_calls, "error": (out - reference).abs().max().item()}
+
+
+@pytest.fixture(scope="module")
+def attention_calls() -> dict:
+    cases = [("cuda", False), ("cuda", True), ("cpu", False)]
+    return dict(zip(cases, run_many([(_attend_recorded, 2, case) for case in cases])))
+
+
+def test_gqa_attention_on_gpus_passes_sdpa_no_tensor_mask(attention_calls: dict) -> None:
+    """On CUDA the flash kernel takes no attn_mask and the memory-efficient kernel no GQA (before recent
+    torch), so a call with both leaves SDPA the math kernel, which materializes every score (aten's
+    sdp_utils.cpp: `check_for_attn_mask` among flash's constraints). Each cp rank's calls on a cuda mesh pass
+    no tensor mask: chunk 0 `is_causal` over a square block, the later chunk torch's lower-right
+    `CausalBias`; the results equal one process's causal attention."""
+    for rank in attention_calls["cuda", False]:
+        assert rank["error"] < 1e-5
+        assert len(rank["calls"]) == 2 and all(call["gqa"] for call in rank["calls"])
+        for call in rank["calls"]:
+            assert call["mask"] in (None, "CausalBias"), call
+            assert call["mask"] is not None or (call["causal"] and call["q"] == call["k"]), call
+
+
+def test_gqa_attention_reaches_the_flash_kernel_with_kv_heads_unexpanded(attention_calls: dict) -> None:
+    """Where torch can run flash (stood in for on CPU), each lower-right chunk is a call of its flash
+    op, with 2 KV heads for 4 query heads and the causal flag; results unchanged. On CPU the additive
+    mask (built once per run) stays: CPU's own flash kernel takes it with GQA."""
+    for rank in attention_calls["cuda", True]:
+        later = [call for call in rank["calls"] if call["mask"] == "CausalBias"]  # cp rank 1: both chunks
+        assert later and rank["flash"] == [(HEADS, KV_HEADS, True)] * len(later) and rank["error"] < 1e-5
+    for rank in attention_calls["cpu", False]:
+        assert "Tensor" in [call["mask"] for call in rank["calls"]] and rank["error"] < 1e-5
+
+
 # ---------------------------------------------------------------- the planner
 
 
@@ -128,7 +210,9 @@ def test_cp_memory_and_communication_terms() -> None:
     one, two = (memory(m, 32768, replace(base, cp=cp), 2, "cuda") for cp in (1, 2))
     assert 0.5 < two.activations / one.activations < 0.6  # / cp, but K and V are saved whole (GQA: 1/8 of h)
     assert two.params == one.params / 2  # FSDP over dp_shard x cp
-    assert two.buffers - one.buffers == 2 * 8192 * (32768 + 8192)  # the chunks' bf16 masks, c x (seq + c)
+    assert two.buffers == one.buffers  # the flash kernel's lower-right causal flag: no mask
+    one, two = (memory(m, 32768, replace(base, cp=cp), 2, "cpu") for cp in (1, 2))
+    assert two.buffers - one.buffers == 2 * 8192 * (32768 + 8192)  # on a CPU the chunks' masks, c x (seq + c)
     inside, across = (step_time(m, 32768, Layout(tp=tp, cp=cp), machine, 2) for tp, cp in ((4, 2), (8, 2)))
     assert inside.cp_level == "nvlink4" and across.cp_level == "infiniband_ndr"
     assert 0 < inside.cp_comm < across.cp_comm

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import NON_FINITE
-from launcher.train.checkpoint import complete_checkpoints, verify
+from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.guard import TEST_NAN_ENV
 from launcher.train.loop import train
+from launcher.train.untrusted import verify
 from tests.conftest import losses, run_cli, tiny_args, tiny_config
 
 

@@ -85,10 +85,11 @@ def test_the_cycle_finder_finds_one() -> None:
 
 
 def test_entry_points_and_submission_side_do_not_import_torch() -> None:
-    """`plan` and SLURM submission stay light: the CLI, compat.py, slurm*.py and the metrics sinks (which
+    """`plan` and SLURM submission stay light: the CLI, compat*.py, slurm*.py and the metrics sinks (which
     the calibration cache uses) import torch only when used."""
     code = (
-        "import sys, launcher.cli, launcher.compat, launcher.slurm, launcher.slurm_job, launcher.metrics.sinks\n"
+        "import sys, launcher.cli, launcher.compat, launcher.compat_hydra, launcher.slurm, launcher.slurm_job\n"
+        "import launcher.metrics.sinks\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

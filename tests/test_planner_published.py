@@ -70,6 +70,24 @@ def test_async_tp_hides_tensor_parallel_communication():
     assert hidden.compute == exposed.compute
 
 
+@pytest.mark.parametrize(
+    ("model", "lay", "world", "hidden_at_most"),
+    [  # a zero-bubble schedule runs its blocks eager (no compile): nothing fuses
+        ("70b", Layout(tp=8, pp=2, microbatches=8, schedule="interleaved_zb", sequence_parallel=True), 16, 0.0),
+        # every Mixtral block is MoE: compiled around the routed FFN, only attention's half fuses
+        ("mixtral_8x7b", Layout(tp=8, sequence_parallel=True), 8, 0.5),
+    ],
+    ids=["zero-bubble", "moe"],
+)
+def test_async_tp_hides_only_what_torch_compiles(model: str, lay: Layout, world: int, hidden_at_most: float):
+    cfg = make_cfg(model, seq_len=4096, sequence_parallel=True, async_tp=True)
+    hidden = predict(problem(cfg, world), lay).time
+    cfg.async_tp = False
+    exposed = predict(problem(cfg, world), lay).time
+    assert exposed.tp_comm > 0
+    assert exposed.tp_comm - hidden.tp_comm <= hidden_at_most * exposed.tp_comm
+
+
 def test_async_tp_off_cuda_or_without_compile_is_one_line_before_spawn():
     for cfg, match in [
         (make_cfg("small", "cpu", tp=2, sequence_parallel=True, async_tp=True), r"async_tp=true needs CUDA"),

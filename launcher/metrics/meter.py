@@ -12,11 +12,24 @@ from launcher.flops import GIB, mfu
 
 
 def memory_gib(device: torch.device) -> float:
-    """Peak memory of this worker: CUDA allocator peak, or the process's peak resident set on CPU."""
+    """Peak memory of this worker, as the planner predicts it (tensors + overhead). CUDA: the device
+    memory it held at its peak: the caching allocator's peak reservation, plus what lives outside the
+    allocator (the CUDA context, NCCL's buffers), measured now as the device's used memory less the
+    reservation (cudaMemGetInfo: the GPU assumed to be this process's alone). CPU: the process's peak
+    resident set."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / GIB
+        free, total = torch.cuda.mem_get_info(device)
+        outside = max(0, total - free - torch.cuda.memory_reserved(device))
+        return (torch.cuda.max_memory_reserved(device) + outside) / GIB
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (GIB if sys.platform == "darwin" else 2**20)
+
+
+def memory_measure(device: torch.device) -> str:
+    """What `memory_gib` measures, in words (summary.json's `peak_mem_measure`)."""
+    if device.type == "cuda":
+        return "device memory: allocator peak reserved + CUDA context and NCCL buffers (mem_get_info)"
+    return "process peak resident set"
 
 
 class Meter:
@@ -50,6 +63,6 @@ class Meter:
             "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
             "mem_gib": memory_gib(self.device),
         }
-        if self.device.type == "cuda":  # what the caching allocator holds, beside what tensors use
-            row["mem_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GIB
+        if self.device.type == "cuda":  # the tensors' own peak, inside mem_gib's device figure
+            row["mem_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
         return row

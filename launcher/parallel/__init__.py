@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from launcher.compat import enable_async_tp, foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
-from launcher.layout import Layout, build_mesh, expert_mesh
+from launcher.layout import Layout, async_tp_applies, build_mesh, expert_mesh
 from launcher.model.experts import local, select_impl
 from launcher.model.hf import init_source
 from launcher.model.init import materialize
@@ -311,6 +311,8 @@ def shard_model(
     pipelined = layout.pp > 1
     stages = layout.pp_stages(mesh["pp"].get_local_rank()) if pipelined else [0]
     parts = [stage_module(model, s, layout.stages) for s in stages] if pipelined else [model]
+    if async_tp_applies(layout, cfg.async_tp):  # before compile traces the blocks: the pass checks the group
+        enable_async_tp(mesh["tp"].get_group().group_name)
     for part in parts:
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"], layout.sequence_parallel, local_logits=pipelined)
@@ -331,8 +333,6 @@ def _compile(model: nn.Module, cfg: TrainConfig) -> None:
     """torch.compile per block (in place: names unchanged), as torchtitan does: after TP and
     recompute (it traces the DTensor and checkpointed blocks), before FSDP (whose hooks stay outside)."""
     if compile_enabled(cfg):
-        if cfg.async_tp:  # config.check_async_tp: cuda, sequence parallel
-            enable_async_tp()
         for block in model.layers.values():
             # a MoE layer's token counts and all-to-all splits are data-dependent: compile around it
             parts = (block.attention_norm, block.attention, block.ffn_norm) if _is_moe(block) else (block,)

@@ -9,9 +9,11 @@ each rank projects Q, K, V for its own tokens, all-gathers K and V over the cp g
 per layer; its backward reduce-scatters dK and dV back to their owners), puts the keys back in
 sequence order, and attends each local chunk's queries only to the keys up to that chunk's end, with a
 causal mask aligned to its lower right (`attend`): the attention work is the causal half of cp=1's,
-even over the cp ranks. torch's experimental ring attention has no CPU path (docs/parallelism.md);
-this one runs wherever SDPA with a mask does. RoPE and learned positions use the global positions
-(`Transformer.positions`).
+even over the cp ranks. On CUDA that mask is torch's `causal_lower_right` bias, which SDPA runs in
+the flash kernel with K and V's GQA heads as they are: with an explicit mask SDPA would fall back to
+the math kernel and its score matrices (`ContextShard.mask`). torch's experimental ring attention
+has no CPU path (docs/parallelism.md); this one runs wherever SDPA does. RoPE and learned positions
+use the global positions (`Transformer.positions`).
 
 Everything else is local per token: norms, the MLP, the loss (each rank's mean over its tokens; the
 runner averages over cp ranks, all of which hold the same number of tokens). cp ranks hold identical
@@ -28,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 
 from launcher.model.transformer import Attention
 
@@ -78,8 +81,8 @@ class _GatherSequence(torch.autograd.Function):
 class ContextShard:
     """One rank's share of every sequence, and the attention over the cp group that goes with it."""
 
-    def __init__(self, group: dist.ProcessGroup, seq_len: int) -> None:
-        self.group, self.seq_len = group, seq_len
+    def __init__(self, group: dist.ProcessGroup, seq_len: int, device_type: str = "cpu") -> None:
+        self.group, self.seq_len, self.device_type = group, seq_len, device_type
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._cache: dict[tuple, torch.Tensor] = {}
 
@@ -109,13 +112,19 @@ class ContextShard:
         return self._cache[key]
 
     def mask(self, chunk: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Additive causal mask of global chunk `chunk`'s queries against keys 0 .. its end, aligned to the
-        lower right: 0 where the key is not after the query, -inf elsewhere. Built once per run, like the
-        RoPE table; a float mask of the compute dtype, which SDPA uses as is (a bool one it would convert
-        per call; on CPU torch's `causal_lower_right` bias is materialized that way too)."""
+        """Causal mask of global chunk `chunk`'s queries against keys 0 .. its end, aligned to the lower
+        right. Off CPU torch's `causal_lower_right` bias, no tensor: SDPA runs it in the flash kernel
+        (whose causal flag means lower right) with the GQA heads unexpanded. A tensor mask would leave
+        the math kernel: flash takes no mask, the memory-efficient kernel GQA only in recent torch, and
+        cuDNN comes after math by default. On CPU, whose flash kernel takes a mask with GQA, the
+        additive mask (0 where the key is not after the query, -inf elsewhere, compute dtype), built
+        once per run like the RoPE table: torch's bias would build one per call there, and SDPA would
+        save each layer's for backward."""
+        c = self.chunk_len
+        if self.device_type != "cpu":
+            return causal_lower_right(c, (chunk + 1) * c)
         key = ("mask", chunk, device, dtype)
         if key not in self._cache:
-            c = self.chunk_len
             visible = torch.ones(c, (chunk + 1) * c, dtype=torch.bool, device=device).tril(chunk * c)
             zero = torch.zeros((), dtype=dtype, device=device)
             self._cache[key] = torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
@@ -147,7 +156,7 @@ class ContextShard:
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
     """Make `model` (a whole model or a pipeline stage) run on this rank's share of `seq_len`-token
     sequences: global positions for RoPE and learned positions, and every attention over the group."""
-    shard = ContextShard(cp_mesh.get_group(), seq_len)
+    shard = ContextShard(cp_mesh.get_group(), seq_len, cp_mesh.device_type)
     model.positions = shard.positions
     for module in model.modules():
         if isinstance(module, Attention):

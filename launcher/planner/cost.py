@@ -30,9 +30,11 @@ block that full recompute repeats (1 under selective recompute with sequence par
 re-gathers the two column-parallel inputs), one for the vocabulary-parallel embedding (forward) and one for the
 output projection (backward) on the stages that hold them, and 3 small ones of b s floats for the
 vocabulary-parallel loss (max, sum of exponentials, target logit). None of it overlaps compute,
-except under async TP (`async_tp`: compile + sequence parallel on CUDA), where torch splits each
-block's all-gather / reduce-scatter into t chunks around its matmul: the first chunk of each stays
-exposed, the rest hides behind the block's compute at the usual CONTENTION. On a
+except under async TP (`async_tp`: compile + sequence parallel on CUDA; `layout.async_tp_applies`)
+where torch splits each compiled block's all-gather / reduce-scatter into t chunks around its matmul:
+the first chunk of each stays exposed, the rest hides behind the block's compute at the usual
+CONTENTION. Only compiled code is fused: none under a zero-bubble schedule (its blocks run eager),
+and in a MoE block only the attention half (the block compiles around its routed FFN). On a
 CPU the host is the device, so DTensor's dispatch (the machine's calibrated host_overhead per block
 and microbatch) adds to the step too; accelerators run ahead of the host and hide it.
 
@@ -64,7 +66,7 @@ from dataclasses import dataclass
 
 from launcher.config import ModelConfig
 from launcher.flops import flops_per_token, hardware_flops_per_token, head_dim, kv_heads
-from launcher.layout import Layout
+from launcher.layout import Layout, async_tp_applies
 from launcher.planner import comm, memory, moe
 from launcher.planner.device import Machine
 from launcher.planner.memory import GRAD_BYTES, counts, full_layers, rank_layers, rank_params, recomputed_layers
@@ -228,8 +230,9 @@ def step_time(
     c = CONTENTION.get(machine.kind, CONTENTION["cuda"])
     if t > 1:
         blocks = (all_reduces - ends) * comm.all_reduce(lv, act_bytes, 1, t)
-        if async_tp and layout.sequence_parallel:  # chunked around the matmuls (see the docstring)
-            blocks = _exposed(blocks, t_comp, t, c)
+        if async_tp_applies(layout, async_tp):  # chunked around the matmuls where compiled (the docstring)
+            fused = blocks * (1.0 - moe.rank_moe_layers(m, layout, busiest) / (2.0 * max(1, n)))
+            blocks = _exposed(fused, t_comp, t, c) + blocks - fused
         t_tp = blocks + ends * comm.all_reduce(lv, act_bytes, 1, t)
         t_tp += 3 * comm.all_reduce(lv, tokens * 4.0, 1, t) if busiest == last else 0.0
         t_host = machine.host_overhead * blocks_run

@@ -42,9 +42,10 @@ projections, h each: the all-reduced, or with sequence parallelism the reduce-sc
 `recompute_layers=N` recomputes N blocks of each stage in full and the rest per the policy.
 Context parallelism (cp ranks, each seq / cp tokens of every sequence) divides everything per token
 by cp, except K and V: attention saves the all-gathered K and V of the whole sequence (cp times the
-local ones) and, beside its two chunks' outputs, their concatenation (one more h); each rank keeps
-the causal masks of its two chunks (c = seq / 2cp tokens) against the keys up to their ends,
-c x (seq + c) in the compute dtype on all but cp rank 0 (a buffer).
+local ones) and, beside its two chunks' outputs, their concatenation (one more h); on a CPU each
+rank keeps the causal masks of its two chunks (c = seq / 2cp tokens) against the keys up to their
+ends, c x (seq + c) in the compute dtype on all but cp rank 0 (a buffer; on accelerators the
+flash kernel's causal flag needs none: launcher/parallel/context.py).
 The busiest pipeline rank holds activations for the microbatches in flight: GPipe all m, 1F1B up to
 p on the first rank (p - r on rank r), interleaved 1F1B 2(p - r - 1) + (v - 1)p + 1 chunks of 1/v of
 its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v)).
@@ -256,7 +257,7 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
         saved_full = layer_activation_bytes(m, seq, replace(layout, recompute="full"), elem)[0]
         saved = (saved * (layers - full) + saved_full * full) / layers
     tokens = layout.micro * seq // layout.cp  # this rank's share of each sequence
-    if layout.cp > 1:  # the causal masks of the local chunks against the keys before them, built once
+    if layout.cp > 1 and kind == "cpu":  # the local chunks' causal masks, built once (flash needs none)
         chunk = seq // (2 * layout.cp)
         buffers += elem * chunk * (seq + chunk)
     acts = saved * tokens * layers * in_flight(layout, rank)

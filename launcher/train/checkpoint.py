@@ -1,7 +1,8 @@
 """Sharded checkpoints with torch.distributed.checkpoint: atomic, pruned safely, resharding on load.
 
 A checkpoint is a folder `step_NNNNNNNN/` holding DCP's shards (each rank writes its own), the
-training extras as JSON (step, data position, LR schedule), each rank's RNG state, and last a
+training extras as JSON (step, data position, LR schedule), each rank's RNG states (the CPU's, and
+on CUDA its GPU's, from which dropout there draws; `rng_states`), and last a
 `complete.json` marker. It is written under `step_NNNNNNNN.partial/` and renamed once every rank
 has finished, so a crash mid-save leaves no folder that looks complete. Only complete checkpoints
 are loaded; a newest one that fails to load is skipped for the previous one (with a warning), and
@@ -11,16 +12,16 @@ Tensors are stored with their global shapes (DTensor and FSDP shards are resolve
 checkpoint written under one layout loads under another.
 
 A checkpoint may come from an untrusted or damaged disk: nothing in it is unpickled beyond DCP's own
-index classes and tensors (launcher/compat.py), and any file that fails to load (index, shards, extras,
-RNG) makes the whole checkpoint unreadable: the previous one is tried, and when checkpoints exist but
-none loads, the run stops (exit 2) rather than start over and prune them.
+index classes and tensors (launcher/train/untrusted.py, the reading side), and any file that fails
+to load (index, shards, extras, RNG) makes the whole checkpoint unreadable: the previous one is
+tried, and when checkpoints exist but none loads, the run stops (exit 2) rather than start over and
+prune them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 import shutil
 import time
@@ -42,15 +43,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, SafeLoadPlanner, dcp_storage_items
+from launcher.compat import SafeLoadPlanner
 from launcher.config import CheckpointConfig, LauncherError
-from launcher.train.preemption import agree
+from launcher.train.preemption import agree, collective_device
+from launcher.train.untrusted import (
+    EXTRAS,
+    UnreadableCheckpoint,
+    check_shards,
+    read_index,
+    read_rng,
+    safe_reader,
+    verify,
+    why,
+)
 
 log = logging.getLogger("launcher")
 # a one-process run saves without a process group on purpose; DCP warns about that on every call
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 MARKER = "complete.json"
-EXTRAS = "extras.json"
 FORMAT = 1
 NAME = re.compile(r"step_\d{8}")
 
@@ -65,80 +75,6 @@ def complete_checkpoints(root: Path) -> list[Path]:
         return []
     found = [p for p in root.glob("step_*") if p.is_dir() and NAME.fullmatch(p.name)]
     return sorted((p for p in found if (p / MARKER).is_file()), key=step_of, reverse=True)
-
-
-class UnreadableCheckpoint(Exception):
-    """A file of a checkpoint failed to load; the message names the file and why."""
-
-
-def why(err: BaseException) -> str:
-    """`Type: first sentence` of an error (torch's unpickling errors run on for paragraphs)."""
-    text = str(err).strip().split("\n")[0].split(". ")[0]
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-def read_metadata(path: Path) -> Any:
-    """DCP's index of `path`, read with the restricted unpickler (launcher/compat.py)."""
-    try:
-        return SafeFileSystemReader(str(path)).read_metadata()
-    except pickle.UnpicklingError as err:
-        raise UnreadableCheckpoint(str(err)) from None  # "unexpected object X in .metadata"
-    except Exception as err:
-        raise UnreadableCheckpoint(f".metadata: {why(err)}") from None
-
-
-def read_extras(path: Path) -> dict[str, Any]:
-    try:
-        extras = json.loads((path / EXTRAS).read_text())
-    except (OSError, ValueError) as err:
-        raise UnreadableCheckpoint(f"{EXTRAS}: {why(err)}") from None
-    if not isinstance(extras, dict) or not isinstance(extras.get("step"), int):
-        raise UnreadableCheckpoint(f"{EXTRAS}: not an object with an integer step")
-    return extras
-
-
-def read_rng(file: Path) -> torch.Tensor:
-    try:
-        with warnings.catch_warnings():  # a foreign pickle protocol warns before it fails: the error says it
-            warnings.simplefilter("ignore")
-            state = torch.load(file, weights_only=True)
-    except Exception as err:
-        raise UnreadableCheckpoint(f"{file.name}: {why(err)}") from None
-    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
-        raise UnreadableCheckpoint(f"{file.name}: not an RNG state (a uint8 tensor)")
-    return state
-
-
-def read_index(path: Path) -> tuple[Any, dict[str, Any]]:
-    """A checkpoint's index and extras: what every rank reads to load it. Raises UnreadableCheckpoint."""
-    return read_metadata(path), read_extras(path)
-
-
-def verify(path: Path) -> Any:
-    """What can be checked without the model, by one process for all ranks: the index, the extras,
-    every RNG file, and that every shard file holds the bytes the index points into, each item
-    starting as a torch.save record. Returns the index; raises UnreadableCheckpoint."""
-    metadata, _ = read_index(path)
-    for rng in sorted(path.glob("rng_rank*.pt")):
-        read_rng(rng)
-    check_shards(path, metadata)
-    return metadata
-
-
-def check_shards(path: Path, metadata: Any) -> None:
-    """Every shard file holds the bytes the index points into, each item starting as a torch.save
-    record (zeroed or foreign bytes fail here, naming the file); raises UnreadableCheckpoint."""
-    for name, items in dcp_storage_items(metadata).items():
-        shard, needed = path / name, max(offset + length for offset, length in items)
-        size = shard.stat().st_size if shard.is_file() else None
-        if size is None or size < needed:
-            what = "missing" if size is None else f"truncated ({size} of {needed} bytes)"
-            raise UnreadableCheckpoint(f"{name}: {what}")
-        with shard.open("rb") as stream:  # each item a torch.save record: zeroed or foreign bytes fail here
-            for offset, _ in items:
-                stream.seek(offset)
-                if stream.read(len(TORCH_SAVE_MAGIC)) != TORCH_SAVE_MAGIC:
-                    raise UnreadableCheckpoint(f"{name}: no tensor record at byte {offset}")
 
 
 def no_readable(root: Path, failures: list[tuple[Path, str]], fix: str) -> LauncherError:
@@ -208,11 +144,33 @@ def model_view(parts: list[nn.Module]) -> nn.Module:
     return view
 
 
+# each generator's state file, by name prefix: rank r's is PREFIX + f"rank{r}.pt"
+RNG_FILES = ("rng_", "rng_cuda_")
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's generator states by file prefix: the CPU's, and on CUDA the GPU's (dropout there)."""
+    states = {"rng_": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["rng_cuda_"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore what `rng_states` saved; a state this run has no generator for (a CUDA checkpoint resumed
+    on CPU), or a checkpoint without one (a CPU run's, or one from before GPU states were kept), is skipped."""
+    if "rng_" in states:
+        torch.set_rng_state(states["rng_"])
+    if "rng_cuda_" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["rng_cuda_"], device)
+
+
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, root: Path, rank: int) -> None:
+    def __init__(self, cfg: CheckpointConfig, root: Path, rank: int, device: torch.device | None = None) -> None:
         self.cfg = cfg
         self.root = root
         self.rank = rank
+        self.device = device or torch.device("cpu")  # cuda: the GPU's RNG state is saved too
         self.pending: tuple[Future, Path, Path, Stateful] | None = None  # async save in flight
         self.unreadable: set[Path] = set()  # failed to load: kept until a newer one is saved
         self.newest_saved = -1  # step of the newest checkpoint this run completed
@@ -235,7 +193,8 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         _barrier()
-        torch.save(torch.get_rng_state(), partial / f"rng_rank{self.rank}.pt")
+        for prefix, state in rng_states(self.device).items():
+            torch.save(state, partial / f"{prefix}rank{self.rank}.pt")
         state = self.state(parts, optimizer)
         t0 = time.perf_counter()
         try:
@@ -307,12 +266,12 @@ class Checkpointer:
         failures: list[tuple[Path, str]] = []
         for path in candidates:
             state = self.state(parts, optimizer)
-            error, extras, rng = "", {}, None
+            error, extras, rng = "", {}, {}
             try:  # this rank's files only: the launcher verified the rest once (preflight_resume)
                 metadata, extras = read_index(path)
                 check_shapes(path, metadata, state)  # another model: a LauncherError on every rank
-                rng_file = path / f"rng_rank{self.rank}.pt"
-                rng = read_rng(rng_file) if rng_file.is_file() else None  # other world sizes have none
+                files = {prefix: path / f"{prefix}rank{self.rank}.pt" for prefix in RNG_FILES}
+                rng = {prefix: read_rng(f) for prefix, f in files.items() if f.is_file()}  # other world sizes: none
             except UnreadableCheckpoint as err:
                 error = str(err)
             error = first_error(error)  # agreed before DCP's collective load, which every rank must enter
@@ -335,8 +294,7 @@ class Checkpointer:
             model = model_view(parts)
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, optimizer, state["optim"])
-            if rng is not None:  # same world size: exact continuation of dropout randomness
-                torch.set_rng_state(rng)
+            set_rng_states(rng, self.device)  # same world size: exact continuation of dropout randomness
             log.info("resumed from %s at step %d", path, extras["step"])
             return Stateful(step=int(extras.pop("step")), extras=extras)
         if failures:
@@ -350,7 +308,7 @@ def load_shards(state: dict[str, Any], path: Path, metadata: Any) -> None:
     try:
         dcp.load(
             state,
-            storage_reader=SafeFileSystemReader(str(path)),
+            storage_reader=safe_reader(path),
             planner=SafeLoadPlanner(),
             no_dist=not dist.is_initialized(),
         )
@@ -383,5 +341,6 @@ def check_shapes(path: Path, metadata: Any, state: dict[str, Any]) -> None:
 
 
 def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    if dist.is_initialized():  # NCCL: on this rank's GPU, not one torch guesses from the rank
+        device = collective_device()
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)

@@ -17,7 +17,7 @@ from launcher.data import BatchLoader, Splits, load_splits
 from launcher.hardware import peak_flops
 from launcher.layout import Layout, from_config, owner_rank, worker_threads, workers_per_node
 from launcher.metrics.console import ConsoleView
-from launcher.metrics.meter import Meter, memory_gib
+from launcher.metrics.meter import Meter, memory_gib, memory_measure
 from launcher.metrics.profile import StepProfiler
 from launcher.metrics.sinks import JsonlSink, WandbSink, write_json
 from launcher.model.init import AllocationFailed, meta_model
@@ -131,6 +131,7 @@ def train(
         summary |= {"world_size": layout.world_size, "layout": asdict(layout), "model": cfg.model.name}
         summary |= {"params": n_params, "precision": precision_mode(cfg, layout), "compile": compile_enabled(cfg)}
         summary |= {"optimizer_impl": optimizer_impl(optimizer), "wall_time_s": time.perf_counter() - t_start}
+        summary["peak_mem_measure"] = memory_measure(device)
         if device.type == "cpu":  # how glibc's malloc was tuned (launcher/train/fit.py)
             summary["cpu_allocator"] = allocator
         if runner.moe:  # the MoE experts' matmuls: loop, or grouped_mm (launcher/model/experts.py)
@@ -145,7 +146,7 @@ def train(
         return summary
 
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    checkpointer = Checkpointer(cfg.checkpoint, ckpt_root, rank)
+    checkpointer = Checkpointer(cfg.checkpoint, ckpt_root, rank, device)
     start = 0
     guard = Guard(cfg.optim.skip_nonfinite, rank, checkpointer)
     resumed = checkpointer.load(resolve_resume(cfg.resume, ckpt_root), runner.parts, optimizer)
