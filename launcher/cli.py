@@ -15,10 +15,10 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, ValueNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from launcher.compat_hydra import hydra_errors_raised, hydra_full_error
 from launcher.config import CONF_DIR, TrainConfig, make_dir
 from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError
 from launcher.extras import install_hint, installed, require
+from launcher.hydra_compat import hydra_errors_raised, hydra_full_error
 
 SUBMITIT_PLUGIN = "hydra_plugins.hydra_submitit_launcher"  # conf/hydra/launcher/slurm.yaml builds on its config
 

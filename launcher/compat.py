@@ -1,4 +1,4 @@
-"""Every private PyTorch API the project uses, in one place (Hydra's and submitit's: compat_hydra.py).
+"""Every private PyTorch API the project uses, in one place (Hydra's and submitit's: hydra_compat.py).
 
 Each is used here for a reason (no public API does the same) and has a test in tests/test_compat.py
 that checks the signature or behaviour the project relies on, so an upgrade that changes one fails

@@ -22,8 +22,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from launcher.compat_hydra import SUBMITIT_COMMAND, sbatch_script
 from launcher.config import LauncherError, TrainConfig, make_dir
+from launcher.hydra_compat import SUBMITIT_COMMAND, sbatch_script
 from launcher.layout import Layout, fixed_degrees, given_degrees, workers_per_node
 
 RESOLVER = "slurm_job"

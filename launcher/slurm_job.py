@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from launcher.compat_hydra import submitit_requeue_signal
+from launcher.hydra_compat import submitit_requeue_signal
 
 PORT_BASE, PORT_SPAN = 20000, 20000
 REQUEUE_WAIT_S = 120.0  # how long a task other than rank 0 waits for the requeue to stop it

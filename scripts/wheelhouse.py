@@ -73,7 +73,9 @@ def source_only(reqs: list[str]) -> list[str]:
         checked(pip(*args), "resolving the requirements")
         items = json.loads(report.read_text())["install"]
     return [
-        f"{i['metadata']['name']}=={i['metadata']['version']}" for i in items if not i["download_info"]["url"].endswith(".whl")
+        f"{i['metadata']['name']}=={i['metadata']['version']}"
+        for i in items
+        if not i["download_info"]["url"].endswith(".whl")
     ]
 
 

@@ -21,8 +21,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
 import launcher.slurm  # noqa: F401  (importing it registers the ${slurm_job:...} resolver, before configs resolve)
-from launcher.compat_hydra import basic_sweeper
 from launcher.config import TrainConfig, validate
+from launcher.hydra_compat import basic_sweeper
 from launcher.layout import DEGREES
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class LayoutSweeper(basic_sweeper()):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         parsed = parser.parse_overrides(arguments)
         fixed = {o.key_or_group for o in parsed if o.key_or_group in DEGREES and not o.is_sweep_override()}
-        # a LauncherError reaches the CLI as it is (launcher.compat_hydra.hydra_errors_raised): one line, exit 2
+        # a LauncherError reaches the CLI as it is (launcher.hydra_compat.hydra_errors_raised): one line, exit 2
         cfg = search_config(self.config, fixed)
         validate(cfg)  # as plan and train check first: ranges (sweep.top, sweep.world among them)
         layouts = ranked_layouts(cfg, cfg.sweep.top, cfg.sweep.world)

@@ -1,4 +1,4 @@
-"""Each private Hydra / submitit API in launcher/compat_hydra.py still has the signature and the
+"""Each private Hydra / submitit API in launcher/hydra_compat.py still has the signature and the
 behaviour the project relies on: these fail loudly on an upgrade that changes one, naming the API to port."""
 
 from __future__ import annotations
@@ -15,21 +15,21 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError
 
-from launcher import compat_hydra
+from launcher import hydra_compat
 from launcher.config import CONF_DIR
 
 
 # --- Hydra --------------------------------------------------------------------------------------------
 def test_hydra_main_raises_compose_errors_as_objects(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(compat_hydra.FULL_ERROR, raising=False)
+    monkeypatch.delenv(hydra_compat.FULL_ERROR, raising=False)
     monkeypatch.setattr(sys, "argv", ["train", "stpes=1"])
     app = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")(lambda cfg: None)
     try:
-        with compat_hydra.hydra_errors_raised(), pytest.raises(ConfigCompositionException) as raised:
+        with hydra_compat.hydra_errors_raised(), pytest.raises(ConfigCompositionException) as raised:
             app()
         assert isinstance(raised.value.__cause__, ConfigAttributeError)
         assert raised.value.__cause__.full_key == "stpes"
-        assert not compat_hydra.hydra_full_error()  # the user's setting is back
+        assert not hydra_compat.hydra_full_error()  # the user's setting is back
         with pytest.raises(SystemExit):  # without: Hydra prints and exits
             app()
     finally:
@@ -37,7 +37,7 @@ def test_hydra_main_raises_compose_errors_as_objects(monkeypatch: pytest.MonkeyP
 
 
 def test_basic_sweeper_runs_the_batches_the_layout_sweeper_sets() -> None:
-    sweeper = compat_hydra.basic_sweeper()(max_batch_size=None, params=None)
+    sweeper = hydra_compat.basic_sweeper()(max_batch_size=None, params=None)
     parsed = OverridesParser.create().parse_overrides(["a=1,2", "b=3"])
     assert sweeper.split_arguments(parsed, None) == [[["a=1", "b=3"], ["a=2", "b=3"]]]
     sweeper.overrides = [[["a=1"], ["a=2"]], [["a=3"]]]
@@ -49,8 +49,8 @@ def test_basic_sweeper_runs_the_batches_the_layout_sweeper_sets() -> None:
 
 # --- submitit -----------------------------------------------------------------------------------------
 def test_sbatch_script_takes_the_executor_parameters() -> None:
-    text = compat_hydra.sbatch_script(
-        command=f"{compat_hydra.SUBMITIT_COMMAND} <folder>",
+    text = hydra_compat.sbatch_script(
+        command=f"{hydra_compat.SUBMITIT_COMMAND} <folder>",
         folder="/tmp/jobs/%j",
         job_name="train",
         map_count=None,
@@ -74,16 +74,16 @@ def test_submitit_command() -> None:
     from submitit.slurm.slurm import SlurmExecutor
 
     command = SlurmExecutor._submitit_command_str.fget(SimpleNamespace(python="python", folder="/jobs"))
-    assert command == f"{compat_hydra.SUBMITIT_COMMAND} /jobs"
+    assert command == f"{hydra_compat.SUBMITIT_COMMAND} /jobs"
 
 
 def test_submitit_requeues_on_the_signal_we_send(monkeypatch: pytest.MonkeyPatch) -> None:
     from submitit.core.job_environment import JobEnvironment, SignalHandler
 
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
-    assert compat_hydra.submitit_requeue_signal() is None
+    assert hydra_compat.submitit_requeue_signal() is None
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
-    sig = compat_hydra.submitit_requeue_signal()
+    sig = hydra_compat.submitit_requeue_signal()
     assert sig is not None
     saved = {s: signal.getsignal(s) for s in (sig, signal.SIGTERM, signal.SIGCONT)}
     try:
