@@ -189,14 +189,15 @@ def _distinct_shards(t: torch.Tensor) -> int:
 
 
 class ParallelRunner(DistributedRunner):
-    """Tensor and/or data parallel, no pipeline: micro-batch accumulation, one gradient sync."""
+    """Tensor and/or data parallel, no pipeline: micro-batch accumulation (FSDP reduce-scatters every
+    micro-batch; DDP, and HSDP across its replicas, all-reduce on the last: parallel/data.py)."""
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         chunks = self.microbatches(inputs, targets)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         with loss_context(self.layout.tp):
             for i, (x, y) in enumerate(chunks):
-                set_gradient_sync(self.model, i == len(chunks) - 1)
+                set_gradient_sync(self.model, self.layout, i == len(chunks) - 1)
                 loss = self._loss(x, y) / len(chunks)
                 loss.backward()
                 total += local(loss).detach()
