@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from launcher.compat import enable_async_tp, foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
+from launcher.flops import device_flop_per_byte
 from launcher.layout import Layout, build_mesh, expert_mesh
 from launcher.model.experts import local, select_impl
 from launcher.model.hf import init_source
@@ -286,6 +287,8 @@ def parallelize(
     group when not given.
     """
     bf16 = precision_mode(cfg, layout) != "fp32"
+    hw = cfg.hardware  # the chunked loss's chunk size follows the device (flops.loss_chunk_rows)
+    model.flop_per_byte = device_flop_per_byte(hw.kind, hw.peak_tflops, hw.memory_bandwidth_gbs)
     for moe in moe_layers([model]):  # auxiliary losses enter each micro-batch's gradient at its scale
         moe.aux_scale = 1.0 / layout.microbatches
         moe.experts.impl = select_impl(moe.experts, device, bf16)  # loop, or grouped GEMM on CUDA
