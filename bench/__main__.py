@@ -22,6 +22,7 @@ BENCHES = [
     "peer_floor",
     "moe",
     "fsdp_cpu",
+    "fsdp_accumulation",
 ]
 ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
 

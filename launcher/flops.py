@@ -15,10 +15,13 @@ Conventions (as in PaLM, Chowdhery et al. 2022, appendix B):
   *active* weights a token passes through: router, top_k routed and the shared experts.
 - MFU uses model FLOPs: recomputation does not count. Hardware FLOPs (HFU, used by the planner to
   predict time) add one extra forward of the recomputed part.
+- A device's FLOP per byte (peak FLOP/s over memory bandwidth) sets the chunked loss's chunk size,
+  read by the runtime (model/loss.py) and the planner alike: `loss_chunk_rows`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -161,3 +164,43 @@ def hardware_flops_per_token(m: ModelShape, seq_len: int, recomputed_layers: flo
 def mfu(tokens_per_s_per_device: float, model_flops_per_token: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak."""
     return tokens_per_s_per_device * model_flops_per_token / peak_flops if peak_flops > 0 else 0.0
+
+
+# FLOP per byte the chunk rule assumes where a profile gives no memory bandwidth. Accelerators:
+# planner/cost.py's H0 for them (1024) over NONMATMUL (4). cpu, chosen by measurement: it gives 410
+# rows for 125m's 50304 x 768 output at 8 x 256 tokens, whose loss took 6.5-6.9 s of CPU time on one
+# thread against 7.3-8.0 s in 16 MiB chunks (83 rows) and 6.4-6.8 s in 1024 rows (two runs).
+FLOP_PER_BYTE = {"cuda": 256.0, "tpu": 256.0, "cpu": 45.0}
+# The chunked loss (model/loss.py) moves, for every chunk, each element of the output weight: read
+# twice in the compute dtype (the logits, d loss / d h), the chunk's weight gradient written and read
+# (bf16; fp32 adds it in place) and the fp32 sum read and written: 2+2 + 2+2 + 4+4 bytes in bf16,
+# 4+4 + 4+4 in fp32; against 6 FLOPs per weight element and token of the chunk.
+LOSS_WEIGHT_BYTES = 16
+LOSS_TRAFFIC_SHARE = 0.25  # that traffic's time over the chunk's matmul time at peak, at most
+LOSS_CHUNK_BYTES = 2**24  # the least chunk: 16 MiB of fp32 logits (small vocabularies: one chunk)
+
+
+def device_flop_per_byte(kind: str, peak_tflops: float | None, memory_bandwidth_gbs: float | None) -> float:
+    """Peak FLOP/s over memory bytes/s from a hardware profile's own numbers; FLOP_PER_BYTE[kind] where
+    it gives either as null (the cpu profile calibrates its peak: the ratio never waits on a measurement)."""
+    if peak_tflops is None or memory_bandwidth_gbs is None:
+        return FLOP_PER_BYTE.get(kind, FLOP_PER_BYTE["cuda"])
+    return (float(peak_tflops) * 1e12) / (memory_bandwidth_gbs * 1e9)
+
+
+def loss_chunk_rows(tokens: int, vocab: int, flop_per_byte: float) -> int:
+    """Tokens per chunk of the chunked loss: `tokens` split evenly into the fewest chunks of at most a
+    target, the larger of 16 MiB of fp32 logits and the rows whose matmuls (6 x rows FLOPs per weight
+    element) take 1 / LOSS_TRAFFIC_SHARE times as long at peak as moving the weight (LOSS_WEIGHT_BYTES
+    per element). H200 (206 FLOP/B): 2198 rows, `1b` at 8 x 2048 tokens in 8 chunks of 2048, not 512 of
+    32; `flop_per_byte` 0: the 16 MiB alone."""
+    amortized = math.ceil(LOSS_WEIGHT_BYTES * flop_per_byte / (6 * LOSS_TRAFFIC_SHARE))
+    target = max(1, LOSS_CHUNK_BYTES // (4 * vocab), amortized)
+    chunks = -(-tokens // target)
+    return -(-tokens // chunks)
+
+
+def loss_weight_bytes(tokens: int, vocab: int, dim: int, flop_per_byte: float) -> float:
+    """Bytes the chunked loss moves for the output weight over `tokens` tokens (one microbatch)."""
+    chunks = -(-tokens // loss_chunk_rows(tokens, vocab, flop_per_byte))
+    return float(chunks * LOSS_WEIGHT_BYTES * vocab * dim)

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from launcher.config import ModelConfig
-from launcher.model import loss as chunked
+from launcher.flops import device_flop_per_byte, loss_chunk_rows
 from launcher.model import transformer
 from launcher.model.init import initialized_model
 
@@ -88,12 +88,17 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("chunk_bytes", [2**24, 4 * 256 * 7])  # one chunk; chunks of 7 rows, the last short
-def test_chunked_loss_equals_cross_entropy(chunk_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(chunked, "CHUNK_BYTES", chunk_bytes)
+# tokens per chunk: one chunk; 7 (the last short); 2048, what `1b` on an H200 runs (8 x 2048 tokens)
+H200_1B_ROWS = loss_chunk_rows(8 * 2048, 128256, device_flop_per_byte("cuda", 989.0, 4800.0))
+
+
+@pytest.mark.parametrize("rows", [10**6, 7, H200_1B_ROWS])
+def test_chunked_loss_equals_cross_entropy(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transformer, "loss_chunk_rows", lambda *_: rows)
     cfg = dataclasses.replace(ModelConfig(), n_layers=1)
     model = initialized_model(cfg, 5, torch.device("cpu"))
-    tokens = torch.randint(0, cfg.vocab_size, (3, 17), generator=torch.Generator().manual_seed(2))
+    batch, seq = (3, 17) if rows < 100 else (5, 1001)  # H200's: 5000 tokens, 2 whole chunks and a short one
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(2))
     x, y = tokens[:, :-1], tokens[:, 1:]
     reference = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
     reference.backward()
@@ -109,7 +114,7 @@ def test_chunked_loss_equals_cross_entropy(chunk_bytes: int, monkeypatch: pytest
 
 
 def test_chunked_loss_never_holds_the_full_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * 256 * 16)  # 16 of the 64 tokens at a time
+    monkeypatch.setattr(transformer, "loss_chunk_rows", lambda *_: 16)  # 16 of the 64 tokens at a time
     cfg = dataclasses.replace(ModelConfig(), n_layers=1, dim=32, n_heads=4, ffn_dim=32)
     model = initialized_model(cfg, 5, torch.device("cpu"))
     tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(2))
@@ -118,6 +123,42 @@ def test_chunked_loss_never_holds_the_full_logits(monkeypatch: pytest.MonkeyPatc
         model(tokens[:, :-1], tokens[:, 1:]).backward()
     assert probe.numel < 64 * cfg.vocab_size  # (tokens, vocab) never materialized
     assert probe.numel >= 16 * cfg.vocab_size  # one chunk's logits was
+
+
+class LogitMatmuls(TorchDispatchMode):
+    """Rows of each matmul that makes logits (its output `vocab` wide): one per chunk of the loss."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.rows = vocab, []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == self.vocab:
+            self.rows.append(out.shape[0])
+        return out
+
+
+def test_the_loss_chunks_follow_the_hardware_profile() -> None:
+    """Through `parallelize`, as `train` runs it: a 16 MiB chunk of a 8192-token vocabulary is 512 rows,
+    so 4096 tokens made 8 chunks, each re-reading the output weight; an H200's 206 FLOP per byte
+    asks for 2198 rows: 2 chunks of 2048. On the cpu profile (45 FLOP per byte: 480 rows) the 16 MiB
+    chunk is the larger: 8 of 512."""
+    from launcher.config import compose_config
+    from launcher.layout import from_config
+    from launcher.model.init import meta_model
+    from launcher.parallel import parallelize
+
+    for hardware, rows in (("h200", [2048, 2048]), ("cpu", [512] * 8)):
+        keys = ("+model=tiny", f"hardware={hardware}", "model.vocab_size=8192", "model.dim=32", "seq_len=256")
+        cfg = compose_config(*keys, "batch.micro=16", "compile=false", "dtype=fp32")
+        layout = from_config(cfg, 1)
+        runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"))
+        tokens = torch.randint(0, 8192, (16, 257), generator=torch.Generator().manual_seed(3))
+        probe = LogitMatmuls(8192)
+        with probe:
+            runner.forward_backward(tokens[:, :-1], tokens[:, 1:])
+        assert probe.rows == rows, hardware
 
 
 def test_split_backward_computes_each_gradient_once() -> None:

@@ -53,7 +53,7 @@ CASES = {  # name: layout and parallelism keys
     "tp2-sp-dp2-fsdp": dict(tp=2, dp=2, sequence_parallel=True, recompute="full"),
     "dp2-pp2-fsdp": dict(dp=2, pp=2, batch={"micro": 2, "global": 8}),  # 2 microbatches per dp rank
     "dp2-pp2-ddp": dict(dp=2, dp_shard=1, pp=2, pp_schedule="gpipe", batch={"micro": 2, "global": 8}),
-    "hsdp2x2": dict(dp=4, dp_replicate=2, dp_shard=2, batch={"micro": 2, "global": 8}),  # one microbatch of 2
+    "hsdp2x2": dict(dp=4, dp_replicate=2, dp_shard=2, batch={"micro": 1, "global": 8}),  # 2: all-reduce on the last
     "dp2-zero2": dict(dp=2, fsdp=FSDPConfig(reshard_after_forward="never"), batch={"micro": 2, "global": 8}),
     "tp2-selective-layers1": dict(tp=2, recompute="selective", recompute_layers=1),  # block 0 full, 1-3 selective
     "pp2-layers1": dict(pp=2, recompute_layers=1),  # each stage: its first block full, the other none

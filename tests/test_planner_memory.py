@@ -9,9 +9,12 @@ import sys
 
 import pytest
 
-from launcher.flops import GIB
+from launcher.config import compose_config
+from launcher.flops import FLOP_PER_BYTE, GIB, device_flop_per_byte, loss_chunk_rows, loss_weight_bytes
 from launcher.layout import Layout
 from launcher.planner import memory
+from launcher.planner.request import problem
+from launcher.planner.search import predict
 from launcher.train.fit import allocator_mode
 from tests.test_planner import make_cfg
 
@@ -28,18 +31,37 @@ def test_fsdp_holds_the_root_unit_two_blocks_the_outputs_gradient_and_a_blocks_c
 
 
 def test_fused_adamw_has_no_temporary_and_the_chunked_loss_no_logits():
-    """One process: the update adds only the two moments; the loss keeps d loss / d h and one 16 MiB
-    chunk of fp32 logits (model/loss.py), not tokens x vocab; under tp the vocabulary-parallel logits."""
-    from launcher.model.loss import CHUNK_BYTES
-
+    """One process: the update adds only the two moments; the loss keeps d loss / d h and one chunk of
+    fp32 logits (model/loss.py: 469 of the 16384 tokens on a CPU, the runtime's rule), not tokens x
+    vocab; under tp the vocabulary-parallel logits."""
     m = make_cfg("125m").model
     lay = Layout(micro=8)
     one = memory.rank_memory(m, 2048, lay, 4, "cpu", 0)
     assert one.optimizer == memory.ADAM_BYTES * memory.rank_params(m, lay, 0)
-    assert memory.LOSS_CHUNK_BYTES == CHUNK_BYTES
-    assert one.logits == 8 * 2048 * m.dim * 4 + CHUNK_BYTES
+    assert loss_chunk_rows(8 * 2048, m.vocab_size, FLOP_PER_BYTE["cpu"]) == 469
+    assert one.logits == 8 * 2048 * m.dim * 4 + 469 * m.vocab_size * 4
     tp = memory.rank_memory(m, 2048, Layout(tp=2, micro=8), 4, "cpu", 0)
     assert tp.logits == 8 * 2048 * m.vocab_size / 2 * (4 + memory.LOGIT_EXTRA_BYTES)
+
+
+def test_the_chunked_loss_on_an_h200_moves_the_output_weight_a_few_times_and_the_planner_counts_it():
+    """`1b` on one H200 at 8 x 2048 tokens (the gpu-check run): chunks of 2048 tokens, not 32, so the
+    output weight and its fp32 gradient move 8 times a step (34 GB, 7 ms at 4.8 TB/s), not 512 times
+    (2.2 TB, 0.45 s: more than the rest of the step); the planner's step time has that term and its
+    memory the chunk: fp32 logits and their bf16 copy."""
+    cfg = compose_config("+model=1b", "hardware=h200", "hardware.devices_per_node=1", "seq_len=2048", "batch.micro=8")
+    m, hw = cfg.model, cfg.hardware
+    ratio = device_flop_per_byte(hw.kind, hw.peak_tflops, hw.memory_bandwidth_gbs)
+    tokens, weight = 8 * 2048, m.vocab_size * m.dim
+    moved = loss_weight_bytes(tokens, m.vocab_size, m.dim, ratio)
+    matmul_s = 6 * tokens * weight / (hw.peak_tflops * 1e12)  # the loss's three matmuls at peak
+    assert moved / (hw.memory_bandwidth_gbs * 1e9) <= 0.3 * matmul_s
+    assert moved == 8 * 16 * weight
+    prob = problem(cfg, 1)
+    pred = predict(prob, Layout(micro=8))
+    assert pred.time.loss == moved / (hw.memory_bandwidth_gbs * 1e9)
+    assert pred.time.total == pytest.approx(pred.time.compute + pred.time.loss)
+    assert pred.memory.logits == tokens * m.dim * 2 + 2048 * m.vocab_size * (4 + 2)
 
 
 def test_cpu_overhead_is_the_worker_process():

@@ -2,10 +2,15 @@
 
 `F.cross_entropy(output(h))` keeps the (tokens, vocab) logits, in fp32, alive from forward to backward
 (and writes and reads them several times). Here the output projection and the loss run together over
-chunks of `CHUNK_BYTES` of fp32 logits; each chunk's gradients (with respect to the hidden states and
-the output weight) are computed in the forward, while its logits are at hand, and only they are kept
+chunks of `rows` tokens; each chunk's gradients (with respect to the hidden states and the output
+weight) are computed in the forward, while its logits are at hand, and only they are kept
 (Liger-Kernel's fused linear cross-entropy, in plain PyTorch). Same FLOPs as the unchunked loss, no
 recomputation; memory: one chunk of logits instead of all of them.
+
+Every chunk re-reads the output weight and adds into its fp32 gradient, so the chunk size is set by
+the device (`flops.loss_chunk_rows`, which the planner reads too): rows enough that a chunk's matmuls
+outlast that traffic. On an H200 a `1b` step runs 8 chunks of 2048 tokens (128K vocabulary), where
+fixed 16 MiB chunks of 32 tokens made 512 and moved 2.2 TB.
 """
 
 from __future__ import annotations
@@ -13,12 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-CHUNK_BYTES = 2**24  # fp32 logits of one chunk: 16 MiB
-
-
-def chunk_rows(vocab: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * vocab))
 
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,10 +35,16 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, need_grad: bool, dtype: torch.dtype
+        ctx: Any,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        rows: int,
+        need_grad: bool,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
         x, w = h.to(dtype), weight.to(dtype)  # `dtype`: autocast's, chosen outside (autocast is off in here)
-        rows, n = chunk_rows(weight.shape[0]), h.shape[0]
+        n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(x) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
@@ -63,13 +68,14 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n
-        return grad_h * scale.to(grad_h.dtype), grad_w * scale.to(grad_w.dtype), None, None, None
+        return grad_h * scale.to(grad_h.dtype), grad_w * scale.to(grad_w.dtype), None, None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token loss of the logits `h @ weight.T`, never holding them whole: h (..., dim), targets (...)."""
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Mean token loss of the logits `h @ weight.T`, never holding them whole, `rows` tokens at a time:
+    h (..., dim), targets (...)."""
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
     with torch.autocast(device, enabled=False):
-        return LinearCrossEntropy.apply(h.flatten(0, -2), weight, targets.flatten(), need_grad, dtype)
+        return LinearCrossEntropy.apply(h.flatten(0, -2), weight, targets.flatten(), rows, need_grad, dtype)

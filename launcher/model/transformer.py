@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from launcher.config import ModelConfig
+from launcher.flops import loss_chunk_rows
 from launcher.model.loss import linear_cross_entropy
 from launcher.model.moe import MoE, is_moe_layer
 
@@ -213,6 +214,9 @@ class Transformer(nn.Module):
     # global positions of the local tokens, (device) -> (seq,); None: 0..seq-1. Set under context
     # parallelism, where a rank holds two chunks of each sequence (launcher/parallel/context.py)
     positions: Callable[[torch.device], torch.Tensor] | None = None
+    # the device's FLOP per byte, which sizes the chunked loss's chunks (flops.loss_chunk_rows); set by
+    # `parallelize` from the hardware profile; 0: chunks of 16 MiB of logits
+    flop_per_byte: float = 0.0
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -265,5 +269,6 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         if targets is not None:
-            return linear_cross_entropy(h, self.output.weight, targets)
+            rows = loss_chunk_rows(targets.numel(), self.output.weight.shape[0], self.flop_per_byte)
+            return linear_cross_entropy(h, self.output.weight, targets, rows)
         return self.output(h)

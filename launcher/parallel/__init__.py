@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from launcher.compat import enable_async_tp, foreach_mul_, foreach_norm
 from launcher.config import TrainConfig, compile_enabled
+from launcher.flops import device_flop_per_byte
 from launcher.layout import Layout, async_tp_applies, build_mesh, expert_mesh
 from launcher.model.experts import local, select_impl
 from launcher.model.hf import init_source
@@ -189,14 +190,15 @@ def _distinct_shards(t: torch.Tensor) -> int:
 
 
 class ParallelRunner(DistributedRunner):
-    """Tensor and/or data parallel, no pipeline: micro-batch accumulation, one gradient sync."""
+    """Tensor and/or data parallel, no pipeline: micro-batch accumulation (FSDP reduce-scatters every
+    micro-batch; DDP, and HSDP across its replicas, all-reduce on the last: parallel/data.py)."""
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         chunks = self.microbatches(inputs, targets)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         with loss_context(self.layout.tp):
             for i, (x, y) in enumerate(chunks):
-                set_gradient_sync(self.model, i == len(chunks) - 1)
+                set_gradient_sync(self.model, self.layout, i == len(chunks) - 1)
                 loss = self._loss(x, y) / len(chunks)
                 loss.backward()
                 total += local(loss).detach()
@@ -285,6 +287,8 @@ def parallelize(
     group when not given.
     """
     bf16 = precision_mode(cfg, layout) != "fp32"
+    hw = cfg.hardware  # the chunked loss's chunk size follows the device (flops.loss_chunk_rows)
+    model.flop_per_byte = device_flop_per_byte(hw.kind, hw.peak_tflops, hw.memory_bandwidth_gbs)
     for moe in moe_layers([model]):  # auxiliary losses enter each micro-batch's gradient at its scale
         moe.aux_scale = 1.0 / layout.microbatches
         moe.experts.impl = select_impl(moe.experts, device, bf16)  # loop, or grouped GEMM on CUDA

@@ -6,6 +6,8 @@
   ranks and replicated (all-reduced) across the dp_replicate groups, on a 2-D (replicate, shard) mesh.
 - dp_shard = 1, dp_replicate > 1: DDP (the composable `replicate`: whole parameters on every rank,
   gradients all-reduced).
+Gradient accumulation (`set_gradient_sync`): FSDP reduce-scatters every micro-batch, so no rank
+holds an unsharded gradient between micro-batches; HSDP and DDP all-reduce on the last one only.
 
 `fsdp.reshard_after_forward` (`Layout.reshard_after_forward`): always frees each block's gathered
 parameters after its forward and re-gathers them for backward (ZeRO-3); never keeps them from
@@ -90,7 +92,16 @@ def shard_blocks(
     fully_shard(model, mesh=dp_mesh, **fsdp)
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+def set_gradient_sync(model: nn.Module, layout: Layout, last: bool) -> None:
+    """Before each micro-batch's backward. FSDP (HSDP) reduce-scatters every micro-batch and skips only
+    the replicas' all-reduce until the last, as torchtitan does: skipping the reduce-scatter too would
+    keep an unsharded fp32 gradient of every parameter between micro-batches (dp_shard times the
+    sharded one: +11.2 GiB per GPU for llama3_8b_h100x8) for one reduce-scatter a step, which on a GPU
+    overlaps backward (docs/planner.md has the measured figures). DDP accumulates its whole gradient
+    either way and all-reduces on the last micro-batch only."""
+    if not isinstance(model, FSDPModule):
+        return
+    if layout.fsdp_shard > 1:
+        model.set_requires_all_reduce(last)
+    else:
+        model.set_requires_gradient_sync(last)

@@ -65,7 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.config import ModelConfig
-from launcher.flops import flops_per_token, hardware_flops_per_token, head_dim, kv_heads
+from launcher.flops import flops_per_token, hardware_flops_per_token, head_dim, kv_heads, loss_weight_bytes
 from launcher.layout import Layout, async_tp_applies
 from launcher.planner import comm, memory, moe
 from launcher.planner.device import Machine
@@ -119,15 +119,16 @@ class StepTime:
     ep_level: str = ""
     host: float = 0.0  # every block's framework dispatch the device does not hide, MoE routing's copies (cpu)
     optimizer: float = 0.0  # the optimizer step over the rank's parameters (cpu)
+    loss: float = 0.0  # the chunked loss's output-weight traffic (`loss_traffic`)
 
     @property
     def total(self) -> float:
         comm = self.tp_comm + self.cp_comm + self.tp_host + self.pp_p2p + self.dp_exposed + self.ep_comm
-        return self.compute + self.host + comm + self.pp_bubble + self.optimizer
+        return self.compute + self.host + comm + self.pp_bubble + self.optimizer + self.loss
 
     def as_dict(self) -> dict[str, float]:
         keys = ("compute", "host", "tp_comm", "cp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
-        keys += ("ep_comm", "optimizer")
+        keys += ("ep_comm", "optimizer", "loss")
         out = {k: getattr(self, k) for k in keys}
         out["total"] = self.total
         return out
@@ -147,7 +148,7 @@ def gemm_efficiency(m: ModelConfig, tp: int, tokens: int, g0: float) -> float:
 def nonmatmul_width(machine: Machine) -> float:
     """H0: the model width at which the work that is not matmul takes as long as the matmuls."""
     if machine.memory_bandwidth:
-        return NONMATMUL * machine.peak_flops / machine.memory_bandwidth
+        return NONMATMUL * machine.flop_per_byte
     return H0.get(machine.kind, H0["cuda"])
 
 
@@ -173,6 +174,17 @@ def unfused_attention_seconds(m: ModelConfig, seq: int, layout: Layout, machine:
     bwd = p["softmax_bwd"] * elem + (p["dropout_bwd"] * elem + 1 if m.dropout > 0 else 0)
     passes = fwd * (2 if layout.recompute == "full" else 1) + bwd
     return m.n_heads / layout.tp * seq * passes / machine.memory_bandwidth
+
+
+def loss_traffic(m: ModelConfig, layout: Layout, machine: Machine, tokens: int) -> float:
+    """Seconds per microbatch of the chunked loss (pp = 1, tp = 1) moving the output weight and its fp32
+    gradient sum once per chunk (flops.loss_weight_bytes, at the runtime's chunk size) at the memory
+    bandwidth, none of it hidden behind the matmuls. The logits' own elementwise passes scale with
+    tokens, as in the unchunked loss: the non-matmul share. A profile without a memory bandwidth (cpu)
+    counts none: this CPU's chunks (docs/planner.md) moved theirs in 3-4% of the loss's time."""
+    if not memory.chunked_loss(layout) or not machine.memory_bandwidth:
+        return 0.0
+    return loss_weight_bytes(tokens, m.vocab_size, m.dim, machine.flop_per_byte) / machine.memory_bandwidth
 
 
 def _exposed(comm_s: float, window: float, buckets: int, contention: float) -> float:
@@ -300,6 +312,7 @@ def step_time(
         pp_level=comm.level_of(lv, 2 * t * cp * layout.dp).name if p > 1 else "",
         ep_comm=mb * t_a2a,
         ep_level=moe.expert_level(lv, layout),
+        loss=mb * loss_traffic(m, layout, machine, tokens),
     )
 
 

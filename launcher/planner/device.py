@@ -74,3 +74,4 @@ class Machine:
     optimizer_time: float = 0.0  # seconds per parameter a device updates, per step (cpu: fused AdamW)
     memory_bandwidth: float | None = None  # bytes/s of device memory (None: not given, cpu)
     host_copy_time: float = 0.0  # seconds per byte of FSDP's copies around its collectives (cpu)
+    flop_per_byte: float = 0.0  # the profile's peak over its memory bandwidth (flops.device_flop_per_byte)

@@ -9,7 +9,7 @@ torch is imported.
 from __future__ import annotations
 
 from launcher.config import CALIBRATED, HardwareConfig, LauncherError, LinkConfig, check_ranges
-from launcher.flops import GIB
+from launcher.flops import GIB, device_flop_per_byte
 from launcher.planner.device import Level, Machine
 
 LINK_EFFICIENCY = 0.8  # nccl-tests bus bandwidth is typically 75-90% of the datasheet link rate
@@ -37,6 +37,7 @@ def validate(hw: HardwareConfig) -> None:
 def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
     """Resolve `hw` (calibrating null numbers on this CPU) into a Machine."""
     validate(hw)
+    flop_per_byte = device_flop_per_byte(hw.kind, hw.peak_tflops, hw.memory_bandwidth_gbs)  # as the runtime reads it
     measured = {link.name for link in hw.links if link.bandwidth_gbs is None}
     if needs_calibration(hw):
         from launcher.hardware import resolve_hardware  # imports torch: calibration only
@@ -72,4 +73,5 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
         optimizer_time=float(hw.optimizer_ns_per_param) * 1e-9,
         host_copy_time=float(hw.host_copy_ns_per_byte) * 1e-9,
         memory_bandwidth=None if hw.memory_bandwidth_gbs is None else hw.memory_bandwidth_gbs * 1e9,
+        flop_per_byte=flop_per_byte,
     )

@@ -57,7 +57,16 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from launcher.config import ModelConfig
-from launcher.flops import GIB, ParamCounts, expert_width, head_dim, kv_heads, param_counts
+from launcher.flops import (
+    FLOP_PER_BYTE,
+    GIB,
+    ParamCounts,
+    expert_width,
+    head_dim,
+    kv_heads,
+    loss_chunk_rows,
+    param_counts,
+)
 from launcher.layout import Layout, rank_stages, stage_layers, stage_size
 from launcher.planner.moe import mean_routed_per_layer, rank_expert_params, rank_moe_layers, routed_params
 
@@ -66,7 +75,6 @@ GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
 OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.35}  # context, collective buffers, workspaces; cpu: the process
-LOSS_CHUNK_BYTES = 2**24  # fp32 logits of one chunk of the chunked loss (model/loss.py CHUNK_BYTES)
 FUSED_ATTENTION = True  # the runtime calls scaled_dot_product_attention
 
 
@@ -216,6 +224,16 @@ def chunked_loss(layout: Layout) -> bool:
     return layout.tp == 1 and layout.pp == 1
 
 
+def loss_chunk_bytes(m: ModelConfig, tokens: int, elem: int, flop_per_byte: float) -> float:
+    """The chunked loss's working set besides d loss / d h: a chunk's logits in fp32, with (bf16) the
+    matmul's output before it and the gradient fed back after it, each in the compute dtype; or that
+    gradient beside the chunk's weight gradient before it joins the fp32 sum (bf16; fp32 adds in place).
+    Rows per chunk: the runtime's rule, `flops.loss_chunk_rows`."""
+    rows, vocab = loss_chunk_rows(tokens, m.vocab_size, flop_per_byte), m.vocab_size
+    low = elem if elem < MASTER_BYTES else 0
+    return float(max(rows * vocab * (MASTER_BYTES + low), low * (rows * vocab + vocab * m.dim)))
+
+
 def logits_in_flight(layout: Layout) -> int:
     """Microbatches whose logits (and the loss's fp32 log-softmax) the last stage holds at once:
     GPipe all; interleaved_zb p (its loss's graph lives from the input to the weight backward,
@@ -225,13 +243,18 @@ def logits_in_flight(layout: Layout) -> int:
     return {"gpipe": layout.microbatches, "interleaved_zb": layout.pp}.get(layout.schedule, 1)
 
 
-def memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str) -> Memory:
-    """Memory of the busiest device (the first or the last pipeline rank)."""
+def memory(
+    m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, flop_per_byte: float | None = None
+) -> Memory:
+    """Memory of the busiest device (the first or the last pipeline rank); `flop_per_byte`: the
+    device's (`Machine.flop_per_byte`, which sizes the chunked loss), by default its kind's."""
     ranks = {0, layout.pp - 1}
-    return max((rank_memory(m, seq, layout, elem, kind, r) for r in ranks), key=lambda x: x.total)
+    return max((rank_memory(m, seq, layout, elem, kind, r, flop_per_byte) for r in ranks), key=lambda x: x.total)
 
 
-def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int) -> Memory:
+def rank_memory(
+    m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int, flop_per_byte: float | None = None
+) -> Memory:
     params = rank_params(m, layout, rank)
     s = layout.fsdp_shard
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
@@ -264,8 +287,9 @@ def rank_memory(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, 
     if full:
         acts += working * tokens
     logits = 0.0
-    if rank == layout.last_rank and chunked_loss(layout):  # d loss / d h, and one chunk's fp32 logits
-        logits = tokens * m.dim * elem + min(LOSS_CHUNK_BYTES, MASTER_BYTES * tokens * m.vocab_size)
+    if rank == layout.last_rank and chunked_loss(layout):  # d loss / d h, and one chunk's logits
+        ratio = FLOP_PER_BYTE.get(kind, FLOP_PER_BYTE["cuda"]) if flop_per_byte is None else flop_per_byte
+        logits = tokens * m.dim * elem + loss_chunk_bytes(m, tokens, elem, ratio)
     elif rank == layout.last_rank:
         held = logits_in_flight(layout)
         logits = tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * held

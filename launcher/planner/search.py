@@ -143,7 +143,6 @@ class Space:
 
 
 def bottleneck(t: StepTime, efficiency: float) -> str:
-    total = t.total
     parts = {
         f"TP communication over {t.tp_level}": t.tp_comm,
         f"CP communication over {t.cp_level}": t.cp_comm,
@@ -152,16 +151,17 @@ def bottleneck(t: StepTime, efficiency: float) -> str:
         f"DP communication over {t.dp_level}": t.dp_exposed,
         f"pipeline sends over {t.pp_level}": t.pp_p2p,
         f"MoE all-to-all over {t.ep_level}": t.ep_comm,
+        "the chunked loss's weight traffic": t.loss,
     }
-    name, share = max(((k, v / total) for k, v in parts.items()), key=lambda kv: kv[1])
+    name, share = max(((k, v / t.total) for k, v in parts.items()), key=lambda kv: kv[1])
     if share >= 0.1:
         return f"{name} ({share:.0%} of step)"
-    return f"compute ({t.compute / total:.0%} of step at {efficiency:.0%} of peak)"
+    return f"compute ({t.compute / t.total:.0%} of step at {efficiency:.0%} of peak)"
 
 
 def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Prediction:
     m, mach = problem.model, problem.machine
-    mem = mem or memory(m, problem.seq, layout, problem.elem, mach.kind)
+    mem = mem or memory(m, problem.seq, layout, problem.elem, mach.kind, mach.flop_per_byte)
     t = step_time(m, problem.seq, layout, mach, problem.elem, problem.async_tp)
     tokens_per_s = layout.global_batch * problem.seq / t.total
     peak = mach.peak_flops
@@ -319,7 +319,7 @@ def _fitting(problem: Problem, space: Space, lay: Layout) -> tuple[list[Predicti
 
     def mem(recompute: str, layers: int) -> tuple[Layout, Memory]:
         cand = replace(lay, recompute=recompute, recompute_layers=layers)
-        return cand, memory(m, problem.seq, cand, problem.elem, problem.machine.kind)
+        return cand, memory(m, problem.seq, cand, problem.elem, problem.machine.kind, problem.machine.flop_per_byte)
 
     for policy in [space.recompute] if space.recompute else ["none", "selective", "full"]:
         if policy == "full" and (fits or fixed):  # full only when nothing else fits
