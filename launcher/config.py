@@ -6,6 +6,7 @@ override. This module must not import torch: `plan` composes the same schema.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -440,6 +441,8 @@ def leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any, Range | None
 def check_ranges(cfg: Any, prefix: str = "") -> None:
     """Every value inside the Range its schema field declares: one LauncherError for the first that is not."""
     for key, value, rng in leaves(cfg, prefix):
+        if isinstance(value, float) and math.isinf(value):  # no key means "unbounded" by an infinity
+            raise LauncherError(f"{key}={value} is not a finite number: use {rng or 'a finite value'}")
         if rng is not None and not rng.holds(value):
             raise LauncherError(f"{key}={value} is out of range: use {rng}")
 
@@ -500,7 +503,7 @@ def validate(cfg: TrainConfig) -> None:
             "data.val_path is a token file for data=tokens: data=text holds out whole documents (data.val_fraction)"
         )
     check_profile(cfg)
-    check_moe(m, cfg.ep if isinstance(cfg.ep, int) else 1)
+    check_moe(m, cfg.ep if isinstance(cfg.ep, int) and cfg.ep >= 1 else 1)  # a bad ep: the degree's own line
     if cfg.metrics.moe_table and not m.moe.experts:
         raise LauncherError(
             "metrics.moe_table=true shows the layers of a mixture of experts: drop it, or use one (model.moe.experts>0)"

@@ -356,6 +356,10 @@ def _context_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
 
 
 def _stages(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+    if lay.pp == 1 and (lay.schedule != "1f1b" or lay.virtual_stages > 1):  # pipeline-only keys, no pipeline
+        key = "pp_schedule" if lay.schedule != "1f1b" else "virtual_stages"
+        value = lay.schedule if key == "pp_schedule" else lay.virtual_stages
+        return f"{key}={value} schedules pipeline stages, and pp=1 has none: set pp=2 or more, or drop {key}"
     if lay.virtual_stages > 1 and lay.schedule not in MULTI_STAGE:
         return (
             f"virtual_stages={lay.virtual_stages} needs pp_schedule=interleaved_1f1b or interleaved_zb "
@@ -555,6 +559,11 @@ def check_environment(cfg: TrainConfig, layout: Layout, local: bool) -> None:
         raise LauncherError(
             f"layout needs {layout.world_size} local workers, more than max_local_workers={cfg.max_local_workers} "
             f"({os.cpu_count()} CPU cores here): lower tp/pp/dp, or raise max_local_workers"
+        )
+    if cfg.hardware.kind not in ("cpu", "cuda"):  # a profile to plan with (tpu): nothing here runs on it
+        raise LauncherError(
+            f"hardware={cfg.hardware.name} is a planner-only profile (kind {cfg.hardware.kind}): `train` runs on "
+            f"CPUs and CUDA GPUs: use `plan` with it, or dry_run=true to only check the layout"
         )
     if cfg.hardware.kind == "cuda":
         import torch

@@ -44,16 +44,50 @@ class RankEnv:
     local_rank: int
 
 
+def env_int(name: str, default: int | None = None, least: int = 0) -> int:
+    """An integer the launching environment set (torchrun, SLURM): one line naming it when it is not one."""
+    raw = os.environ.get(name)
+    if raw is None and default is not None:
+        return default
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise LauncherError(
+            f"{name}={raw!r} from the environment is not an integer >= {least}: fix the launcher or scheduler "
+            f"that set it, or unset it to run here"
+        )
+    return value
+
+
+def ranks_from(rank: str, world: str, local: str) -> RankEnv:
+    """The three variables of one launcher, each checked, and consistent with each other."""
+    env = RankEnv(env_int(rank), env_int(world, least=1), env_int(local, default=0))
+    if env.rank >= env.world_size or env.local_rank > env.rank:
+        raise LauncherError(
+            f"{rank}={env.rank}, {world}={env.world_size} and {local}={env.local_rank} from the environment do not "
+            f"fit together ({rank} < {world}, {local} <= {rank}): fix the launcher that set them, or unset them"
+        )
+    return env
+
+
 def env_rank() -> RankEnv | None:
     """The rank this process already is (torchrun, or one task of a multi-task SLURM step)."""
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return RankEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+    if "RANK" in env or "WORLD_SIZE" in env:
+        if not ("RANK" in env and "WORLD_SIZE" in env):
+            given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+            raise LauncherError(
+                f"{given} is set but {missing} is not: a rank needs both (torchrun sets both), or neither to run here"
+            )
+        return ranks_from("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if env_int("SLURM_NTASKS", default=1, least=1) > 1 and "SLURM_PROCID" in env:
+        ranks = ranks_from("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
         from launcher.slurm_job import export_rendezvous
 
         export_rendezvous()  # MASTER_ADDR: first host of the node list; MASTER_PORT: from the job id
-        return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+        return ranks
     return None
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from launcher.config import ModelConfig, TrainConfig
 from launcher.errors import LauncherError
 from launcher.extras import require
+from launcher.flops import head_dim
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +57,11 @@ def hf_name(name: str) -> str:
 
 def check_llama(cfg: ModelConfig, key: str) -> None:
     """Only the Llama family has an HF counterpart here: one line naming the first key that differs."""
+    if cfg.moe.experts:
+        raise LauncherError(
+            f"{key} needs a dense Llama-style model, but model.moe.experts={cfg.moe.experts}: a mixture of experts "
+            "has no Hugging Face Llama counterpart (export-weights' default format=safetensors writes any model)"
+        )
     llama = {"norm": "rmsnorm", "norm_position": "pre", "mlp": "swiglu", "positions": "rope"}
     for field, value in llama.items():
         if getattr(cfg, field) != value:
@@ -76,7 +82,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
-        "head_dim": cfg.dim // cfg.n_heads,
+        "head_dim": head_dim(cfg),
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
@@ -93,6 +99,32 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
 def rope_theta(hf: dict[str, Any]) -> float:
     return float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+# the config.json keys read here, and the JSON types each must have
+CONFIG_TYPES: dict[str, tuple[type, ...]] = {
+    "rms_norm_eps": (int, float),
+    "rope_theta": (int, float),
+    "tie_word_embeddings": (bool,),
+    "rope_parameters": (dict,),
+    "rope_scaling": (dict,),
+}
+
+
+def check_config_types(config: Any, where: str) -> None:
+    """config.json is an object whose keys read here have their types (null: absent): else one line."""
+    if not isinstance(config, dict):
+        raise LauncherError(f"{where}: config.json is not a JSON object: give a Hugging Face model folder")
+    nested = {f"rope_parameters.{k}": v for k, v in (config.get("rope_parameters") or {}).items()}
+    for key, value in {**config, **nested}.items():
+        types = CONFIG_TYPES.get(key.removeprefix("rope_parameters."), ())
+        if (
+            value is not None
+            and types
+            and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types))
+        ):
+            kind = " or ".join(t.__name__.replace("dict", "object") for t in types)
+            raise LauncherError(f"{where}: config.json has {key}={value!r}, not a JSON {kind}: fix config.json")
 
 
 # config.json keys that shapes cannot show, beside the model keys they must equal
@@ -134,6 +166,7 @@ class HFFolder:
                 files = dict.fromkeys(safetensors_keys(folder / SINGLE), SINGLE)
         except Exception as err:  # OSError, JSON, a damaged safetensors header (SafetensorError) ...
             raise LauncherError(f"{key}={path}: cannot read it ({type(err).__name__}: {err}): {fix}") from None
+        check_config_types(config, f"{key}={path}")
         return cls(folder, config, files)
 
     def source(self, name: str) -> str:

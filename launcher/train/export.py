@@ -12,6 +12,7 @@ previous one; none readable is a one-line error.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from launcher.config import LauncherError, ModelConfig
+from launcher.files import temp_beside
 from launcher.model.hf import CONFIG, INDEX, check_llama, hf_config, hf_name
 from launcher.train.checkpoint import MARKER, complete_checkpoints, load_shards, no_readable
 from launcher.train.untrusted import UnreadableCheckpoint, read_extras, verify
@@ -57,7 +59,12 @@ def write_safetensors(checkpoint: Path, target: Path, model: ModelConfig | None,
 
     state = consolidated_model_state(checkpoint)
     target.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(target), metadata={"source": str(checkpoint)})
+    tmp = temp_beside(target)  # a failed write (a full disk) leaves no half file under the name asked for
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"source": str(checkpoint)})
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
     return target
 
 
@@ -82,6 +89,7 @@ def write_hf(checkpoint: Path, target: Path, model: ModelConfig | None, shard_gi
     cfg = model or saved_model(checkpoint)
     check_llama(cfg, "export-weights format=hf")
     specs = model_tensors(metadata)
+    check_shapes(cfg, specs, checkpoint)
     if cfg.tied_embeddings:  # HF stores the shared matrix once, as the embedding
         specs.pop("output.weight", None)
     sizes = {name: shape.numel() * dtype.itemsize for name, (shape, dtype) in specs.items()}
@@ -90,23 +98,37 @@ def write_hf(checkpoint: Path, target: Path, model: ModelConfig | None, shard_gi
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     weight_map = {}
-    for i, names in enumerate(groups, 1):
-        file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        try:
+    try:
+        for i, names in enumerate(groups, 1):
+            file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
             tensors = load_tensors(checkpoint, metadata, names)
-        except UnreadableCheckpoint:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        save_file({hf_name(k): v.contiguous() for k, v in tensors.items()}, str(partial / file), {"format": "pt"})
-        weight_map |= {hf_name(k): file for k in names}
-        del tensors  # one shard in memory at a time
-    index = {"metadata": {"total_size": sum(sizes.values()), "source": str(checkpoint)}, "weight_map": weight_map}
-    (partial / INDEX).write_text(json.dumps(index, indent=2))
-    (partial / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2))
+            save_file({hf_name(k): v.contiguous() for k, v in tensors.items()}, str(partial / file), {"format": "pt"})
+            weight_map |= {hf_name(k): file for k in names}
+            del tensors  # one shard in memory at a time
+        index = {"metadata": {"total_size": sum(sizes.values()), "source": str(checkpoint)}, "weight_map": weight_map}
+        (partial / INDEX).write_text(json.dumps(index, indent=2))
+        (partial / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2))
+    except BaseException:  # an unreadable shard, a full disk: no half folder left
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if target.exists():
         shutil.rmtree(target)
     partial.rename(target)
     return target
+
+
+def check_shapes(cfg: ModelConfig, specs: dict[str, tuple[torch.Size, torch.dtype]], checkpoint: Path) -> None:
+    """The config written must describe the tensors written: the model's parameters are the checkpoint's."""
+    from launcher.model.init import meta_model
+
+    for name, p in meta_model(cfg).named_parameters():
+        held = tuple(specs[name][0]) if name in specs else None
+        if held != tuple(p.shape):
+            found = f"holds {name} with shape {held}" if held else f"holds no {name}"
+            raise LauncherError(
+                f"export-weights: {checkpoint} {found} but model '{cfg.name}' has {tuple(p.shape)}: give the model "
+                "it was trained with (model=NAME), or none where the checkpoint records it"
+            )
 
 
 def saved_model(checkpoint: Path) -> ModelConfig:
@@ -114,7 +136,9 @@ def saved_model(checkpoint: Path) -> ModelConfig:
     saved = read_extras(checkpoint).get("model")
     if not isinstance(saved, dict):
         raise LauncherError(f"export-weights: {checkpoint} does not record its model: add model=NAME (e.g. model=tiny)")
-    return ModelConfig(**saved)
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved))  # nested moe too
 
 
 WRITERS: dict[str, Callable[[Path, Path, ModelConfig | None, float], Path]] = {
@@ -124,7 +148,15 @@ WRITERS: dict[str, Callable[[Path, Path, ModelConfig | None, float], Path]] = {
 
 
 def check_target(out: Path, fmt: str) -> None:
-    """An HF export replaces a folder only when it is an earlier HF export (it holds config.json)."""
+    """Before reading anything: `out` can be written where it is (its nearest existing folder is a writable
+    folder), a safetensors file is not a folder, and an HF export replaces a folder only when it is an
+    earlier HF export (it holds config.json)."""
+    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        why = "is not a folder" if not existing.is_dir() else "is not writable"
+        raise LauncherError(f"export-weights: cannot write {out}: {existing} {why}: choose another destination")
+    if fmt == "safetensors" and out.is_dir():
+        raise LauncherError(f"export-weights: {out} is a folder: give a file name (e.g. {out / 'model.safetensors'})")
     if fmt == "hf" and out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / CONFIG).is_file())):
         raise LauncherError(f"export-weights: {out} exists and is not a Hugging Face folder: give a new folder")
 
@@ -148,6 +180,11 @@ def export(
     for checkpoint in candidates:
         try:
             return WRITERS[fmt](checkpoint, target, model, shard_gib)
+        except OSError as err:  # the destination: a full disk, a quota, a vanished mount
+            raise LauncherError(
+                f"export-weights: writing {target} failed ({err.strerror or err}): free space or choose another "
+                "destination"
+            ) from None
         except UnreadableCheckpoint as err:
             failures.append((checkpoint, str(err)))
             print(f"warning: checkpoint {checkpoint} is unreadable ({err}); trying the previous one", file=sys.stderr)
