@@ -5,10 +5,8 @@ that checks the signature or behaviour the project relies on, so an upgrade that
 there, loudly, rather than somewhere in a run. torch is imported only when a torch API is used:
 `plan` and the SLURM submission side import this module without it.
 
-Distributed checkpoint (DCP) reading: DCP stores its index, `.metadata`, as a Python pickle and reads it
-with the full unpickler, which runs whatever code a crafted file names. A checkpoint may come from a
-shared or downloaded disk, so the project reads `.metadata` with an unpickler that admits only the
-classes a DCP index holds, and non-tensor values with `torch.load(weights_only=True)`.
+Distributed checkpoint (DCP) reading: DCP's reader and load planner, with `.metadata` read by the
+restricted unpickler of launcher/train/dcp_index.py and non-tensor values by `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -17,10 +15,9 @@ import contextlib
 import functools
 import io
 import os
-import pickle
 import signal
 from collections.abc import Callable, Iterator, Sequence
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -241,53 +238,6 @@ def dump_cuda_memory_snapshot(path: str) -> None:
 
 
 # --- distributed checkpoint -------------------------------------------------------------------------
-# Everything a DCP `.metadata` pickle references (torch 2.6 .. 2.13), besides dtypes (`torch.float32`).
-DCP_METADATA_GLOBALS = frozenset(
-    {
-        *(
-            ("torch.distributed.checkpoint.metadata", name)
-            for name in (
-                "Metadata",
-                "MetadataIndex",
-                "StorageMeta",
-                "TensorStorageMetadata",
-                "BytesStorageMetadata",
-                "ChunkStorageMetadata",
-                "TensorProperties",
-                "_MEM_FORMAT_ENCODING",
-            )
-        ),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # looks up a torch.layout by name, e.g. "torch.strided"
-        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
-        ("pathlib", "WindowsPath"),
-        ("collections", "OrderedDict"),
-    }
-)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if (module, name) in DCP_METADATA_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"unexpected object {module}.{name} in .metadata")
-
-
-def load_dcp_metadata(stream: IO[bytes]) -> Metadata:
-    """A DCP index from `stream`, admitting only DCP's own classes; UnpicklingError otherwise."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    metadata = _MetadataUnpickler(stream).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"unexpected object {type(metadata).__name__} in .metadata")
-    return metadata
-
-
 @functools.cache
 def _dcp_classes() -> dict[str, type]:
     """DCP's reader and load planner with the restricted reading, built on first use (they subclass
@@ -296,6 +246,8 @@ def _dcp_classes() -> dict[str, type]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from launcher.train.dcp_index import load_dcp_metadata
 
     class SafeFileSystemReader(FileSystemReader):
         """DCP's file reader with the restricted `.metadata` unpickler (tensors are already read with
@@ -331,18 +283,6 @@ def __getattr__(name: str) -> Any:
     if name in ("SafeFileSystemReader", "SafeLoadPlanner"):
         return _dcp_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# DCP writes every item of a shard file with torch.save, whose records are zip archives (torch >= 1.6).
-TORCH_SAVE_MAGIC = b"PK\x03\x04"
-
-
-def dcp_storage_items(metadata: Metadata) -> dict[str, list[tuple[int, int]]]:
-    """(offset, length) of every item in each shard file, by file name, from the index's `_StorageInfo`s."""
-    items: dict[str, list[tuple[int, int]]] = {}
-    for info in (metadata.storage_data or {}).values():
-        items.setdefault(info.relative_path, []).append((info.offset, info.length))
-    return items
 
 
 # --- Hydra --------------------------------------------------------------------------------------------

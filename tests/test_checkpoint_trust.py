@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.compat import TORCH_SAVE_MAGIC, dcp_storage_items
 from launcher.config import LauncherError
 from launcher.train.checkpoint import read_metadata
+from launcher.train.dcp_index import TORCH_SAVE_MAGIC, dcp_storage_items
 from launcher.train.export import export
 from launcher.train.loop import train
 from tests.conftest import run_cli, tiny_args, tiny_config

@@ -23,10 +23,11 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError
 
 from launcher import compat
-from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items, load_dcp_metadata
+from launcher.compat import SafeFileSystemReader
 from launcher.config import CONF_DIR
 from launcher.model.init import initialized_model
 from launcher.train.checkpoint import Checkpointer, Stateful
+from launcher.train.dcp_index import TORCH_SAVE_MAGIC, dcp_storage_items, load_dcp_metadata
 from launcher.train.optim import build_optimizer
 from tests.conftest import tiny_config
 

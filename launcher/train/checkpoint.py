@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, SafeLoadPlanner, dcp_storage_items
+from launcher.compat import SafeFileSystemReader, SafeLoadPlanner
 from launcher.config import CheckpointConfig, LauncherError
+from launcher.train.dcp_index import TORCH_SAVE_MAGIC, dcp_storage_items
 from launcher.train.preemption import agree
 
 log = logging.getLogger("launcher")
