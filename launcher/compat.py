@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from torch.distributed.pipelining import PipelineStage
 
 
 # --- PyTorch ------------------------------------------------------------------------------------------
@@ -119,6 +120,25 @@ def schedule_actions(schedule: type, pp: int, stages: list[list[int]], microbatc
         return out
     finally:
         dist.destroy_process_group()
+
+
+def pipeline_stage(module: nn.Module, index: int, n_stages: int, device: torch.device, group: Any) -> PipelineStage:
+    """torch's `PipelineStage`, minus torch 2.11's sends to its own rank: 2.11's multi-stage schedules
+    open each stage's links with a send and a receive to each neighbour stage
+    (`_get_init_p2p_neighbors_ops`), also to one on the same rank (the V placement holds stages 1 and
+    2 on rank 1), which gloo refuses ("Pair is not connected"). 2.15 has no such method."""
+    return _pipeline_stage_class()(module, index, n_stages, device, group=group)
+
+
+@functools.cache
+def _pipeline_stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def _get_init_p2p_neighbors_ops(self) -> list:
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    return Stage
 
 
 def local_shard_extent(

@@ -145,6 +145,25 @@ def test_schedule_actions_reads_torchs_pipeline_order() -> None:
                 assert done in (["F", "B"], ["F", "I", "W"]), (r, s, mb, done)
 
 
+def test_pipeline_stage_opens_no_link_to_its_own_rank() -> None:
+    """Rank 1 of a V placement over 2 ranks holds stages 1 and 2: their links to each other stay on the
+    rank (torch 2.11 sent there, which gloo refuses), those to stages 0 and 3 go to rank 0."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    if not hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):  # later torch opens the links otherwise
+        assert "_get_init_p2p_neighbors_ops" not in inspect.getsource(schedules)
+        return
+    dist.init_process_group("fake", store=compat.fake_store(), rank=1, world_size=2)
+    try:
+        stages = [compat.pipeline_stage(nn.Identity(), s, 4, torch.device("cpu"), None) for s in (1, 2)]
+        for stage in stages:
+            stage.stage_index_to_group_rank = {0: 0, 1: 1, 2: 1, 3: 0}  # what a V schedule sets
+        assert [op.group_peer for stage in stages for op in stage._get_init_p2p_neighbors_ops()] == [0] * 4
+    finally:
+        dist.destroy_process_group()
+
+
 def test_foreach_norm_and_mul() -> None:
     tensors = [torch.tensor([3.0, 4.0]), torch.ones(4)]
     assert [n.item() for n in compat.foreach_norm(tensors)] == [5.0, 2.0]
