@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # the oldest torch the package admits, the newest the registry serves: pyproject.toml's range is
-# exactly these two minors and those between (tests/test_install.py checks that they agree)
+# exactly these two minors and those between (tests/test_torch_range.py checks that they agree)
 VERSIONS=(2.11.0 2.15.0)
 
 # The subset: every private-API check, then one run of each parallelism against one process (the
@@ -35,32 +35,43 @@ TESTS=(
 CACHE="${COMPAT_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/launcher/compat}"
 PY="${PY:-python3}"
 
-# the venv of torch $1 under $CACHE, created or brought up to date
-prepare() {
-    local dir="$CACHE/torch-$1" want pins
+# the venv of torch $1 under $CACHE, created or brought up to date (a subshell: the lock ends with it)
+prepare() (
+    dir="$CACHE/torch-$1"
     want="$(sha256sum pyproject.toml | cut -c1-16) $PWD"
-    [[ -x $dir/bin/python ]] || { $PY -m venv "$dir" && "$dir/bin/pip" install -q --upgrade pip; }
-    [[ "$(cat "$dir/.installed" 2>/dev/null)" == "$want" ]] && return
-    # exactly this torch, whatever else the machine's pip configuration caps it at
-    pins="$dir/.pins" && echo "torch==$1" >"$pins"
-    PIP_CONSTRAINT="$pins" "$dir/bin/pip" install -q "torch==$1" -e '.[dev,hf]'
+    exec 9>"$dir.lock" && flock 9 # one pip at a time in a venv, whichever checkout runs it
+    [[ -x $dir/bin/python && "$(cat "$dir/.installed" 2>/dev/null)" == "$want" ]] && exit 0
+    [[ -x $dir/bin/python ]] || { "$PY" -m venv "$dir" && "$dir/bin/pip" install -q --upgrade pip; }
+    echo "torch==$1" >"$dir/.pins" # exactly this torch, whatever the machine's pip configuration caps it at
+    PIP_CONSTRAINT="$dir/.pins" "$dir/bin/pip" install -q "torch==$1" -e '.[dev,hf]'
     echo "$want" >"$dir/.installed"
-}
+)
+
+# in the background, its output in $CACHE/torch-$1.log: the next version downloads while one is tested
+declare -A preparing
+start_preparing() { prepare "$1" >"$CACHE/torch-$1.log" 2>&1 & preparing[$1]=$!; }
 
 (($#)) && VERSIONS=("$@")
 mkdir -p "$CACHE"
 failed=()
-for version in "${VERSIONS[@]}"; do
-    start=$SECONDS
-    exec {lock}>"$CACHE/torch-$version.lock" && flock "$lock"  # one checkout at a time per venv
-    echo "== torch $version: venv $CACHE/torch-$version"
-    if prepare "$version" && echo "== torch $version: ready after $((SECONDS - start)) s" &&
-        "$CACHE/torch-$version/bin/python" -m pytest -q "${TESTS[@]}"; then
-        echo "== torch $version: passed in $((SECONDS - start)) s"
+start_preparing "${VERSIONS[0]}"
+for i in "${!VERSIONS[@]}"; do
+    version=${VERSIONS[$i]}
+    if ! wait "${preparing[$version]}"; then
+        tail -n 20 "$CACHE/torch-$version.log"
+        echo "== torch $version: FAILED to install after $SECONDS s (log: $CACHE/torch-$version.log)"
+        failed+=("$version")
+        continue
+    fi
+    ((i + 1 < ${#VERSIONS[@]})) && start_preparing "${VERSIONS[$((i + 1))]}"
+    echo "== torch $version: venv $CACHE/torch-$version ready at $SECONDS s"
+    began=$SECONDS
+    if "$CACHE/torch-$version/bin/python" -m pytest -q "${TESTS[@]}"; then
+        echo "== torch $version: passed in $((SECONDS - began)) s"
     else
-        echo "== torch $version: FAILED after $((SECONDS - start)) s"
+        echo "== torch $version: FAILED after $((SECONDS - began)) s"
         failed+=("$version")
     fi
-    exec {lock}>&-
 done
+echo "== make test-compat: $SECONDS s"
 [[ ${#failed[@]} -eq 0 ]] || { echo "torch ${failed[*]}: failed"; exit 1; }
