@@ -88,6 +88,21 @@ def enable_async_tp() -> None:
     inductor_config._micro_pipeline_tp = True
 
 
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    """`x` of every rank of `group`, in rank order, into `out` along dim 0. torch 2.13 names it
+    `all_gather_single` and deprecates `all_gather_into_tensor`, the only name 2.11 has."""
+    import torch.distributed as dist
+
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    """The sum of `x` over `group`, scattered into each rank's `out` along dim 0; named as `all_gather_single`."""
+    import torch.distributed as dist
+
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group)
+
+
 def fake_store() -> Store:
     """The store of the "fake" process-group backend: every collective returns at once, with no peer.
     torch ships it under torch.testing only."""

@@ -94,6 +94,22 @@ def test_cuda_memory_snapshot_api() -> None:
     assert list(inspect.signature(torch.cuda.memory._dump_snapshot).parameters)[0] == "filename"
 
 
+def test_gather_and_scatter_run_under_their_names_of_this_torch() -> None:
+    """torch 2.11 has no `all_gather_single` (cp=2 failed there), 2.13 deprecates the older names: no warning."""
+    import warnings
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out, back = torch.empty(2, 3), torch.empty(2, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compat.all_gather_single(out, torch.ones(2, 3), None)
+            compat.reduce_scatter_single(back, out * 2, None)
+        assert torch.equal(back, torch.full((2, 3), 2.0))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_fake_store_runs_collectives_without_peers() -> None:
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=compat.fake_store(), rank=3, world_size=8)
