@@ -17,7 +17,7 @@ VERSIONS=(2.11.0 2.15.0)
 
 # The subset: every private-API check, then one run of each parallelism against one process (the
 # module fixtures run only the cases selected here), DCP save / resume / reshard, the CUDA path's
-# FSDP bf16 policy and fused AdamW. About 2 minutes a version on 2 cores.
+# FSDP bf16 policy and fused AdamW. About 1.5 minutes a version on 2 cores.
 TESTS=(
     tests/test_compat.py
     tests/test_cuda_path.py
