@@ -6,11 +6,11 @@ STAMP   := $(VENV)/.installed
 ARGS    ?=
 LINTED  := launcher tests bench $(wildcard hydra_plugins scripts/*.py)
 
-.PHONY: setup train test bench gpu-check wheelhouse lint clean
+.PHONY: setup train test test-compat bench gpu-check wheelhouse lint clean
 
 setup: $(STAMP)
 
-# torch is pinned here for this machine's local CPU build; the package itself asks for torch>=2.6.
+# torch is pinned here for this machine's local CPU build; the package accepts the range test-compat proves.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -23,6 +23,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest -q $(ARGS)
+
+# the compat, parallel-equivalence, checkpoint and CUDA-path tests under the oldest and newest supported
+# torch, each in its own cached venv (scripts/test_compat.sh; ARGS: other versions, e.g. 2.12.1)
+test-compat:
+	PY=$(PY) scripts/test_compat.sh $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from torch.distributed.pipelining import PipelineStage
 
 
 # --- PyTorch ------------------------------------------------------------------------------------------
@@ -104,6 +105,21 @@ def bound_device(device: torch.device | None) -> dict[str, Any]:
     return {"device_id": device}
 
 
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    """`x` of every rank of `group`, in rank order, into `out` along dim 0. torch 2.13 names it
+    `all_gather_single` and deprecates `all_gather_into_tensor`, the only name 2.11 has."""
+    import torch.distributed as dist
+
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    """The sum of `x` over `group`, scattered into each rank's `out` along dim 0; named as `all_gather_single`."""
+    import torch.distributed as dist
+
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group)
+
+
 def fake_store() -> Store:
     """The store of the "fake" process-group backend: every collective returns at once, with no peer.
     torch ships it under torch.testing only."""
@@ -136,6 +152,25 @@ def schedule_actions(schedule: type, pp: int, stages: list[list[int]], microbatc
         return out
     finally:
         dist.destroy_process_group()
+
+
+def pipeline_stage(module: nn.Module, index: int, n_stages: int, device: torch.device, group: Any) -> PipelineStage:
+    """torch's `PipelineStage`, minus torch 2.11's sends to its own rank: 2.11's multi-stage schedules
+    open each stage's links with a send and a receive to each neighbour stage
+    (`_get_init_p2p_neighbors_ops`), also to one on the same rank (the V placement holds stages 1 and
+    2 on rank 1), which gloo refuses ("Pair is not connected"). 2.15 has no such method."""
+    return _pipeline_stage_class()(module, index, n_stages, device, group=group)
+
+
+@functools.cache
+def _pipeline_stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def _get_init_p2p_neighbors_ops(self) -> list:
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    return Stage
 
 
 def local_shard_extent(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,22 @@ def assert_bad_input(result: subprocess.CompletedProcess, expected: str, where: 
     assert expected in lines[0], lines[0]
     assert "Traceback" not in result.stderr
     assert not list(where.rglob("metrics.jsonl")), "no worker may start on bad input"
+
+
+def selected_cases(request: pytest.FixtureRequest, **axes: Iterable[str]) -> list[tuple[str, ...]]:
+    """The combinations of the parameters `axes` (name: every value) that the session's selected tests
+    in the requesting module read, so that a module fixture runs only those (`make test-compat`
+    selects a few by node id); every combination when a selected test there lacks one of the axes."""
+    every = list(itertools.product(*axes.values()))
+    chosen = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or not set(axes) <= set(callspec.params):
+            return every
+        chosen.add(tuple(callspec.params[name] for name in axes))
+    return [case for case in every if case in chosen]
 
 
 @pytest.fixture

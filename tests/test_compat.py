@@ -85,6 +85,22 @@ def test_cuda_memory_snapshot_api() -> None:
     assert list(inspect.signature(torch.cuda.memory._dump_snapshot).parameters)[0] == "filename"
 
 
+def test_gather_and_scatter_run_under_their_names_of_this_torch() -> None:
+    """torch 2.11 has no `all_gather_single` (cp=2 failed there), 2.13 deprecates the older names: no warning."""
+    import warnings
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out, back = torch.empty(2, 3), torch.empty(2, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compat.all_gather_single(out, torch.ones(2, 3), None)
+            compat.reduce_scatter_single(back, out * 2, None)
+        assert torch.equal(back, torch.full((2, 3), 2.0))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_fake_store_runs_collectives_without_peers() -> None:
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=compat.fake_store(), rank=3, world_size=8)
@@ -134,6 +150,25 @@ def test_schedule_actions_reads_torchs_pipeline_order() -> None:
             for mb in range(4):
                 done = [k for k, m, st in dual[r] if (m, st) == (mb, s)]
                 assert done in (["F", "B"], ["F", "I", "W"]), (r, s, mb, done)
+
+
+def test_pipeline_stage_opens_no_link_to_its_own_rank() -> None:
+    """Rank 1 of a V placement over 2 ranks holds stages 1 and 2: their links to each other stay on the
+    rank (torch 2.11 sent there, which gloo refuses), those to stages 0 and 3 go to rank 0."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    if not hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):  # later torch opens the links otherwise
+        assert "_get_init_p2p_neighbors_ops" not in inspect.getsource(schedules)
+        return
+    dist.init_process_group("fake", store=compat.fake_store(), rank=1, world_size=2)
+    try:
+        stages = [compat.pipeline_stage(nn.Identity(), s, 4, torch.device("cpu"), None) for s in (1, 2)]
+        for stage in stages:
+            stage.stage_index_to_group_rank = {0: 0, 1: 1, 2: 1, 3: 0}  # what a V schedule sets
+        assert [op.group_peer for stage in stages for op in stage._get_init_p2p_neighbors_ops()] == [0] * 4
+    finally:
+        dist.destroy_process_group()
 
 
 def test_foreach_norm_and_mul() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from launcher.parallel.context import local_positions, split_sequence
+from tests.conftest import selected_cases
 from tests.dist import run_many
 from tests.test_parallel import VARIANTS, make_cfg, train_case
 
@@ -53,22 +54,25 @@ def test_loader_gives_each_cp_rank_its_chunks_of_the_same_sequences() -> None:
         assert torch.equal(rebuilt, whole[i])
 
 
-def run_cases(rank: int, world_size: int, names: list[str]) -> dict:
-    return {(v, n): train_case(make_cfg(v, CASES[n]), world_size) for v in VARIANTS for n in names}
+def run_cases(rank: int, world_size: int, keys: list[tuple[str, str]]) -> dict:
+    return {(v, n): train_case(make_cfg(v, CASES[n]), world_size) for v, n in keys}
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
+def results(request: pytest.FixtureRequest) -> dict:
     out = {}
-    for per_rank in run_many([(run_cases, n, (names,)) for n, names in LAUNCHES], timeout=600):
+    wanted = selected_cases(request, variant=VARIANTS, case=CASES)
+    worlds = [(n, [(v, name) for v, name in wanted if name in names]) for n, names in LAUNCHES]
+    for per_rank in run_many([(run_cases, n, (keys,)) for n, keys in worlds if keys], timeout=600):
         for key in per_rank[0]:
             out[key] = [r[key] for r in per_rank]
     return out
 
 
 @pytest.fixture(scope="module")
-def references() -> dict:
-    return {v: train_case(make_cfg(v), 1) for v in VARIANTS}
+def references(request: pytest.FixtureRequest) -> dict:
+    wanted = {v for v, _ in selected_cases(request, variant=VARIANTS, case=CASES)}
+    return {v: train_case(make_cfg(v), 1) for v in VARIANTS if v in wanted}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

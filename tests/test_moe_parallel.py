@@ -16,6 +16,7 @@ import torch
 
 from launcher.config import compose_config
 from launcher.model.moe import local
+from tests.conftest import selected_cases
 from tests.dist import run_many
 from tests.test_parallel import train_case as parallel_case
 
@@ -68,14 +69,22 @@ def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
     return {name: train_case(make_cfg(**CASES[name]), world_size) for name in names}
 
 
+# what runs where: one launch after another
+LAUNCHES = [
+    (2, ["ep2"]),
+    (4, ["ep2-tp2", "ep2-tp2-sp", "ep2-pp2", "dense-stage-ep2-pp2"]),
+    (4, ["ep2-edp2", "ep2-hsdp", "two-experts-ep2-edp2"]),
+]
+
+
 @pytest.fixture(scope="module")
-def results() -> dict[str, Any]:
-    models = {repr(keys.get("moe")): keys.get("moe") for keys in CASES.values()}
+def results(request: pytest.FixtureRequest) -> dict[str, Any]:
+    wanted = [name for (name,) in selected_cases(request, case=CASES)]
+    models = {repr(CASES[name].get("moe")): CASES[name].get("moe") for name in wanted}
     references = {key: train_case(make_cfg(moe=moe), 1) for key, moe in models.items()}
-    (two,) = run_many([(run_cases, 2, (["ep2"],))])
-    (four,) = run_many([(run_cases, 4, (["ep2-tp2", "ep2-tp2-sp", "ep2-pp2", "dense-stage-ep2-pp2"],))], timeout=120)
-    (data,) = run_many([(run_cases, 4, (["ep2-edp2", "ep2-hsdp", "two-experts-ep2-edp2"],))], timeout=120)
-    ranks = {case: [r[case] for r in world] for world in (two, four, data) for case in world[0]}
+    worlds = [(n, [name for name in names if name in wanted]) for n, names in LAUNCHES]
+    ran = [run_many([(run_cases, n, (names,))], timeout=120)[0] for n, names in worlds if names]
+    ranks = {case: [r[case] for r in world] for world in ran for case in world[0]}
     return {"references": references, "ranks": ranks}
 
 

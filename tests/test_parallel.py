@@ -10,7 +10,6 @@ Each case builds its own DeviceMesh on the world's process group.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -27,6 +26,7 @@ from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.parallel.context import split_sequence
 from launcher.train.optim import build_optimizer
+from tests.conftest import selected_cases
 from tests.dist import run_many
 
 STEPS, SEQ, GLOBAL_BATCH, VOCAB = 5, 16, 8, 256
@@ -169,20 +169,21 @@ def train_case(
     }
 
 
-def run_cases(rank: int, world_size: int, names: list[str]) -> dict[tuple[str, str], Any]:
+def run_cases(rank: int, world_size: int, keys: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
     return {
         (variant, name): train_case(make_cfg(variant, CASES[name]), world_size, probe=name in RECORDED)
-        for variant in VARIANTS
-        for name in names
+        for variant, name in keys
     }
 
 
 @pytest.fixture(scope="module")
-def parallel_results() -> dict[tuple[str, str], list[dict[str, Any]]]:
+def parallel_results(request: pytest.FixtureRequest) -> dict[tuple[str, str], list[dict[str, Any]]]:
     """Per (variant, case): what each rank returned."""
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    wanted = selected_cases(request, variant=VARIANTS, case=CASES)
     for launch in LAUNCHES:
-        jobs = [(run_cases, n, (names,)) for n, names in launch]
+        worlds = [(n, [(v, name) for v, name in wanted if name in names]) for n, names in launch]
+        jobs = [(run_cases, n, (keys,)) for n, keys in worlds if keys]
         for per_rank in run_many(jobs, timeout=300):
             for key in per_rank[0]:
                 results[key] = [r[key] for r in per_rank]
@@ -190,10 +191,11 @@ def parallel_results() -> dict[tuple[str, str], list[dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[tuple[str, str], dict[str, Any]]:
+def references(request: pytest.FixtureRequest) -> dict[tuple[str, str], dict[str, Any]]:
     """Per (variant, model keys of the case): the single-process run."""
     refs = {}
-    for variant, case in itertools.product(VARIANTS, CASES.values()):
+    for variant, name in selected_cases(request, variant=VARIANTS, case=CASES):
+        case = CASES[name]
         key = (variant, repr(case.get("model")))
         if key not in refs:
             refs[key] = train_case(make_cfg(variant, {"model": case.get("model", {})}), 1, probe=True)

@@ -239,7 +239,9 @@ class PipelineRunner(DistributedRunner):
 
     def _run(self, run: Any, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.first else ()
+        # torch 2.11 checks each microbatch's strides against those of its shape inference (contiguous),
+        # and a loader's inputs are a slice of seq + 1 tokens
+        args = (inputs.contiguous(),) if self.first else ()
         kwargs = {"target": targets, "losses": losses} if self.last else {}
         with loss_context(self.layout.tp), self._autocast():
             run(*args, **kwargs)

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
+from launcher.compat import all_gather_single, reduce_scatter_single
 from launcher.model.transformer import Attention
 
 
@@ -67,14 +68,14 @@ class _GatherSequence(torch.autograd.Function):
         size = dist.get_world_size(group)
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))
         if not x.is_meta:  # the pipeline's shape inference runs stages on meta tensors
-            dist.all_gather_single(out, x.contiguous(), group=group)
+            all_gather_single(out, x.contiguous(), group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
         size = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
+        reduce_scatter_single(out, grad.contiguous(), ctx.group)
         return out, None
 
 

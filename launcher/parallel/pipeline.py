@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
@@ -43,6 +42,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from launcher.compat import pipeline_stage
 from launcher.layout import MULTI_STAGE, ZERO_BUBBLE, stage_layers
 from launcher.model import Transformer
 
@@ -99,7 +99,7 @@ def build_schedule(
         for m in modules:
             m.register_forward_hook(lambda _module, _args, out: _owned(out))
         loss_fn = _owned_loss(loss_fn)
-    pipe_stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(modules, stages)]
+    pipe_stages = [pipeline_stage(m, s, n_stages, device, group) for m, s in zip(modules, stages)]
     if schedule in MULTI_STAGE:  # a list of this rank's stages (the V schedules place them themselves)
         return cls(pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn)
     return cls(pipe_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)

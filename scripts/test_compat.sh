@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# `make test-compat`: the compat, parallel-equivalence, checkpoint and CUDA-path tests under each end of
+# the torch range that pyproject.toml states (the whole suite runs on the pinned torch: `make test`).
+#
+#   scripts/test_compat.sh [VERSION ...]        default: the versions below
+#
+# Each version has its own venv, kept between runs (and shared by every checkout on this machine) under
+# $COMPAT_VENVS, default ~/.cache/launcher/compat: the registry's CUDA build with its nvidia-* libraries,
+# ~3 GB, a few minutes to download the first time; it runs on a CPU. A venv is reinstalled when
+# pyproject.toml or the checkout it serves changes. Exit 1 if any version fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# the oldest torch the package admits, the newest the registry serves: pyproject.toml's range is
+# exactly these two minors and those between (tests/test_torch_range.py checks that they agree)
+VERSIONS=(2.11.0 2.15.0)
+
+# The subset: every private-API check, then one run of each parallelism against one process (the
+# module fixtures run only the cases selected here), DCP save / resume / reshard, the CUDA path's
+# FSDP bf16 policy and fused AdamW. About 1.5 minutes a version on 2 cores.
+TESTS=(
+    tests/test_compat.py
+    tests/test_cuda_path.py
+    "tests/test_parallel.py::test_matches_single_process[tp2-sp-pre-rmsnorm]"
+    "tests/test_parallel.py::test_matches_single_process[pp2-interleaved-pre-rmsnorm]"
+    "tests/test_parallel.py::test_matches_single_process[dp2-ddp-post-layernorm]"
+    "tests/test_parallel.py::test_matches_single_process[pp2-1f1b-post-layernorm]"
+    "tests/test_context.py::test_matches_single_process[cp2-pre-rmsnorm]"
+    "tests/test_schedules.py::test_zero_bubble_schedules_match_single_process[pp2]"
+    "tests/test_moe_parallel.py::test_expert_parallel_matches_one_process[ep2]"
+    tests/test_checkpoint.py::test_resume_is_exact
+    "tests/test_reshard.py::test_checkpoint_reshards_across_layouts[cp2-to-single]"
+)
+
+CACHE="${COMPAT_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/launcher/compat}"
+PY="${PY:-python3}"
+
+# the venv of torch $1 under $CACHE, created or brought up to date (a subshell: the lock ends with it)
+prepare() (
+    dir="$CACHE/torch-$1"
+    want="$(sha256sum pyproject.toml | cut -c1-16) $PWD"
+    exec 9>"$dir.lock" && flock 9 # one pip at a time in a venv, whichever checkout runs it
+    [[ -x $dir/bin/python && "$(cat "$dir/.installed" 2>/dev/null)" == "$want" ]] && exit 0
+    [[ -x $dir/bin/python ]] || { "$PY" -m venv "$dir" && "$dir/bin/pip" install -q --upgrade pip; }
+    echo "torch==$1" >"$dir/.pins" # exactly this torch, whatever the machine's pip configuration caps it at
+    PIP_CONSTRAINT="$dir/.pins" "$dir/bin/pip" install -q "torch==$1" -e '.[dev,hf]'
+    echo "$want" >"$dir/.installed"
+)
+
+# in the background, its output in $CACHE/torch-$1.log: the next version downloads while one is tested
+declare -A preparing
+start_preparing() { prepare "$1" >"$CACHE/torch-$1.log" 2>&1 & preparing[$1]=$!; }
+
+(($#)) && VERSIONS=("$@")
+mkdir -p "$CACHE"
+failed=()
+start_preparing "${VERSIONS[0]}"
+for i in "${!VERSIONS[@]}"; do
+    version=${VERSIONS[$i]}
+    if ! wait "${preparing[$version]}"; then
+        tail -n 20 "$CACHE/torch-$version.log"
+        echo "== torch $version: FAILED to install after $SECONDS s (log: $CACHE/torch-$version.log)"
+        failed+=("$version")
+        continue
+    fi
+    ((i + 1 < ${#VERSIONS[@]})) && start_preparing "${VERSIONS[$((i + 1))]}"
+    echo "== torch $version: venv $CACHE/torch-$version ready at $SECONDS s"
+    began=$SECONDS
+    if "$CACHE/torch-$version/bin/python" -m pytest -q "${TESTS[@]}"; then
+        echo "== torch $version: passed in $((SECONDS - began)) s"
+    else
+        echo "== torch $version: FAILED after $((SECONDS - began)) s"
+        failed+=("$version")
+    fi
+done
+echo "== make test-compat: $SECONDS s"
+[[ ${#failed[@]} -eq 0 ]] || { echo "torch ${failed[*]}: failed"; exit 1; }
