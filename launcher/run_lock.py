@@ -83,7 +83,7 @@ class RunDirLock(Callback):
         key = "run_dir" if given else "hydra.run.dir"
         try:
             if is_rank_zero():
-                self.fd = acquire(Path(str(given or config.hydra.run.dir)).expanduser().resolve(), key)
+                self.fd = acquire(Path(str(given or config.hydra.run.dir)).expanduser(), key)
         except LauncherError as err:  # Hydra turns a callback's exceptions into warnings; an exit it lets through
             exit_with(err)
 

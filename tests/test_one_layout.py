@@ -109,7 +109,7 @@ BAD = [  # (tp, pp, dp), further overrides, the one line both print
     ((2, 1, 1), ("model.vocab_size=257",), "tp=2 does not divide model.vocab_size=257"),
     ((1, 8, 1), (), "8 stages exceed model.n_layers=4"),
     ((1, 2, 1), ("model.tied_embeddings=true",), "model.tied_embeddings=true shares the embedding"),
-    ((1, 1, 1), ("virtual_stages=2",), "virtual_stages=2 needs pp_schedule=interleaved_1f1b"),
+    ((1, 1, 1), ("virtual_stages=2",), "virtual_stages=2 schedules pipeline stages, and pp=1 has none"),
     ((1, 1, 1), ("sequence_parallel=true",), "sequence_parallel=true needs tensor parallelism"),
     ((2, 1, 1), ("sequence_parallel=true", "seq_len=33"), "seq_len=33 must be a multiple of tp=2"),
     ((1, 2, 1), ("microbatches=1",), "1 microbatches per step cannot fill pp=2 stages"),

@@ -107,7 +107,7 @@ def test_v_placement_matches_torch_and_puts_the_loss_on_pipeline_rank_0() -> Non
         ),
         (("pp=2", "pp_schedule=zbv", "compile=true"), r"^pp_schedule=zbv splits the backward .* set compile=false"),
         (
-            ("virtual_stages=2", "pp_schedule=1f1b"),
+            ("pp=2", "virtual_stages=2", "pp_schedule=1f1b"),
             r"^virtual_stages=2 needs pp_schedule=interleaved_1f1b or interleaved_zb",
         ),
     ],

@@ -13,7 +13,7 @@ def minor(version: str) -> tuple[int, int]:
     return int(major), int(minor_)
 
 
-def tested_versions() -> list[str]:
+def versions_under_test() -> list[str]:
     (line,) = re.findall(r"^VERSIONS=\((.*)\)$", (ROOT / "scripts/test_compat.sh").read_text(), re.M)
     return line.split()
 
@@ -23,14 +23,14 @@ def torch_requirement() -> str:
     return torch
 
 
-def test_the_range_is_the_tested_versions() -> None:
-    oldest, newest = (minor(v) for v in tested_versions())
+def test_the_range_is_the_versions_under_test() -> None:
+    oldest, newest = (minor(v) for v in versions_under_test())
     assert torch_requirement() == f"torch>={oldest[0]}.{oldest[1]},<{newest[0]}.{newest[1] + 1}"
 
 
 def test_the_pinned_torch_lies_inside_and_the_readme_states_the_range() -> None:
     (pinned,) = re.findall(r"pip install -q torch==(\S+)", (ROOT / "Makefile").read_text())
-    oldest, newest = (minor(v) for v in tested_versions())
+    oldest, newest = (minor(v) for v in versions_under_test())
     assert oldest <= minor(pinned) <= newest
     spec = torch_requirement().removeprefix("torch")
     assert f"`torch{spec}`" in (ROOT / "README.md").read_text()
