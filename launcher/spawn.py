@@ -190,15 +190,28 @@ def start_local_workers(
         os.environ.pop(LOCAL_WORKER_ENV, None)
         agent.get_worker_group().spec.rdzv_handler.shutdown()
     if result.is_failed():
-        # the first to fail names the cause; timestamps are whole seconds, so a tie goes to the lower rank
-        # (not to whichever the agent noticed first: under load, a peer's "connection closed")
-        rank, failure = min(result.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+        rank, failure = first_cause(result.failures)
         line = failure_line(failure)
         kind, _, message = line.partition(": ")
         if kind in CROSSING:  # bad input found by the workers (no checkpoint loads: exit 2), a NaN loss (exit 3)
             raise CROSSING[kind](message)
         raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {line}")
     return result.return_values[owner_rank(layout)]
+
+
+# what a rank reports when another rank died under it: the symptom, never the cause
+PEER_GONE = ("closed by peer", "reset by peer", "remote worker crash", "communicator was aborted", "Broken pipe")
+
+
+def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure that names the cause: the first, never a peer that only saw it go (its "connection
+    closed by peer" can be recorded first under load); timestamps are whole seconds: ties go to the lower rank."""
+
+    def order(item: tuple[int, Any]) -> tuple[bool, int, int]:
+        rank, failure = item
+        return any(words in failure_line(failure) for words in PEER_GONE), failure.timestamp, rank
+
+    return min(failures.items(), key=order)
 
 
 def supervise(agent: LocalElasticAgent) -> RunResult:

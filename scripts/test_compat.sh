@@ -66,7 +66,7 @@ for i in "${!VERSIONS[@]}"; do
     ((i + 1 < ${#VERSIONS[@]})) && start_preparing "${VERSIONS[$((i + 1))]}"
     echo "== torch $version: venv $CACHE/torch-$version ready at $SECONDS s"
     began=$SECONDS
-    if "$CACHE/torch-$version/bin/python" -m pytest -q "${TESTS[@]}"; then
+    if "$CACHE/torch-$version/bin/python" -m pytest -q -n 2 --dist loadfile "${TESTS[@]}"; then
         echo "== torch $version: passed in $((SECONDS - began)) s"
     else
         echo "== torch $version: FAILED after $((SECONDS - began)) s"

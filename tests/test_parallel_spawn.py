@@ -11,7 +11,7 @@ import pytest
 
 from launcher.errors import FAILED, WorkerFailed
 from launcher.layout import from_config
-from launcher.spawn import start_local_workers
+from launcher.spawn import first_cause, start_local_workers
 from launcher.train.loop import train
 from tests.conftest import tiny_config
 
@@ -31,6 +31,20 @@ def test_train_tp2_pp2_matches_one_process(tmp_path: Path) -> None:
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref_rows], rel=1e-4)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref_rows], rel=1e-4)
     assert sorted(p.name for p in (tmp_path / "par").glob("rank*.log")) == [f"rank{r}.log" for r in range(4)]
+
+
+def test_the_cause_is_the_first_failure_never_a_peers_lost_connection() -> None:
+    """Under load the peer's 'connection closed' can carry the earlier timestamp: it never names the cause."""
+    from types import SimpleNamespace
+
+    def failure(message: str, timestamp: int) -> SimpleNamespace:
+        return SimpleNamespace(message={"message": message}, timestamp=timestamp)
+
+    lost = failure("RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:41628", 100)
+    cause = failure("IsADirectoryError: [Errno 21] Is a directory: 'metrics.jsonl'", 101)
+    assert first_cause({1: lost, 0: cause})[0] == 0
+    assert first_cause({1: failure("ValueError: x", 100), 0: failure("ValueError: y", 100)})[0] == 0
+    assert first_cause({1: failure("ValueError: x", 99), 0: failure("ValueError: y", 100)})[0] == 1
 
 
 def test_a_dying_worker_takes_the_job_down_with_its_rank_and_error(tmp_path: Path) -> None:
