@@ -50,6 +50,16 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     )
 
 
+def symm_mem_needs_enabling() -> bool:
+    """Whether this torch's `is_symm_mem_enabled_for_group` (what async TP's pass checks) reads the registry
+    that `enable_symm_mem_for_group` fills (2.11-2.14); from 2.15 it holds wherever an allocator exists (CUDA)."""
+    import inspect
+
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    return "_group_name_to_store" in inspect.getsource(symm_mem.is_symm_mem_enabled_for_group)
+
+
 def run_shell(line: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run a command line in a fresh bash, as a user types it, with this venv's console scripts first on PATH."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"

@@ -21,6 +21,7 @@ from launcher.precision import BF16_FSDP, autocast_for, fsdp_policy, precision_m
 from launcher.spawn import CUDA_ENV, FLIGHT_RECORDER_FILE, cuda_env_defaults, run_rank
 from launcher.train.loop import pick_device
 from launcher.train.optim import adamw_impl, build_optimizer, optimizer_impl
+from tests.conftest import symm_mem_needs_enabling
 from tests.dist import run
 
 CUDA = HardwareConfig(name="h100_sxm", kind="cuda", peak_tflops=989.0)
@@ -197,8 +198,9 @@ def test_async_tp_arms_the_micro_pipeline_pass_for_the_tp_group(
     with inductor_config.patch(_micro_pipeline_tp=False):
         groups = _shard_on_fake_world(cfg, 5, 8)
         assert inductor_config._micro_pipeline_tp is armed
-    assert symm_mem.is_symm_mem_enabled_for_group(groups["tp"]) is armed
-    assert not symm_mem.is_symm_mem_enabled_for_group(groups["dp_shard"])
+    if symm_mem_needs_enabling():  # torch 2.15 arms every group where CUDA has the allocator: the flag is all
+        assert symm_mem.is_symm_mem_enabled_for_group(groups["tp"]) is armed
+        assert not symm_mem.is_symm_mem_enabled_for_group(groups["dp_shard"])
 
 
 class Recorded:
