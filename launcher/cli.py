@@ -167,6 +167,20 @@ def plan() -> None:
     run_app("plan", plan_task)
 
 
+def keyed_parser(prog: str, description: str, examples: str, options: str, **positionals: str) -> Any:
+    """The argparse parser of a command taken as `prog POSITIONAL... [KEY=VALUE ...]`, its help teaching
+    by examples (the Hydra apps' --help does so through their help template)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    for name, text in positionals.items():
+        parser.add_argument(name, help=text)
+    parser.add_argument("options", nargs="*", metavar="KEY=VALUE", help=options)
+    return parser
+
+
 EXPORT_HELP = (
     "The model weights of a sharded checkpoint (any layout) as one safetensors file, or as a Hugging Face\n"
     "Llama folder (format=hf). Named export-weights: a bare `export` is the shell's own builtin."
@@ -181,22 +195,16 @@ docs: docs/checkpoints.md and README.md ("From and to Hugging Face") in the proj
 
 def export() -> None:
     """`export-weights CHECKPOINT OUT [KEY=VALUE ...]` (EXPORT_HELP)."""
-    import argparse
-
     from launcher.train.export import export as write
 
-    parser = argparse.ArgumentParser(
-        prog="export-weights",
-        description=EXPORT_HELP,
-        epilog=EXPORT_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("checkpoint", help="a step_* checkpoint folder, or a folder of them (newest is used)")
-    parser.add_argument("out", help="output .safetensors file, or folder (format=hf)")
-    parser.add_argument(
-        "options", nargs="*", metavar="KEY=VALUE", help="format=safetensors|hf, model=NAME, shard_gib=GIB (hf, 5)"
-    )
-    args = parser.parse_args()
+    args = keyed_parser(
+        "export-weights",
+        EXPORT_HELP,
+        EXPORT_EXAMPLES,
+        "format=safetensors|hf, model=NAME, shard_gib=GIB (hf, 5)",
+        checkpoint="a step_* checkpoint folder, or a folder of them (newest is used)",
+        out="output .safetensors file, or folder (format=hf)",
+    ).parse_args()
     try:
         require("safetensors", what="export-weights")
         options = export_options(args.options)
@@ -249,19 +257,12 @@ docs: README.md ("On a cluster without internet", "On GPUs") in the project's re
 
 def doctor() -> None:
     """`doctor [hardware=NAME] [run_dir=DIR] [cache_dir=DIR] [compile=true|false]` (DOCTOR_HELP)."""
-    import argparse
     import os
 
     from launcher.config import compile_enabled, compose_config
     from launcher.doctor import Setting, default_hardware, run
 
-    parser = argparse.ArgumentParser(
-        prog="doctor",
-        description=DOCTOR_HELP,
-        epilog=DOCTOR_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("options", nargs="*", metavar="KEY=VALUE", help="hardware=, run_dir=, cache_dir=, compile=")
+    parser = keyed_parser("doctor", DOCTOR_HELP, DOCTOR_EXAMPLES, "hardware=, run_dir=, cache_dir=, compile=")
     options = dict(item.partition("=")[::2] for item in parser.parse_args().options)
     unknown = sorted(set(options) - {"hardware", "run_dir", "cache_dir", "compile"})
     try:
