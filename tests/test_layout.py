@@ -122,14 +122,15 @@ def test_world_size_from_torchrun_must_match_the_degrees() -> None:
 
 
 def test_valid_layouts_pass() -> None:
-    for overrides in (
-        ("tp=4",),
-        ("pp=3",),
-        ("tp=2", "pp=2", "dp=2"),
-        ("hardware=h200", "tp=4", "pp=2", "dry_run=true"),
+    for overrides, degrees in (
+        (("tp=4",), (4, 1, 1, 4)),
+        (("pp=3",), (1, 3, 1, 3)),
+        (("tp=2", "pp=2", "dp=2"), (2, 2, 2, 8)),
+        (("hardware=h200", "tp=4", "pp=2", "dry_run=true"), (4, 2, 1, 8)),  # dp fills the node's 8 GPUs
     ):
         cfg = make_config("+model=small", *overrides)
         layout, _ = resolve(cfg)
+        assert (layout.tp, layout.pp, layout.dp, layout.world_size) == degrees, overrides
         if not cfg.dry_run:  # as the CLI: a dry run needs no devices
             check_environment(cfg, layout, local=True)
 

@@ -54,12 +54,14 @@ def test_405b_on_16k_devices_needs_pipelining_only_on_8_gpu_nodes(hardware, per_
 
 
 def test_full_405b_search_on_16384_gpus_takes_under_a_second():
+    """CPU time of this process (the search is single-threaded Python): other processes' load, which
+    wall time counted, does not move it."""
     plan_405b("h100_sxm", 8)  # warm imports
     times = []
-    for _ in range(2):  # the better of two: this machine is shared
-        t0 = time.perf_counter()
+    for _ in range(2):
+        t0 = time.process_time()
         res = plan_405b("h100_sxm", 8)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     assert res.tried > 150 and len(res.ranked) > 50  # (fewer than pp microbatches: not a runnable layout)
     assert min(times) < 1.0
 
