@@ -195,6 +195,7 @@ class CheckpointConfig:
     keep: int = ranged(2, ge=1)  # complete checkpoints kept; older ones are deleted once a newer one is complete
     dir: str | None = None  # None: <run_dir>/checkpoints
     async_save: bool = False  # write in the background while training continues
+    on_error: str = "continue"  # a failed periodic save: continue (a warning) | stop (exit 1); a final one stops
 
 
 @dataclass
@@ -407,6 +408,7 @@ CHOICES = {
     "metrics.console": ("auto", "rich", "plain", "none"),
     "metrics.wandb.mode": ("offline", "online", "disabled"),
     "hardware.kind": ("cpu", "cuda", "tpu"),
+    "checkpoint.on_error": ("continue", "stop"),
 }
 
 

@@ -42,6 +42,13 @@ class NonFinite(LauncherError):
     exit_code = NON_FINITE
 
 
+class CheckpointFailed(LauncherError):
+    """A checkpoint could not be written (the final or a preemption's save, or any with
+    checkpoint.on_error=stop): the message names the step, the cause, the folder and the checkpoint kept."""
+
+    exit_code = FAILED
+
+
 # what a worker's exception becomes in the launcher (by its class name: the elastic agent's record of a
 # failed worker carries the name and message, not the object): the same class, so the same exit code
-CROSSING = {cls.__name__: cls for cls in (LauncherError, NonFinite)}
+CROSSING = {cls.__name__: cls for cls in (LauncherError, NonFinite, CheckpointFailed)}

@@ -95,6 +95,11 @@ class Memory:
         state = self.params + self.grads + self.optimizer + self.buffers
         return state + self.activations + self.logits + self.overhead
 
+    @property
+    def checkpoint(self) -> float:
+        """Bytes of this device's checkpoint shards: its fp32 weights and Adam moments, as DCP writes them."""
+        return self.params + self.optimizer
+
     def as_gib(self) -> dict[str, float]:
         parts = ("params", "grads", "optimizer", "buffers", "activations", "logits", "overhead")
         out = {k: round(getattr(self, k) / GIB, 3) for k in parts}

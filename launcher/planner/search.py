@@ -104,6 +104,7 @@ class Prediction:
             "ep": lay.ep,
             "memory_gib": round(self.memory.total / GIB, 3),
             "memory": self.memory.as_gib(),
+            "checkpoint_bytes_per_rank": round(self.memory.checkpoint),  # the busiest device's
             "fits": self.fits,
             "step_time_s": self.time.total,
             "time_s": self.time.as_dict(),

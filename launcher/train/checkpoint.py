@@ -26,7 +26,6 @@ import re
 import shutil
 import time
 import warnings
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,18 +42,29 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from launcher.compat import SafeLoadPlanner
 from launcher.config import CheckpointConfig, LauncherError
-from launcher.train.preemption import agree, collective_device
+from launcher.errors import CheckpointFailed
+from launcher.train.ckpt_write import (
+    Pending,
+    SaveStats,
+    SizedPlanner,
+    barrier,
+    cause,
+    commit,
+    first_error,
+    prepare,
+    row,
+    state_bytes,
+    storage_writer,
+)
+from launcher.train.fit import gather_ranks
 from launcher.train.untrusted import (
     EXTRAS,
     UnreadableCheckpoint,
-    check_shards,
+    load_shards,
     read_index,
     read_rng,
-    safe_reader,
     verify,
-    why,
 )
 
 log = logging.getLogger("launcher")
@@ -171,7 +181,8 @@ class Checkpointer:
         self.root = root
         self.rank = rank
         self.device = device or torch.device("cpu")  # cuda: the GPU's RNG state is saved too
-        self.pending: tuple[Future, Path, Path, Stateful] | None = None  # async save in flight
+        self.pending: Pending | None = None  # async save in flight
+        self.stats = SaveStats()
         self.unreadable: set[Path] = set()  # failed to load: kept until a newer one is saved
         self.newest_saved = -1  # step of the newest checkpoint this run completed
         # a separate gloo group keeps background checkpoint traffic off the training collectives
@@ -185,67 +196,86 @@ class Checkpointer:
         model = model_view(parts)
         return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
 
-    def save(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer, st: Stateful) -> None:
+    def save(
+        self, parts: list[nn.Module], optimizer: torch.optim.Optimizer, st: Stateful, final: bool = False
+    ) -> dict[str, float]:
+        """Save `st`'s step; its figures for the step's metrics row ({} when it failed). A failure on any
+        rank is one line on every rank; with `final` (the last step, a preemption) or on_error=stop it
+        raises CheckpointFailed."""
         self.wait()  # one save in flight at a time
-        final = self.root / f"step_{st.step:08d}"
-        partial = final.with_name(final.name + ".partial")
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        _barrier()
-        for prefix, state in rng_states(self.device).items():
-            torch.save(state, partial / f"{prefix}rank{self.rank}.pt")
-        state = self.state(parts, optimizer)
         t0 = time.perf_counter()
-        try:
-            if self.cfg.async_save:
-                future = dcp.async_save(
-                    state, checkpoint_id=str(partial), process_group=self.group, no_dist=not dist.is_initialized()
-                )
-                self.pending = (future, partial, final, st)
-                return
-            dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
-        except (Exception, CheckpointException) as err:  # a full disk: keep training, keep the old ones
-            self._abandon(partial, st.step, err)
-            return
-        self._finish(partial, final, st, time.perf_counter() - t0)
+        done = self.root / f"step_{st.step:08d}"
+        partial = done.with_name(done.name + ".partial")
+        state = self.state(parts, optimizer)
+        nbytes = state_bytes(state)
+        error = prepare(partial, self.rank, rng_states(self.device), self.root, nbytes)  # before DCP's collectives
+        if not error:
+            try:
+                writer, planner = storage_writer(partial, st.step, self.rank), SizedPlanner(self.root, st.step)
+                no_dist = not dist.is_initialized()
+                if self.cfg.async_save:
+                    future = dcp.async_save(
+                        state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=no_dist
+                    )
+                    self.pending = Pending(future, partial, done, st, final, nbytes, time.perf_counter() - t0)
+                    return row(self.pending.seconds, nbytes)  # the time training waited
+                dcp.save(state, storage_writer=writer, planner=planner, no_dist=no_dist)
+            except (Exception, CheckpointException) as err:  # CheckpointException: every rank's, from DCP
+                error = cause(err, self.root, nbytes)
+            error = first_error(error) or commit(partial, done, self.files(st), self.rank, self.root, nbytes)
+        if error:
+            self._abandon(partial, st.step, error, final)
+            return {}
+        seconds = time.perf_counter() - t0
+        self._finish(done, st, seconds, nbytes)
+        return row(seconds, nbytes)
 
     def wait(self) -> None:
-        """Complete an async save in flight (marker, rename, prune)."""
+        """Complete an async save in flight (marker, rename, prune), or report its failure as `save` does."""
         if self.pending is None:
             return
-        future, partial, final, st = self.pending
-        self.pending = None
+        p, self.pending = self.pending, None
+        error = ""
         try:
-            future.result()
+            p.future.result()
         except (Exception, CheckpointException) as err:
-            self._abandon(partial, st.step, err)
+            error = cause(err, self.root, p.nbytes)
+        error = first_error(error) or commit(p.partial, p.done, self.files(p.st), self.rank, self.root, nbytes=p.nbytes)
+        if error:
+            self._abandon(p.partial, p.st.step, error, p.final)
             return
-        self._finish(partial, final, st, 0.0)
+        self._finish(p.done, p.st, p.seconds, p.nbytes)
 
-    def _abandon(self, partial: Path, step: int, err: BaseException) -> None:
-        _barrier()
+    def _abandon(self, partial: Path, step: int, error: str, final: bool) -> None:
+        """A failed save: its partial folder removed, the previous checkpoint kept; one line, or (final,
+        on_error=stop) CheckpointFailed."""
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         kept = complete_checkpoints(self.root)
-        log.warning("checkpoint at step %d failed (%s); kept %s", step, err, kept[0] if kept else "none")
+        line = f"checkpoint at step {step} failed: {error}; {partial} removed, kept {kept[0] if kept else 'none'}"
+        log.warning(line)
+        if final or self.cfg.on_error == "stop":
+            raise CheckpointFailed(f"{line}: fix the disk or set checkpoint.dir, then rerun to resume")
         if self.rank == 0:
-            print(f"warning: checkpoint at step {step} failed ({err}); previous checkpoint kept", flush=True)
+            print(f"warning: {line}", flush=True)
 
-    def _finish(self, partial: Path, final: Path, st: Stateful, seconds: float) -> None:
-        _barrier()  # every rank's shards are on disk
-        if self.rank == 0:
-            (partial / EXTRAS).write_text(json.dumps({"step": st.step, **st.extras}))
-            (partial / MARKER).write_text(json.dumps({"format": FORMAT, "step": st.step, "time": time.time()}))
-            if final.exists():  # an older run's checkpoint of this step (superseded by this one)
-                shutil.rmtree(final)
-            partial.rename(final)
-        self.unreadable.discard(final)
+    def files(self, st: Stateful) -> dict[str, str]:
+        """What rank 0 writes once every rank's shards are on disk: the extras, and last the marker."""
+        marker = {"format": FORMAT, "step": st.step, "time": time.time()}
+        return {EXTRAS: json.dumps({"step": st.step, **st.extras}), MARKER: json.dumps(marker)}
+
+    def _finish(self, done: Path, st: Stateful, seconds: float, nbytes: int) -> None:
+        self.unreadable.discard(done)
         self.newest_saved = max(self.newest_saved, st.step)
+        self.stats.add(seconds, nbytes)
         if self.rank == 0:
             self.prune()
-        _barrier()
-        log.info("checkpoint step %d saved to %s in %.2fs", st.step, final, seconds)
+        barrier()
+        log.info("checkpoint step %d saved to %s in %.2fs (%d bytes on this rank)", st.step, done, seconds, nbytes)
+
+    def summary(self) -> dict[str, Any]:
+        """The saves' figures for the run's summary (every rank calls this: it gathers each one's bytes)."""
+        return self.stats.summary(gather_ranks(float(self.stats.bytes))) if self.stats.seconds else {}
 
     def prune(self) -> None:
         """Delete complete checkpoints beyond `keep` (newest kept) and stale partial folders. One that
@@ -302,32 +332,6 @@ class Checkpointer:
         return None
 
 
-def load_shards(state: dict[str, Any], path: Path, metadata: Any) -> None:
-    """Fill `state` from the checkpoint's shards (DCP, restricted reader); UnreadableCheckpoint if any
-    fails, naming the file when a scan of the shard files finds the damage."""
-    try:
-        dcp.load(
-            state,
-            storage_reader=safe_reader(path),
-            planner=SafeLoadPlanner(),
-            no_dist=not dist.is_initialized(),
-        )
-    except (Exception, CheckpointException) as err:  # a corrupt shard; DCP's own text is a traceback
-        if isinstance(err, CheckpointException) and err.failures:
-            err = next(iter(err.failures.values()))[0]
-        check_shards(path, metadata)  # only now, on failure: each rank reads just its items on success
-        raise UnreadableCheckpoint(f"shards: {why(err)}") from None
-
-
-def first_error(error: str) -> str:
-    """The first rank's error, on every rank ("" when every rank loaded): ranks must agree to fall back."""
-    if not dist.is_initialized() or agree(not error, dist.ReduceOp.MIN):
-        return error
-    errors: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((f"{e} (rank {r})" if r else e for r, e in enumerate(errors) if e), "")
-
-
 def check_shapes(path: Path, metadata: Any, state: dict[str, Any]) -> None:
     """A checkpoint of another model shape: name the first tensor that differs."""
     saved_shapes = metadata.state_dict_metadata
@@ -338,9 +342,3 @@ def check_shapes(path: Path, metadata: Any, state: dict[str, Any]) -> None:
                 f"checkpoint {path} holds {fqn} with shape {tuple(saved)} but the model has {tuple(tensor.shape)}: "
                 "resume it with the model it was trained with, or resume=never"
             )
-
-
-def _barrier() -> None:
-    if dist.is_initialized():  # NCCL: on this rank's GPU, not one torch guesses from the rank
-        device = collective_device()
-        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from launcher.config import LauncherError, ModelConfig
 from launcher.files import temp_beside
 from launcher.model.hf import CONFIG, INDEX, check_llama, hf_config, hf_name
-from launcher.train.checkpoint import MARKER, complete_checkpoints, load_shards, no_readable
-from launcher.train.untrusted import UnreadableCheckpoint, read_extras, verify
+from launcher.train.checkpoint import MARKER, complete_checkpoints, no_readable
+from launcher.train.untrusted import UnreadableCheckpoint, load_shards, read_extras, verify
 
 FORMATS = ("safetensors", "hf")
 

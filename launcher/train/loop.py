@@ -164,10 +164,10 @@ def train(
         summary = {"steps": 0, "smoke_loss": smoke_loss, "build_time_s": build_s, **memory_summary(per_rank)}
         return finish(summary)
 
-    def save(step: int) -> None:
+    def save(step: int, final: bool) -> dict[str, float]:
         extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict()}
         extras |= {"model": asdict(cfg.model), "skipped_steps": guard.skipped}  # export reads the model
-        checkpointer.save(runner.parts, optimizer, Stateful(step, extras))
+        return checkpointer.save(runner.parts, optimizer, Stateful(step, extras), final)
 
     preemption = PreemptionFlag()
     profiler = StepProfiler(cfg.profile, run_dir, rank, device)
@@ -200,20 +200,20 @@ def train(
         rows.append(row)
         # one collective a step: every rank's memory (shown on logged steps) and stop request together
         per_rank = gather_rows([row["mem_gib"], float(preemption.raised)])
-        if step % cfg.metrics.log_every == 0 or step == cfg.steps or "val_loss" in row:  # alike on every rank
+        stop = any(stop for _, stop in per_rank)  # a stop signal on any rank: every rank saves this step, then stops
+        if stop or checkpointer.due(step, cfg.steps):  # before the row is logged: it gets the save's time and bytes
+            row |= save(step, final=stop or step == cfg.steps)  # a final save that fails ends the run
+        if step % cfg.metrics.log_every == 0 or step == cfg.steps or "val_loss" in row or "ckpt_bytes" in row:
             row.update(memory_summary([mem for mem, _ in per_rank], "mem_gib"))
             for sink in sinks:
                 sink.log(row, loads)
             view.update(row, loads)
             log.info("%s", row)
-        if any(stop for _, stop in per_rank):  # a stop signal on any rank: every rank saves this step, then stops
-            save(step)
+        if stop:
             checkpointer.wait()
             preemption.restore()
             view.close({"preempted_at_step": step, "checkpoint": str(ckpt_root)})
             return {"preempted_at_step": step, "checkpoint": str(ckpt_root)}
-        if checkpointer.due(step, cfg.steps):
-            save(step)
     checkpointer.wait()
     preemption.restore()
     profiled = profiler.finish()  # every rank's top ops, one line each
@@ -238,6 +238,7 @@ def train(
         "peak_flops_per_device": peak,
         "threads_per_worker": threads,
         "skipped_steps": guard.skipped,
+        **checkpointer.summary(),  # save time and bytes per rank (the planner's bytes: prediction)
         **({"profile": profiled} if profiled else {}),
     }
     return finish(summary)

@@ -19,9 +19,12 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.metadata import Metadata
 
-from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items
+from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, SafeLoadPlanner, dcp_storage_items
 
 EXTRAS = "extras.json"
 
@@ -145,3 +148,20 @@ def check_shards(path: Path, metadata: Any) -> None:
                 stream.seek(offset)
                 if stream.read(len(TORCH_SAVE_MAGIC)) != TORCH_SAVE_MAGIC:
                     raise UnreadableCheckpoint(f"{name}: no tensor record at byte {offset}")
+
+
+def load_shards(state: dict[str, Any], path: Path, metadata: Any) -> None:
+    """Fill `state` from the checkpoint's shards (DCP, restricted reader); UnreadableCheckpoint if any
+    fails, naming the file when a scan of the shard files finds the damage."""
+    try:
+        dcp.load(
+            state,
+            storage_reader=safe_reader(path),
+            planner=SafeLoadPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
+    except (Exception, CheckpointException) as err:  # a corrupt shard; DCP's own text is a traceback
+        if isinstance(err, CheckpointException) and err.failures:
+            err = next(iter(err.failures.values()))[0]
+        check_shards(path, metadata)  # only now, on failure: each rank reads just its items on success
+        raise UnreadableCheckpoint(f"shards: {why(err)}") from None
