@@ -89,7 +89,7 @@ def test_full_disk_keeps_previous_checkpoint_and_training_goes_on(tmp_path: Path
     run = tmp_path / "r"
     summary = train(tiny_config(tmp_path, "steps=6", "checkpoint.every=2", "checkpoint.keep=1"), run)
     assert summary["steps"] == 6
-    assert "No space left on device" in capsys.readouterr().out
+    assert "no space left on device" in capsys.readouterr().out
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == ["step_00000006"], names  # step 2 kept until step 6 completed; no partial folder left
 

@@ -103,33 +103,37 @@ def storage_writer(path: Path, step: int, rank: int) -> FileSystemWriter:
     return FullDisk(str(path)) if injected else FileSystemWriter(str(path))
 
 
-def _errors(err: BaseException) -> list[BaseException]:
-    """`err`, what caused it (its chain), and for DCP's CheckpointException each rank's failure."""
-    found, todo, seen = [], [err], set()
+def _errors(err: BaseException) -> list[tuple[BaseException, int]]:
+    """`err` and what caused it (its chain; for DCP's CheckpointException each rank's failure), each with
+    the rank it happened on (0: this one's, or rank 0's)."""
+    found: list[tuple[BaseException, int]] = []
+    todo: list[tuple[BaseException | None, int]] = [(err, 0)]
+    seen: set[int] = set()
     while todo:
-        e = todo.pop(0)
+        e, rank = todo.pop(0)
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        found.append(e)
-        todo += [e.__cause__, e.__context__]
+        found.append((e, rank))
+        todo += [(e.__cause__, rank), (e.__context__, rank)]
         if isinstance(e, CheckpointException):
-            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+            todo += [(f[0] if isinstance(f, tuple) else f, r) for r, f in e.failures.items()]
     return found
 
 
 def cause(err: BaseException, root: Path, rank_bytes: int) -> str:
     """One line saying why a save failed: the errno's words (and the file), else "disk full?" when the
-    root has less free space than this rank's shards need, else the innermost error's first line."""
+    root has less free space than this rank's shards need, else the innermost error's first line; with
+    the rank it happened on when DCP reports another rank's failure."""
     errors = _errors(err)
-    for e in errors:
+    for e, rank in errors:
         if isinstance(e, OSError) and e.errno:
             words = CAUSES.get(e.errno, e.strerror or errno.errorcode.get(e.errno, str(e.errno)))
-            return f"{words} ({e.filename})" if e.filename else words
+            return (f"{words} ({e.filename})" if e.filename else words) + (f" (rank {rank})" if rank else "")
     free = free_bytes(root) if root.exists() else 0
-    inner = errors[-1]
+    inner, rank = errors[-1]
     text = next((line for line in str(inner).splitlines() if line.strip()), "")[:200]
-    what = f"{type(inner).__name__}: {text}" if text else type(inner).__name__
+    what = (f"{type(inner).__name__}: {text}" if text else type(inner).__name__) + (f" (rank {rank})" if rank else "")
     if free < rank_bytes:
         return f"disk full? {free / MIB:.2f} MiB free on {root} ({what})"
     return what
