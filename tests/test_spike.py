@@ -98,13 +98,15 @@ def test_past_max_rollbacks_the_run_stops_with_exit_3(tmp_path: Path) -> None:
 
 def test_skipped_batches_and_the_detector_survive_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TEST_SPIKE_ENV, "8")
-    whole = run(tmp_path, "whole", "guard.spike=rollback", "guard.skip_batches=[[11,11]]", "checkpoint.every=6")
+    keys = ("guard.spike=rollback", "guard.snapshot_every=5")  # and one at the checkpoint of step 6
+    whole = run(tmp_path, "whole", *keys, "guard.skip_batches=[[11,11]]", "checkpoint.every=6")
+    assert [(e["restored_step"], e["skipped_batches"]) for e in spikes(whole)] == [(6, [7, 8])]
     extras = json.loads((whole / "checkpoints" / "step_00000006" / "extras.json").read_text())
     assert extras["loader"]["skipped"] == [[11, 11]] and len(extras["spike"]["window"]["losses"]) == 3
     last = json.loads((whole / "checkpoints" / "step_00000012" / "extras.json").read_text())
     assert last["loader"]["skipped"] == [[11, 11], [7, 8]] and last["spike"]["rollbacks"] == 1
     shutil.copytree(whole / "checkpoints" / "step_00000006", tmp_path / "from" / "step_00000006")
-    resumed = run(tmp_path, "resumed", "guard.spike=rollback", f"resume={tmp_path / 'from'}")  # no skip_batches
+    resumed = run(tmp_path, "resumed", *keys, f"resume={tmp_path / 'from'}")  # no guard.skip_batches
     assert losses(resumed) == {s: v for s, v in losses(whole).items() if s > 6}
     assert [e["step"] for e in spikes(resumed)] == [8]  # the same spike, detected from the restored window
 

@@ -17,7 +17,8 @@ r+1, and still trains `steps` updates, exactly as a run whose data never held th
 data, not more rollbacks.
 
 The snapshot: each rank's own shards of the model (parameters and buffers) and of the optimizer state, the
-optimizer's hyperparameters, the schedule, the data position, the RNG states and the detector's window;
+optimizer's hyperparameters, the schedule, the RNG states and the detector's window, and the data position
+(where the skipped batches begin: the loader itself stays where it is, just before the next batch kept);
 taken before the first step, every `guard.snapshot_every` steps and at every checkpoint step (so a
 rollback never goes behind the newest checkpoint), into buffers reused from one snapshot to the next, in
 host memory or on the device (`guard.snapshot`). Each event is a console line and a metrics.jsonl row.
@@ -150,7 +151,8 @@ class Snapshot:
 
     @torch.no_grad()
     def restore(self, state: Trainee, detector: Detector) -> int:
-        """Put the state back (the loader's skip list stays as it is); return the snapshot's step."""
+        """Put the state back; return the snapshot's step. The loader stays where it is: the caller skips
+        every batch from the snapshot's position to it."""
         for live, saved in zip(model_tensors(state.parts), self.model, strict=True):
             live.copy_(saved)
         if self.optim:
@@ -162,7 +164,6 @@ class Snapshot:
         for group, saved in zip(state.optimizer.param_groups, rest["groups"], strict=True):
             group.update(saved)
         state.schedule.load_state_dict(rest["schedule"])
-        state.loader.position = rest["position"]
         detector.load_state_dict(rest["detector"])
         set_rng_states(rest["rng"], state.device)
         return self.step
