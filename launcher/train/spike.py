@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import os
 import statistics
 from collections import deque
@@ -70,7 +71,7 @@ class Detector:
         the factor; None for a step that is no spike or not checked."""
         if step <= self.warmup or len(self.losses) < (self.losses.maxlen or 0):
             return None
-        ratio = max(loss / statistics.median(self.losses), grad_norm / statistics.median(self.norms))
+        ratio = max(times_median(loss, self.losses), times_median(grad_norm, self.norms))
         return ratio if ratio > self.factor else None
 
     def add(self, step: int, loss: float, grad_norm: float) -> None:
@@ -84,6 +85,12 @@ class Detector:
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
         self.losses.clear(), self.norms.clear()
         self.losses.extend(state["losses"]), self.norms.extend(state["norms"])
+
+
+def times_median(value: float, window: deque[float]) -> float:
+    """`value` over the window's median (a median of 0, e.g. no gradient: infinite above it)."""
+    median = statistics.median(window)
+    return value / median if median > 0 else (math.inf if value > 0 else 0.0)
 
 
 @dataclass
@@ -223,8 +230,8 @@ class SpikeGuard:
             self.checkpointer.wait()  # an async save in flight holds an earlier, good step: complete it
             kept = complete_checkpoints(self.checkpointer.root)
             raise NonFinite(
-                f"loss spike at step {step} ({ratio:.1f}x its median) after {self.rollbacks} rollbacks "
-                f"(guard.max_rollbacks={self.cfg.max_rollbacks}): lower optim.lr or raise guard.max_rollbacks; "
+                f"loss spike at step {step} ({ratio:.1f}x its median) with guard.max_rollbacks="
+                f"{self.cfg.max_rollbacks} rollbacks done: lower optim.lr or raise guard.max_rollbacks; "
                 f"last checkpoint: {kept[0] if kept else 'none'}"
             )
         self.rollbacks += 1
