@@ -12,9 +12,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from launcher.config import LauncherError, validate
+from launcher.data import BatchLoader
 from launcher.errors import NON_FINITE
 from launcher.layout import from_config
 from launcher.spawn import start_local_workers
@@ -110,6 +113,20 @@ def test_skipped_batches_and_the_detector_survive_a_resume(tmp_path: Path, monke
     resumed = run(tmp_path, "resumed", *keys, f"resume={tmp_path / 'from'}")  # no guard.skip_batches
     assert losses(resumed) == {s: v for s, v in losses(whole).items() if s > 6}
     assert [e["step"] for e in spikes(resumed)] == [8]  # the same spike, detected from the restored window
+
+
+def test_the_loader_never_serves_skipped_batches_and_keeps_them_in_its_state() -> None:
+    tokens = np.arange(5000, dtype=np.uint16)
+    plain, skipping = (BatchLoader(tokens, 8, 4, dp_rank=1, dp_size=2) for _ in range(2))
+    skipping.skipped = [[2, 3]]
+    every = [plain.next_batch()[0] for _ in range(5)]
+    first = skipping.next_batch()[0]
+    assert skipping.batch_number == 1 and torch.equal(first, every[0])
+    state = skipping.state_dict()
+    resumed = BatchLoader(tokens, 8, 4, dp_rank=1, dp_size=2)
+    resumed.load_state_dict(state)
+    assert [torch.equal(resumed.next_batch()[0], every[n]) for n in (3, 4)] == [True, True]
+    assert resumed.batch_number == 5 and resumed.state_dict()["skipped"] == [[2, 3]]
 
 
 def test_detector_checks_once_the_window_after_warmup_is_full() -> None:
