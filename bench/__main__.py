@@ -23,6 +23,7 @@ BENCHES = [
     "moe",
     "fsdp_cpu",
     "fsdp_accumulation",
+    "spike",
 ]
 ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
 

@@ -199,6 +199,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    """Loss spikes (launcher/train/spike.py): a step whose loss or gradient norm exceeds `spike_factor` x its
+    median over the last `window` steps; steps up to `warmup` are neither checked nor counted in the median."""
+
+    spike: str = "off"  # off | skip (drop that step's update) | rollback (to the last snapshot, skipping its batches)
+    spike_factor: float = ranged(5.0, gt=1)
+    window: int = ranged(50, ge=1)
+    warmup: int = ranged(100, ge=0)
+    max_rollbacks: int = ranged(3, ge=0)  # rollbacks in a run; the next spike stops it (exit 3)
+    snapshot_every: int = ranged(20, ge=1)  # rollback: steps between in-memory snapshots (and at each checkpoint)
+    snapshot: str = "host"  # rollback: where the snapshot lives, host memory | device (faster, costs device memory)
+    # [[first, last], ...]: global batches (numbered from 1, as steps number them without skips) never trained on
+    skip_batches: list[list[int]] = field(default_factory=list, metadata={"range": Range(ge=1, integer=True)})
+
+
+@dataclass
 class LinkConfig:
     """One level of the interconnect: devices that share it, bandwidth per device, latency."""
 
@@ -310,6 +326,7 @@ class TrainConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -409,6 +426,8 @@ CHOICES = {
     "metrics.wandb.mode": ("offline", "online", "disabled"),
     "hardware.kind": ("cpu", "cuda", "tpu"),
     "checkpoint.on_error": ("continue", "stop"),
+    "guard.spike": ("off", "skip", "rollback"),
+    "guard.snapshot": ("host", "device"),
 }
 
 
@@ -510,6 +529,8 @@ def validate(cfg: TrainConfig) -> None:
         raise LauncherError(
             "metrics.moe_table=true shows the layers of a mixture of experts: drop it, or use one (model.moe.experts>0)"
         )
+    if any(len(pair) != 2 or pair[0] > pair[1] for pair in cfg.guard.skip_batches):
+        raise LauncherError(f"guard.skip_batches={cfg.guard.skip_batches}: give [first, last] pairs, first <= last")
     if cfg.data.name == "stdlib" and m.vocab_size < 256:
         raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
 

@@ -3,13 +3,16 @@
 Sample i of a run (counting over all ranks) starts at a pseudo-random offset that depends only on
 (seed, i), so the stream is the same whatever the data-parallel size: rank r of D takes the r-th
 contiguous share of each global batch. Context-parallel ranks of one dp rank read the same sequences
-and keep their own chunks of each (`context.split_sequence`). The whole state is one number, the samples consumed, which
-is why a run can resume under a different data-parallel degree and see the same next samples.
+and keep their own chunks of each (`context.split_sequence`). The state is the samples consumed, which
+is why a run can resume under a different data-parallel degree and see the same next samples, and the
+global batches never to serve (a loss spike's, launcher/train/spike.py): a run that skips batch n trains
+its step n on batch n + 1, exactly as a run whose data never held batch n.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,22 +59,31 @@ class BatchLoader:
     seed: int = 0
     cp_rank: int = 0
     cp_size: int = 1
-    position: int = 0  # global samples consumed so far: the loader's whole state
+    position: int = 0  # global samples consumed so far
+    skipped: list[list[int]] = field(default_factory=list)  # [first, last] global batch numbers never served
 
     @property
     def local_batch(self) -> int:
         return self.global_batch // self.dp_size
 
+    @property
+    def batch_number(self) -> int:
+        """The global batch served last, numbered from 1: batch n holds samples (n-1) x global_batch onwards."""
+        return self.position // self.global_batch
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's share of the next global batch: inputs and targets, (local_batch, seq_len / cp)."""
+        """This rank's share of the next global batch not skipped: inputs and targets, (local_batch, seq_len / cp)."""
+        while any(first <= self.batch_number + 1 <= last for first, last in self.skipped):
+            self.position += self.global_batch
         first = self.position + self.dp_rank * self.local_batch
         offsets = sample_offsets(self.seed, first, self.local_batch, self.tokens.size, self.seq_len)
         self.position += self.global_batch
         inputs, targets = gather(self.tokens, offsets, self.seq_len)
         return split_sequence(inputs, self.cp_size, self.cp_rank), split_sequence(targets, self.cp_size, self.cp_rank)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "seed": self.seed}
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "skipped": [list(r) for r in self.skipped]}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position, self.seed = int(state["position"]), int(state["seed"])
+        self.skipped = [[int(first), int(last)] for first, last in state.get("skipped", [])]  # older: none

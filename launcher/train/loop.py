@@ -37,6 +37,7 @@ from launcher.train.fit import (
 from launcher.train.guard import Guard, injected_nan, injected_nan_step
 from launcher.train.optim import build_optimizer, optimizer_impl
 from launcher.train.preemption import PreemptionFlag
+from launcher.train.spike import SpikeGuard, Trainee
 
 log = logging.getLogger("launcher")
 
@@ -163,9 +164,11 @@ def train(
             view.note(line)
         summary = {"steps": 0, "smoke_loss": smoke_loss, "build_time_s": build_s, **memory_summary(per_rank)}
         return finish(summary)
+    trainee = Trainee(runner.parts, optimizer, schedule, train_loader, device)
+    spikes = SpikeGuard(cfg.guard, trainee, checkpointer, sinks, view, resumed)  # guard.spike: skip or roll back
 
     def save(step: int, final: bool) -> dict[str, float]:
-        extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict()}
+        extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict(), "spike": spikes.state_dict()}
         extras |= {"model": asdict(cfg.model), "skipped_steps": guard.skipped}  # export reads the model
         return checkpointer.save(runner.parts, optimizer, Stateful(step, extras), final)
 
@@ -175,17 +178,25 @@ def train(
     rows: list[dict[str, Any]] = []
     val_loss = None
     per_layer = cfg.metrics.moe_table or cfg.metrics.wandb.mode != "disabled"  # MoE: each layer's load, logged
-    for step in range(start + 1, cfg.steps + 1):
+    step = start
+    while step < cfg.steps:
+        spikes.keep(step, cfg.steps)  # rollback: the in-memory snapshot, every guard.snapshot_every steps
+        step += 1
         meter.start()
         profiler.begin(step)
         inputs, targets = train_loader.next_batch()
-        with injected_nan(runner.parts, step == nan_step):
+        with injected_nan(runner.parts, step == nan_step), spikes.poisoned(runner.parts):
             loss = runner.forward_backward(inputs.to(device), targets.to(device))
         grad_norm = runner.clip_grad_norm(cfg.optim.grad_clip)
         lr = schedule.get_last_lr()[0]
-        if guard.update(step, loss, grad_norm, runner):  # NaN/inf: stop (exit 3), or skip the update
+        # NaN/inf: stop (exit 3), or skip the update; a spike: skip it, or roll back (launcher/train/spike.py)
+        if guard.update(step, loss, grad_norm, runner) and spikes.update(step, loss, grad_norm):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if spikes.rolled_back_to is not None:  # on from the snapshot's step, those batches never served again
+            profiler.end(step)
+            step = spikes.rolled_back_to
+            continue
         schedule.step()
         balance = runner.update_balance(per_layer)  # MoE: routing biases after the step, and their metrics
         if device.type == "cuda":
