@@ -37,6 +37,7 @@ from launcher.train.fit import (
 from launcher.train.guard import Guard, injected_nan, injected_nan_step
 from launcher.train.optim import build_optimizer, optimizer_impl
 from launcher.train.preemption import PreemptionFlag
+from launcher.train.watchdog import Off, Watchdog
 
 log = logging.getLogger("launcher")
 
@@ -82,11 +83,13 @@ def train(
     rank: int = 0,
     layout: Layout | None = None,
     prediction: dict[str, Any] | None = None,
+    watchdog: Watchdog | Off | None = None,
 ) -> dict[str, Any]:
     """Train one rank to the end; return the summary (the same on every rank). `layout`: the run's
     (None: the single-process layout `cfg` fixes, for direct calls); `prediction`: the planner's for
-    it, put into summary.json beside what was measured."""
+    it, put into summary.json beside what was measured; `watchdog`: where this rank reports its phases."""
     t_start = time.perf_counter()
+    watchdog = watchdog or Off()
     layout = layout or from_config(cfg, 1)
     run_dir.mkdir(parents=True, exist_ok=True)
     rank_logger(run_dir, rank)
@@ -165,6 +168,7 @@ def train(
         return finish(summary)
 
     def save(step: int) -> None:
+        watchdog.phase("checkpoint", step)
         extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict()}
         extras |= {"model": asdict(cfg.model), "skipped_steps": guard.skipped}  # export reads the model
         checkpointer.save(runner.parts, optimizer, Stateful(step, extras))
@@ -176,11 +180,14 @@ def train(
     val_loss = None
     per_layer = cfg.metrics.moe_table or cfg.metrics.wandb.mode != "disabled"  # MoE: each layer's load, logged
     for step in range(start + 1, cfg.steps + 1):
+        watchdog.phase("data", step)
         meter.start()
         profiler.begin(step)
         inputs, targets = train_loader.next_batch()
+        watchdog.phase("forward_backward", step)
         with injected_nan(runner.parts, step == nan_step):
             loss = runner.forward_backward(inputs.to(device), targets.to(device))
+        watchdog.phase("optimizer", step)
         grad_norm = runner.clip_grad_norm(cfg.optim.grad_clip)
         lr = schedule.get_last_lr()[0]
         if guard.update(step, loss, grad_norm, runner):  # NaN/inf: stop (exit 3), or skip the update
@@ -196,6 +203,7 @@ def train(
         if cfg.optim.skip_nonfinite:
             row["skipped_steps"] = guard.skipped
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
+            watchdog.phase("eval", step)
             val_loss = row["val_loss"] = run_eval(runner, val_loader, cfg.eval.batches)
         rows.append(row)
         # one collective a step: every rank's memory (shown on logged steps) and stop request together
@@ -214,6 +222,7 @@ def train(
             return {"preempted_at_step": step, "checkpoint": str(ckpt_root)}
         if checkpointer.due(step, cfg.steps):
             save(step)
+    watchdog.phase("checkpoint", cfg.steps)  # an async save in flight completes
     checkpointer.wait()
     preemption.restore()
     profiled = profiler.finish()  # every rank's top ops, one line each
