@@ -274,6 +274,15 @@ def failure_line(failure: ProcessFailure) -> str:
     return text.splitlines()[-1] if text else "no error message (see its log)"
 
 
+def flight_recorder_trace() -> bytes:
+    """The flight recorder's record of this process's collectives (the pickle torch writes when a NCCL
+    collective times out), taken now: `_dump_fr_trace` (torch 2.13 has it), else the older name `_dump_nccl_trace`."""
+    from torch._C import _distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace", None) or c10d._dump_nccl_trace
+    return dump()
+
+
 def record_cuda_memory_history(enabled: bool) -> None:
     """Start (or stop) recording every CUDA allocation with its stack, for `dump_cuda_memory_snapshot`.
     torch documents these as the memory-snapshot API but keeps them underscored (torch.cuda.memory)."""

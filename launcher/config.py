@@ -215,6 +215,14 @@ class GuardConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    # seconds a rank may stay in one phase of a step (data, forward_backward, optimizer, eval) before the
+    # run stops naming it (launcher/train/watchdog.py; setup, the first step and checkpoints get 5x);
+    # None: 20 predicted step times, at least 60 s on CPU, 300 s on GPUs; 0: off
+    timeout_s: float | None = ranged(None, ge=0)
+
+
+@dataclass
 class LinkConfig:
     """One level of the interconnect: devices that share it, bandwidth per device, latency."""
 
@@ -332,6 +340,7 @@ class TrainConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     init: dict[str, Any] = field(default_factory=default_init)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     steps: int = ranged(200, ge=0)  # 0: build every rank's shards for real, report memory, stop
     smoke: bool = False  # with steps=0: also run one forward/backward on one microbatch
@@ -369,7 +378,7 @@ class TrainConfig:
     # bf16 on cuda, fp32 on cpu; bf16 is FSDP2's mixed-precision policy where cuda shards with FSDP,
     # autocast elsewhere (launcher/precision.py)
     dtype: str = "auto"  # auto | fp32 | bf16
-    nccl_timeout_s: int = ranged(600, ge=1)  # cuda: a collective waiting longer fails the run instead of hanging
+    nccl_timeout_s: int = ranged(600, ge=1)  # a collective waiting longer fails the run (NCCL, and gloo on CPUs)
     # CPU workers' glibc malloc (launcher/train/fit.py): fast keeps freed blocks for reuse (no page
     # faults per large tensor; peak RSS includes glibc's cache), lean returns blocks of 4 MiB and more
     # to the system (peak RSS is the run's tensors; slower); auto: lean for a `steps=0` memory check,

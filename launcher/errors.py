@@ -12,6 +12,7 @@ import signal
 FAILED = 1  # a worker or this process failed (Python's own code for an uncaught exception)
 BAD_INPUT = 2  # refused before any worker started
 NON_FINITE = 3  # a NaN/inf loss or gradient norm stopped training; the last good checkpoint is kept
+HUNG = 4  # a rank stopped making progress (launcher/train/watchdog.py): its stacks are in RUN_DIR/watchdog
 PREEMPTED = 75  # EX_TEMPFAIL, "try again later": every rank saved at the same step; a rerun resumes
 INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command stopped by Ctrl-C (nothing saved)
 
@@ -47,6 +48,13 @@ class CheckpointFailed(LauncherError):
     checkpoint.on_error=stop): the message names the step, the cause, the folder and the checkpoint kept."""
 
     exit_code = FAILED
+
+
+class Hung(LauncherError):
+    """A rank made no progress for `watchdog.timeout_s`: the message names it, its phase and step,
+    the ranks waiting for it, and where the stacks are."""
+
+    exit_code = HUNG
 
 
 # what a worker's exception becomes in the launcher (by its class name: the elastic agent's record of a

@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.compat import bound_device, failure_line, leave_process_groups
 from launcher.config import TrainConfig
-from launcher.errors import CROSSING, LauncherError, WorkerFailed
+from launcher.errors import CROSSING, Hung, LauncherError, WorkerFailed
 from launcher.layout import Layout, owner_rank
 from launcher.train.preemption import LOCAL_WORKER_ENV, STOP_SIGNALS, PreemptionFlag, local_worker_signals
+from launcher.train.watchdog import LocalMonitor, timeout_for, watching
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import RunResult
@@ -156,7 +157,7 @@ def join_group(cfg: TrainConfig, env: RankEnv, run_dir: Path) -> None:
         base, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size))
         store = dist.PrefixStore(f"launcher/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base)
     cuda = device is not None
-    backend, timeout = ("nccl", timedelta(seconds=cfg.nccl_timeout_s)) if cuda else ("gloo", None)  # torch's default
+    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=cfg.nccl_timeout_s)
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **bound_device(device)
     )
@@ -173,7 +174,8 @@ def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict |
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     join_group(cfg, env, run_dir)
     try:
-        return train(cfg, run_dir, env.rank, layout, prediction)
+        with watching(cfg.watchdog, cfg.hardware.kind, run_dir, env.rank, env.world_size, prediction) as watchdog:
+            return train(cfg, run_dir, env.rank, layout, prediction, watchdog)
     finally:
         leave_process_groups()
 
@@ -183,12 +185,16 @@ def start_local_workers(
 ) -> dict[str, Any]:
     """One process per rank on this machine; returns the summary of the output-owning rank."""
     agent = local_agent(cfg, run_dir, layout, prediction)
+    timeout_s = timeout_for(cfg.watchdog, cfg.hardware.kind, prediction)
+    monitor = LocalMonitor(run_dir / "watchdog", layout.world_size, timeout_s, cfg.hardware.kind == "cuda")
     os.environ[LOCAL_WORKER_ENV] = "1"  # inherited by the workers (see launcher/train/preemption.py)
     try:
-        result = supervise(agent)
+        result = supervise(agent, monitor)
     finally:
         os.environ.pop(LOCAL_WORKER_ENV, None)
         agent.get_worker_group().spec.rdzv_handler.shutdown()
+    if result.is_failed() and monitor.lines:  # the hang it found, not the kill that ended it
+        raise Hung(monitor.lines[-1])
     if result.is_failed():
         rank, failure = first_cause(result.failures)
         line = failure_line(failure)
@@ -214,11 +220,12 @@ def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
     return min(failures.items(), key=order)
 
 
-def supervise(agent: LocalElasticAgent) -> RunResult:
+def supervise(agent: LocalElasticAgent, monitor: LocalMonitor | None = None) -> RunResult:
     """Run the agent in a helper thread, so that this (main) thread keeps the signal handlers (the agent
     would install its own, which only kill the workers): SIGINT, SIGTERM or SIGUSR1 here is forwarded to
     the workers as SIGUSR1, "save and stop" (train/preemption.py); a second Ctrl-C kills them, and so
-    does SIGHUP or SIGQUIT (as the agent would), unless ignored (nohup)."""
+    does SIGHUP or SIGQUIT (as the agent would), unless ignored (nohup). `monitor` reads the workers'
+    beats: a hang ends the group, which the agent restarts (max_restarts) or reports failed."""
     outcome: Future = Future()
 
     def run_agent() -> None:
@@ -246,6 +253,8 @@ def supervise(agent: LocalElasticAgent) -> RunResult:
             except FutureTimeout:
                 if stop.raised:  # each poll, so that a group the agent restarts after the signal gets it too
                     signal_workers(agent, signal.SIGUSR1, forwarded)
+                if monitor:
+                    monitor.poll(agent)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving
         kill_workers(agent, outcome)
         raise
@@ -334,5 +343,6 @@ def launch(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | N
     if env_rank() is not None:
         return run_rank(cfg, run_dir, layout, prediction)
     if layout.world_size == 1:
-        return train(cfg, run_dir, 0, layout, prediction)
+        with watching(cfg.watchdog, cfg.hardware.kind, run_dir, 0, 1, prediction) as watchdog:
+            return train(cfg, run_dir, 0, layout, prediction, watchdog)
     return start_local_workers(cfg, run_dir, layout, prediction)

@@ -38,6 +38,7 @@ from launcher.train.guard import Guard, injected_nan, injected_nan_step
 from launcher.train.optim import build_optimizer, optimizer_impl
 from launcher.train.preemption import PreemptionFlag
 from launcher.train.spike import SpikeGuard, Trainee
+from launcher.train.watchdog import Off, Watchdog
 
 log = logging.getLogger("launcher")
 
@@ -83,11 +84,13 @@ def train(
     rank: int = 0,
     layout: Layout | None = None,
     prediction: dict[str, Any] | None = None,
+    watchdog: Watchdog | Off | None = None,
 ) -> dict[str, Any]:
     """Train one rank to the end; return the summary (the same on every rank). `layout`: the run's
     (None: the single-process layout `cfg` fixes, for direct calls); `prediction`: the planner's for
-    it, put into summary.json beside what was measured."""
+    it, put into summary.json beside what was measured; `watchdog`: where this rank reports its phases."""
     t_start = time.perf_counter()
+    watchdog = watchdog or Off()
     layout = layout or from_config(cfg, 1)
     run_dir.mkdir(parents=True, exist_ok=True)
     rank_logger(run_dir, rank)
@@ -168,6 +171,7 @@ def train(
     spikes = SpikeGuard(cfg.guard, trainee, checkpointer, sinks, view, resumed)  # guard.spike: skip or roll back
 
     def save(step: int, final: bool) -> dict[str, float]:
+        watchdog.phase("checkpoint", step)
         extras = {"loader": train_loader.state_dict(), "schedule": schedule.state_dict(), "spike": spikes.state_dict()}
         extras |= {"model": asdict(cfg.model), "skipped_steps": guard.skipped}  # export reads the model
         return checkpointer.save(runner.parts, optimizer, Stateful(step, extras), final)
@@ -182,11 +186,14 @@ def train(
     while step < cfg.steps:
         spikes.keep(step, cfg.steps)  # rollback: the in-memory snapshot, every guard.snapshot_every steps
         step += 1
+        watchdog.phase("data", step)
         meter.start()
         profiler.begin(step)
         inputs, targets = train_loader.next_batch()
+        watchdog.phase("forward_backward", step)
         with injected_nan(runner.parts, step == nan_step), spikes.poisoned(runner.parts):
             loss = runner.forward_backward(inputs.to(device), targets.to(device))
+        watchdog.phase("optimizer", step)
         grad_norm = runner.clip_grad_norm(cfg.optim.grad_clip)
         lr = schedule.get_last_lr()[0]
         # NaN/inf: stop (exit 3), or skip the update; a spike: skip it, or roll back (launcher/train/spike.py)
@@ -207,6 +214,7 @@ def train(
         if cfg.optim.skip_nonfinite:
             row["skipped_steps"] = guard.skipped
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
+            watchdog.phase("eval", step)
             val_loss = row["val_loss"] = run_eval(runner, val_loader, cfg.eval.batches)
         rows.append(row)
         # one collective a step: every rank's memory (shown on logged steps) and stop request together
@@ -225,6 +233,7 @@ def train(
             preemption.restore()
             view.close({"preempted_at_step": step, "checkpoint": str(ckpt_root)})
             return {"preempted_at_step": step, "checkpoint": str(ckpt_root)}
+    watchdog.phase("checkpoint", cfg.steps)  # an async save in flight completes
     checkpointer.wait()
     preemption.restore()
     profiled = profiler.finish()  # every rank's top ops, one line each
