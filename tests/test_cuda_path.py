@@ -260,14 +260,14 @@ def test_checkpoint_barriers_run_on_this_ranks_gpu(monkeypatch: pytest.MonkeyPat
     """NCCL's barrier allocates on a device: this rank's, not one torch guesses from the global rank."""
     import torch.distributed as dist
 
-    from launcher.train import checkpoint
+    from launcher.train import ckpt_write
 
     barrier = Recorded()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(dist, "barrier", barrier)
-    checkpoint._barrier()
+    ckpt_write.barrier()
     assert barrier.calls == [((), {"device_ids": [2]})]
 
 
