@@ -17,7 +17,8 @@ VERSIONS=(2.11.0 2.15.0)
 
 # The subset: every private-API check, then one run of each parallelism against one process (the
 # module fixtures run only the cases selected here), DCP save / resume / reshard, the CUDA path's
-# FSDP bf16 policy and fused AdamW. About 1.5 minutes a version on 2 cores.
+# FSDP bf16 policy and fused AdamW; a failed save (DCP's errors), a spike rolled back under tp=2, the
+# watchdog (faulthandler, the flight recorder's private dump). About 2 minutes a version on 2 cores.
 TESTS=(
     tests/test_compat.py
     tests/test_cuda_path.py
@@ -30,6 +31,10 @@ TESTS=(
     "tests/test_moe_parallel.py::test_expert_parallel_matches_one_process[ep2]"
     tests/test_checkpoint.py::test_resume_is_exact
     "tests/test_reshard.py::test_checkpoint_reshards_across_layouts[cp2-to-single]"
+    tests/test_checkpoint_writes.py::test_failed_save_is_one_line_training_goes_on_and_resumes_exactly
+    "tests/test_spike.py::test_rollback_trains_on_as_a_run_that_never_saw_those_batches[2]"
+    tests/test_watchdog.py::test_flight_recorder_trace_is_a_pickle_of_this_process
+    tests/test_watchdog.py::test_a_stopped_worker_is_named_with_its_phase_and_the_run_exits_hung
 )
 
 CACHE="${COMPAT_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/launcher/compat}"
