@@ -1,4 +1,4 @@
-"""Each private PyTorch API in launcher/compat.py still has the signature and the
+"""Each private PyTorch API in launcher/compat.py and launcher/dcp_compat.py still has the signature and the
 behaviour the project relies on: these fail loudly on an upgrade that changes one, naming the API to port."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from launcher import compat
-from launcher.compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items
+from launcher.dcp_compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items
 from launcher.model.init import initialized_model
 from launcher.train.checkpoint import Checkpointer, Stateful
 from launcher.train.optim import build_optimizer
