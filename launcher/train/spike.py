@@ -83,8 +83,9 @@ class Detector:
         return {"losses": list(self.losses), "norms": list(self.norms)}
 
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
-        self.losses.clear(), self.norms.clear()
-        self.losses.extend(state["losses"]), self.norms.extend(state["norms"])
+        for window, key in ((self.losses, "losses"), (self.norms, "norms")):
+            window.clear()
+            window.extend(state[key])
 
 
 def times_median(value: float, window: deque[float]) -> float:
