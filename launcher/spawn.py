@@ -165,8 +165,6 @@ def join_group(cfg: TrainConfig, env: RankEnv, run_dir: Path) -> None:
 
 def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None = None) -> dict[str, Any]:
     """Body of every rank when the world is larger than one: join the group, train, leave."""
-    from launcher.train.loop import train
-
     if os.environ.get(LOCAL_WORKER_ENV):
         local_worker_signals()
     env = env_rank()
@@ -174,10 +172,17 @@ def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict |
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     join_group(cfg, env, run_dir)
     try:
-        with watching(cfg.watchdog, cfg.hardware.kind, run_dir, env.rank, env.world_size, prediction) as watchdog:
-            return train(cfg, run_dir, env.rank, layout, prediction, watchdog)
+        return train_rank(cfg, run_dir, env.rank, layout, prediction)
     finally:
         leave_process_groups()
+
+
+def train_rank(cfg: TrainConfig, run_dir: Path, rank: int, layout: Layout, prediction: dict | None) -> dict[str, Any]:
+    """Train this rank, its phases reported to its watchdog (launcher/train/watchdog.py)."""
+    from launcher.train.loop import train
+
+    with watching(cfg.watchdog, cfg.hardware.kind, run_dir, rank, layout.world_size, prediction) as watchdog:
+        return train(cfg, run_dir, rank, layout, prediction, watchdog)
 
 
 def start_local_workers(
@@ -338,11 +343,8 @@ def kill_workers(agent: LocalElasticAgent, outcome: Future, wait_s: float = 10.0
 
 def launch(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None = None) -> dict[str, Any]:
     """Run every rank of `layout`; `prediction` (the planner's) goes into the run's summary."""
-    from launcher.train.loop import train
-
     if env_rank() is not None:
         return run_rank(cfg, run_dir, layout, prediction)
     if layout.world_size == 1:
-        with watching(cfg.watchdog, cfg.hardware.kind, run_dir, 0, 1, prediction) as watchdog:
-            return train(cfg, run_dir, 0, layout, prediction, watchdog)
+        return train_rank(cfg, run_dir, 0, layout, prediction)
     return start_local_workers(cfg, run_dir, layout, prediction)

@@ -204,8 +204,8 @@ class Pending:
 
 
 class SaveStats:
-    """Seconds and bytes of this rank's completed saves: per save for its step's metrics row, in total for
-    the summary."""
+    """This rank's completed saves for the summary: the seconds of each, and the bytes of the last (the
+    checkpoint's size on this rank)."""
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
