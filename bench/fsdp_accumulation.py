@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_flatten
 import launcher.parallel
 from launcher.compat import inner_tensors
 from launcher.config import TrainConfig, compose_config
-from launcher.layout import Layout, from_config
+from launcher.layout import Layout
+from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.planner.memory import rank_memory

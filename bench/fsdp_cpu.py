@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from bench.peer_shape import SHAPE
 from launcher.config import TrainConfig
-from launcher.layout import from_config
+from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.train.optim import build_optimizer

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from launcher.config import compose_config
 from launcher.data import load_splits
-from launcher.layout import build_mesh, from_config
+from launcher.layout import build_mesh
+from launcher.layout_config import from_config
 from launcher.metrics.meter import memory_gib
 from launcher.model.init import materialize, meta_model
 from launcher.parallel import ParallelRunner

@@ -32,7 +32,8 @@ import torch
 from launcher import flops
 from launcher.calibration import measure_gemm_flops
 from launcher.config import CONF_DIR, ModelConfig, TrainConfig
-from launcher.layout import build_mesh, from_config, worker_threads
+from launcher.layout import build_mesh, worker_threads
+from launcher.layout_config import from_config
 from launcher.model.init import initialized_model, meta_model
 from launcher.parallel import parallelize
 from launcher.parallel.context import split_sequence

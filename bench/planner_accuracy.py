@@ -26,7 +26,8 @@ import torch
 
 from bench.parallel import LAYOUTS, SavedTensorMeter, train_step
 from launcher.config import TrainConfig, compose_config
-from launcher.layout import build_mesh, from_config, worker_threads
+from launcher.layout import build_mesh, worker_threads
+from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.model.transformer import Block, rope_tables
 from launcher.parallel import parallelize

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher import planner
-from launcher.config import CONF_DIR, LauncherError, TrainConfig
+from launcher.config import CONF_DIR, TrainConfig
+from launcher.errors import LauncherError
 from launcher.planner import memory
 
 CONF = Path(CONF_DIR)

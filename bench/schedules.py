@@ -22,7 +22,8 @@ import torch
 from bench.parallel import SavedTensorMeter, train_step
 from bench.planner_accuracy import TOLERANCE
 from launcher.config import TrainConfig, compose_config
-from launcher.layout import build_mesh, from_config, worker_threads
+from launcher.layout import build_mesh, worker_threads
+from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.planner import resolve

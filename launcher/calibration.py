@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.compat import leave_process_groups
-from launcher.config import LauncherError, make_dir
+from launcher.errors import LauncherError
+from launcher.files import make_dir
 from launcher.metrics.sinks import write_json
 
 GLOO_SIZES = (2**18, 2**21, 2**24)  # 256 KiB to 16 MiB: what FSDP units, K/V and all-to-alls move

@@ -15,9 +15,10 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, ValueNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from launcher.config import CONF_DIR, TrainConfig, make_dir
+from launcher.config import CONF_DIR, TrainConfig
 from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError
 from launcher.extras import install_hint, installed, require
+from launcher.files import make_dir
 from launcher.hydra_compat import hydra_errors_raised, hydra_full_error
 
 SUBMITIT_PLUGIN = "hydra_plugins.hydra_submitit_launcher"  # conf/hydra/launcher/slurm.yaml builds on its config
@@ -99,7 +100,7 @@ def train_task(cfg: TrainConfig) -> None:
 
 def _train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
-    from launcher.layout import check_environment
+    from launcher.layout_config import check_environment
     from launcher.metrics.sinks import check_wandb_login
     from launcher.model.hf import check_folder
     from launcher.planner import resolve, too_big
@@ -107,7 +108,7 @@ def _train_task(cfg: TrainConfig) -> None:
     from launcher.train.checkpoint import preflight_resume
 
     env = env_rank()
-    # the run's one layout; first of all, resolve checks the ranges (config.validate), which the
+    # the run's one layout; first of all, resolve checks the ranges (validate.validate), which the
     # world size and the layout read
     layout, prediction = resolve(cfg, env.world_size if env else None)
     if cfg.dry_run:  # shapes only: a layout that would not fit is reported, not refused

@@ -1,61 +1,21 @@
-"""The typed configuration schema: every key, its type, its default and (numeric keys) its range, in one place.
+"""The typed configuration schema: every key, its type, its default and (numeric keys) its range.
 
-Registered in Hydra's ConfigStore as ``base_train`` / ``base_plan``; the YAML files under launcher/conf/ only
-override. This module must not import torch: `plan` composes the same schema.
+TrainConfig and its sections live here, a hardware profile's keys in hardware_config.py, the numeric
+ranges in ranges.py; the checks that span keys are validate.py's. Registered in Hydra's ConfigStore as
+``base_train``; the YAML files under launcher/conf/ only override. This module must not import torch:
+`plan` composes the same schema.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from launcher.errors import LauncherError
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key accepts (None passes where the key's type allows it)."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    integer: bool = False
-    optional: bool = True
-    auto: bool = False  # "auto" passes too: the planner fills it in (batch.micro)
-
-    def holds(self, value: Any) -> bool:
-        if isinstance(value, Sequence) and not isinstance(value, str):  # a table: every number in it
-            return all(v is not None and self.holds(v) for v in value)
-        if value is None or value == "auto":
-            return self.optional if value is None else self.auto
-        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
-            return False
-        if value != value:  # nan compares false with every bound
-            return False
-        return not (
-            (self.ge is not None and value < self.ge)
-            or (self.gt is not None and value <= self.gt)
-            or (self.le is not None and value > self.le)
-            or (self.lt is not None and value >= self.lt)
-        )
-
-    def __str__(self) -> str:
-        bounds = ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-        text = " and ".join(f"{op} {v}" for op, v in bounds if v is not None)
-        return ("an integer " if self.integer else "a value ") + text + (" or auto" if self.auto else "")
-
-
-def ranged(default: Any, **bounds: Any) -> Any:
-    """A schema field whose value must lie in Range(**bounds); `check_ranges` enforces it. An int
-    default makes it an integer key; a None default says so with integer=True."""
-    return field(default=default, metadata={"range": Range(**{"integer": isinstance(default, int), **bounds})})
+from launcher.hardware_config import HardwareConfig
+from launcher.ranges import Range, ranged
 
 
 @dataclass
@@ -223,63 +183,6 @@ class WatchdogConfig:
 
 
 @dataclass
-class LinkConfig:
-    """One level of the interconnect: devices that share it, bandwidth per device, latency."""
-
-    name: str = "link"
-    size: int = ranged(1, ge=1)  # devices inside one domain of this level
-    bandwidth_gbs: float | None = ranged(None, gt=0)  # GB/s per device, one direction; None: calibrate (cpu)
-    latency_us: float | None = ranged(1.0, ge=0)  # per hop; None: calibrate (cpu)
-    # GB/s per device of these two collectives where the backend does not reach the ring algorithm's
-    # (gloo's reduce-scatter all-reduces the whole buffer); None: bandwidth_gbs (cpu: calibrated)
-    all_gather_gbs: float | None = ranged(None, gt=0)
-    reduce_scatter_gbs: float | None = ranged(None, gt=0)
-    all_to_all_gbs: float | None = ranged(None, gt=0)
-    # bandwidth by message size where it varies (cpu: gloo, calibrated): rows [bytes, all-reduce,
-    # all-gather, reduce-scatter, all-to-all GB/s]; between rows the planner interpolates in log size,
-    # outside them it takes the nearest row. None: the single numbers above at every size
-    by_size: list[list[float]] | None = ranged(None, gt=0)
-
-
-@dataclass
-class HardwareConfig:
-    name: str = "cpu"
-    kind: str = "cpu"  # cpu | cuda | tpu (tpu: planner only)
-    peak_tflops: float | None = ranged(None, gt=0)  # dense bf16 (fp32 on cpu); None: calibrate (cpu)
-    memory_gib: float = ranged(16.0, gt=0)
-    devices_per_node: int = ranged(1, ge=1)
-    # achievable share of peak for large matmuls (planner); None: calibrate (cpu: sustained over peak GEMM)
-    matmul_efficiency: float | None = ranged(1.0, gt=0, le=1)
-    # device memory bandwidth (HBM), GB/s: what the work that is not matmul is bound by (planner);
-    # None: the planner's per-kind constant instead (cpu)
-    memory_bandwidth_gbs: float | None = ranged(None, gt=0)
-    # host time per tensor-parallel block and microbatch that no device work hides: DTensor dispatch
-    # on a CPU, where the host is the device; 0 on accelerators (launches run ahead). None: calibrate
-    host_overhead_us: float | None = ranged(0.0, ge=0)
-    # host time per block and microbatch, forward + backward, that no device work hides: the framework's
-    # dispatch of the block's ops on a CPU; 0 on accelerators (launches run ahead). None: calibrate
-    block_overhead_us: float | None = ranged(0.0, ge=0)
-    # host time of the optimizer step per parameter a device updates (cpu: fused AdamW streaming from
-    # memory); 0 on accelerators, where it is well under 1% of a step. None: calibrate
-    optimizer_ns_per_param: float | None = ranged(0.0, ge=0)
-    # host time per byte of the copies FSDP makes around its collectives (cpu: into freshly allocated
-    # buffers, page faults included); 0 on accelerators (device copies at HBM speed). None: calibrate
-    host_copy_ns_per_byte: float | None = ranged(0.0, ge=0)
-    links: list[LinkConfig] = field(default_factory=list)
-
-
-# HardwareConfig's scalar numbers that None asks to calibrate on this machine (cpu: launcher/hardware.py)
-CALIBRATED = (
-    "peak_tflops",
-    "matmul_efficiency",
-    "host_overhead_us",
-    "block_overhead_us",
-    "optimizer_ns_per_param",
-    "host_copy_ns_per_byte",
-)
-
-
-@dataclass
 class PlanConfig:
     top: int = ranged(10, ge=0)  # 0: all layouts
     format: str = "table"  # table | json
@@ -351,7 +254,7 @@ class TrainConfig:
     resume: str = "auto"  # auto (newest complete checkpoint, if any) | never | PATH
     max_restarts: int = ranged(0, ge=0)  # local workers: restart the group this often after a failure
 
-    # layout: degrees are ints or "auto" (checked by launcher/layout.py, not by a Range)
+    # layout: degrees are ints or "auto" (checked by launcher/layout/, not by a Range)
     nodes: int = ranged(1, ge=1)
     ep: Any = 1  # expert parallel: routed experts split over ep ranks carved from dp_shard (int or auto)
     tp: Any = 1
@@ -413,162 +316,7 @@ def register() -> None:
 register()
 
 
-# pipeline schedules (launcher/parallel/pipeline.py); the last three are zero-bubble schedules
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
-RECOMPUTE = ("none", "selective", "full")  # activation checkpointing (launcher/parallel/recompute.py)
-RESHARD = ("always", "never", "auto")  # fsdp.reshard_after_forward (launcher/parallel/data.py)
-CHOICES = {
-    "model.norm": ("rmsnorm", "layernorm"),
-    "model.norm_position": ("pre", "post"),
-    "model.mlp": ("swiglu", "gelu"),
-    "model.positions": ("rope", "learned"),
-    "model.moe.score": ("sigmoid", "softmax"),
-    "model.moe.balance": ("bias", "aux", "none"),
-    "data.name": ("stdlib", "tokens", "text"),
-    "data.dtype": ("uint16", "uint32"),
-    "pp_schedule": (*SCHEDULES, "auto"),  # auto: the planner's choice
-    "recompute": (*RECOMPUTE, "auto"),
-    "fsdp.reshard_after_forward": RESHARD,
-    "dtype": ("auto", "fp32", "bf16"),
-    "cpu_allocator": ("auto", "fast", "lean"),
-    "metrics.console": ("auto", "rich", "plain", "none"),
-    "metrics.wandb.mode": ("offline", "online", "disabled"),
-    "hardware.kind": ("cpu", "cuda", "tpu"),
-    "checkpoint.on_error": ("continue", "stop"),
-    "guard.spike": ("off", "skip", "rollback"),
-    "guard.snapshot": ("host", "device"),
-}
-
-
 def compile_enabled(cfg: TrainConfig) -> bool:
     """`compile=auto`: on for cuda, where it fuses the blocks' elementwise work; off on a CPU, where
     compiling costs more than it saves on short runs."""
     return cfg.hardware.kind == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
-
-
-def get_key(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
-    return cfg
-
-
-def leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any, Range | None]]:
-    """Every leaf key of a config (a dataclass instance), its value and its Range (None: unranged)."""
-    for f in fields(node):
-        key, value = prefix + f.name, getattr(node, f.name)
-        if is_dataclass(value):
-            yield from leaves(value, key + ".")
-        elif isinstance(value, list) and value and is_dataclass(value[0]):
-            for i, item in enumerate(value):
-                yield from leaves(item, f"{key}.{i}.")
-        elif "ranges" in f.metadata:  # batch: a dict (see default_batch)
-            for sub, rng in f.metadata["ranges"].items():
-                yield f"{key}.{sub}", value.get(sub), rng
-        else:
-            yield key, value, f.metadata.get("range")
-
-
-def check_ranges(cfg: Any, prefix: str = "") -> None:
-    """Every value inside the Range its schema field declares: one LauncherError for the first that is not."""
-    for key, value, rng in leaves(cfg, prefix):
-        if isinstance(value, float) and math.isinf(value):  # no key means "unbounded" by an infinity
-            raise LauncherError(f"{key}={value} is not a finite number: use {rng or 'a finite value'}")
-        if rng is not None and not rng.holds(value):
-            raise LauncherError(f"{key}={value} is out of range: use {rng}")
-
-
-def make_dir(path: Path, key: str) -> None:
-    """Create a directory the run writes into, or say in one line why it cannot be."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise LauncherError(
-            f"{key}: cannot create the directory {path} ({err.strerror}): choose another {key}"
-        ) from None
-    if not os.access(path, os.W_OK):
-        raise LauncherError(f"{key}: the directory {path} is not writable: choose another {key}")
-
-
-def check_async_tp(cfg: TrainConfig) -> None:
-    """async_tp=true: torch's micro-pipelined TP is an inductor pass over CUDA symmetric memory."""
-    if not cfg.async_tp:
-        return
-    if cfg.hardware.kind != "cuda":
-        raise LauncherError(
-            f"async_tp=true needs CUDA GPUs (torch's async TP uses CUDA symmetric memory), not "
-            f"hardware.kind={cfg.hardware.kind}: set async_tp=false"
-        )
-    if not compile_enabled(cfg) or not cfg.sequence_parallel:
-        raise LauncherError(
-            "async_tp=true needs compile=true and sequence_parallel=true (torch fuses the TP collectives "
-            "with their matmuls while compiling a sequence-parallel block): set them, or async_tp=false"
-        )
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Checks that need no torch, no process and no layout: one LauncherError naming the key and the
-    fix. `plan` and `train` both run them first (`planner.run_plan`, `planner.resolve`); the layout's
-    own rules (degrees, batch split) are in launcher/layout.py."""
-    check_ranges(cfg)
-    for key, allowed in CHOICES.items():
-        if get_key(cfg, key) not in allowed:
-            raise LauncherError(f"{key}={get_key(cfg, key)}: choose one of {', '.join(allowed)}")
-    if not (isinstance(cfg.compile, bool) or cfg.compile == "auto"):
-        raise LauncherError(f"compile={cfg.compile}: choose one of true, false, auto")
-    check_async_tp(cfg)
-    m = cfg.model
-    if m.head_dim is None and m.dim % m.n_heads:
-        raise LauncherError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: change either")
-    if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
-        raise LauncherError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
-    if m.positions == "rope" and (m.head_dim or m.dim // m.n_heads) % 2:
-        raise LauncherError(f"head dim {m.head_dim or m.dim // m.n_heads} is odd: RoPE needs an even model.head_dim")
-    if cfg.seq_len > m.max_seq_len:
-        raise LauncherError(
-            f"seq_len={cfg.seq_len} exceeds model.max_seq_len={m.max_seq_len} of model '{m.name}': "
-            f"lower seq_len or raise model.max_seq_len"
-        )
-    if cfg.data.name == "text" and cfg.data.val_path:
-        raise LauncherError(
-            "data.val_path is a token file for data=tokens: data=text holds out whole documents (data.val_fraction)"
-        )
-    check_profile(cfg)
-    check_moe(m, cfg.ep if isinstance(cfg.ep, int) and cfg.ep >= 1 else 1)  # a bad ep: the degree's own line
-    if cfg.metrics.moe_table and not m.moe.experts:
-        raise LauncherError(
-            "metrics.moe_table=true shows the layers of a mixture of experts: drop it, or use one (model.moe.experts>0)"
-        )
-    if any(len(pair) != 2 or pair[0] > pair[1] for pair in cfg.guard.skip_batches):
-        raise LauncherError(f"guard.skip_batches={cfg.guard.skip_batches}: give [first, last] pairs, first <= last")
-    if cfg.data.name == "stdlib" and m.vocab_size < 256:
-        raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
-
-
-def check_profile(cfg: TrainConfig) -> None:
-    """profile.*: a window inside the run; a memory snapshot only where a CUDA allocator records it."""
-    p = cfg.profile
-    if p.start is not None and cfg.steps and p.start > cfg.steps:
-        raise LauncherError(f"profile.start={p.start} is after the last step (steps={cfg.steps}): lower profile.start")
-    if p.memory and (p.start is None or cfg.hardware.kind != "cuda"):
-        raise LauncherError(
-            "profile.memory=true dumps a CUDA memory snapshot: set profile.start=N on a cuda hardware profile, "
-            "or drop profile.memory"
-        )
-
-
-def check_moe(m: ModelConfig, ep: int) -> None:
-    """The model-side MoE rules (ep against the data-parallel ranks is launcher/layout.py's)."""
-    moe = m.moe
-    if not moe.experts:
-        if ep > 1:
-            raise LauncherError(f"ep={ep} needs a mixture-of-experts model: set ep=1 or model.moe.experts>0")
-        return
-    if moe.top_k > moe.experts:
-        raise LauncherError(f"model.moe.top_k={moe.top_k} exceeds model.moe.experts={moe.experts}: lower top_k")
-    if moe.experts % ep:
-        raise LauncherError(f"ep={ep} does not divide model.moe.experts={moe.experts}: use an ep that divides it")
-    if moe.first_dense_layers >= m.n_layers:
-        raise LauncherError(
-            f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of "
-            f"model.n_layers={m.n_layers}: lower it or set model.moe.experts=0"
-        )

@@ -1,11 +1,14 @@
 """Files written atomically: into a temporary name of the writer's own, then renamed into place, so a
-reader never sees half a file and concurrent writers (processes, or threads of one) never share one."""
+reader never sees half a file and concurrent writers (processes, or threads of one) never share one;
+and the directories a run writes into, created or refused in one line."""
 
 from __future__ import annotations
 
 import os
 import threading
 from pathlib import Path
+
+from launcher.errors import LauncherError
 
 
 def temp_beside(path: Path) -> Path:
@@ -24,3 +27,15 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def make_dir(path: Path, key: str) -> None:
+    """Create a directory the run writes into, or say in one line why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LauncherError(
+            f"{key}: cannot create the directory {path} ({err.strerror}): choose another {key}"
+        ) from None
+    if not os.access(path, os.W_OK):
+        raise LauncherError(f"{key}: the directory {path} is not writable: choose another {key}")

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from launcher import calibration
-from launcher.config import HardwareConfig, LauncherError
+from launcher.errors import LauncherError
+from launcher.hardware_config import HardwareConfig
 
 # a CUDA device's name (torch.cuda.get_device_name) → its hardware profile; anything else: h100_sxm
 DEVICE_PROFILES = (("H200", "h200"), ("H100", "h100_sxm"), ("A100", "a100"), ("B200", "b200"), ("V100", "v100_dgx2"))
@@ -39,7 +40,7 @@ def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> Hardwa
             measured = calibration.gloo_link(cache_dir)
             link = replace(link, **{k: v for k, v in measured.items() if getattr(link, k) is None})
         links.append(link)
-    measures = {  # CALIBRATED's other numbers (launcher/config.py)
+    measures = {  # CALIBRATED's other numbers (launcher/hardware_config.py)
         "matmul_efficiency": lambda: calibration.gemm_efficiency(threads, cache_dir),
         "host_overhead_us": lambda: calibration.tp_overhead_us(cache_dir),
         "block_overhead_us": lambda: calibration.block_overhead_us(cache_dir),

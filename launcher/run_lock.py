@@ -22,8 +22,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from launcher.config import make_dir
 from launcher.errors import LauncherError
+from launcher.files import make_dir
 
 LOCK_NAME = ".lock"
 

@@ -22,9 +22,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from launcher.config import LauncherError, TrainConfig, make_dir
+from launcher.config import TrainConfig
+from launcher.errors import LauncherError
+from launcher.files import make_dir
 from launcher.hydra_compat import SUBMITIT_COMMAND, sbatch_script
-from launcher.layout import Layout, fixed_degrees, given_degrees, workers_per_node
+from launcher.layout import Layout, fixed_degrees, workers_per_node
+from launcher.layout_config import given_degrees
 
 RESOLVER = "slurm_job"
 

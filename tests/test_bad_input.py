@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 from launcher.cli import train_task
-from launcher.config import LauncherError, Range, TrainConfig, leaves
+from launcher.config import TrainConfig
+from launcher.errors import LauncherError
+from launcher.ranges import Range, leaves
 from tests.conftest import assert_bad_input, make_config, run_cli, tiny_args
 
-# degrees and pipeline counts: int-or-auto, checked by launcher/layout.py rather than by a Range
+# degrees and pipeline counts: int-or-auto, checked by launcher/layout/ rather than by a Range
 DEGREES = {"tp", "pp", "cp", "dp", "dp_shard", "dp_replicate", "microbatches", "virtual_stages"}
 
 

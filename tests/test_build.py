@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten
 
 from launcher.config import compose_config
 from launcher.errors import LauncherError, OutOfMemory
-from launcher.layout import build_mesh, from_config
+from launcher.layout import build_mesh
+from launcher.layout_config import from_config
 from launcher.model import Transformer
 from launcher.model.init import BLOCK, meta_model
 from launcher.parallel import parallelize, shard_model

@@ -12,8 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launcher.config import LauncherError
-from launcher.errors import PREEMPTED
+from launcher.errors import PREEMPTED, LauncherError
 from launcher.model import Transformer
 from launcher.model.init import initialized_model
 from launcher.train.checkpoint import complete_checkpoints, resolve_resume

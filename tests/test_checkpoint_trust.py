@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import LauncherError
 from launcher.dcp_compat import TORCH_SAVE_MAGIC, dcp_storage_items
+from launcher.errors import LauncherError
 from launcher.train.export import export
 from launcher.train.loop import train
 from launcher.train.untrusted import read_metadata

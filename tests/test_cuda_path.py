@@ -12,15 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.config import HardwareConfig, ModelConfig, OptimConfig, TrainConfig, compile_enabled, validate
+from launcher.config import ModelConfig, OptimConfig, TrainConfig, compile_enabled
 from launcher.errors import LauncherError
-from launcher.layout import build_mesh, from_config
+from launcher.hardware_config import HardwareConfig
+from launcher.layout import build_mesh
+from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.precision import BF16_FSDP, autocast_for, fsdp_policy, precision_mode
 from launcher.spawn import CUDA_ENV, FLIGHT_RECORDER_FILE, cuda_env_defaults, run_rank
 from launcher.train.loop import pick_device
 from launcher.train.optim import adamw_impl, build_optimizer, optimizer_impl
+from launcher.validate import validate
 from tests.conftest import symm_mem_needs_enabling
 from tests.dist import run
 

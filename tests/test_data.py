@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.config import DataConfig, LauncherError
+from launcher.config import DataConfig
 from launcher.data import BatchLoader, load_splits
 from launcher.data.corpus import stdlib_files
+from launcher.errors import LauncherError
 
 
 def test_stdlib_corpus_is_cached_split_and_bytes(tmp_path: Path) -> None:

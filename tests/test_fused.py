@@ -145,7 +145,7 @@ def test_the_loss_chunks_follow_the_hardware_profile() -> None:
     asks for 2198 rows: 2 chunks of 2048. On the cpu profile (45 FLOP per byte: 480 rows) the 16 MiB
     chunk is the larger: 8 of 512."""
     from launcher.config import compose_config
-    from launcher.layout import from_config
+    from launcher.layout_config import from_config
     from launcher.model.init import meta_model
     from launcher.parallel import parallelize
 

@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 
 from launcher.config import TrainConfig
 from launcher.errors import LauncherError
-from launcher.layout import build_mesh, from_config
+from launcher.layout import build_mesh
+from launcher.layout_config import from_config
 from launcher.model import Transformer
 from launcher.model.hf import HFFolder, check_folder, hf_name
 from launcher.model.init import materialize, meta_model

@@ -8,8 +8,9 @@ import re
 
 import pytest
 
-from launcher.config import LauncherError
-from launcher.layout import Layout, check_environment, from_config, owner_rank, rank_of, rank_stages, stage_layers
+from launcher.errors import LauncherError
+from launcher.layout import Layout, owner_rank, rank_of, rank_stages, stage_layers
+from launcher.layout_config import check_environment, from_config
 from launcher.planner import resolve
 from tests.conftest import make_config, run_cli
 

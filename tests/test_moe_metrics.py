@@ -16,7 +16,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from launcher.config import LauncherError, WandbConfig, compose_config
+from launcher.config import WandbConfig, compose_config
+from launcher.errors import LauncherError
 from launcher.metrics import moe_load
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.moe_load import LayerLoad, layer_loads, layer_rows, load_histograms, load_table

@@ -1,5 +1,5 @@
 """`plan` and `train` describe the same run: the planner's step is the step the runtime runs, and
-both accept and refuse the same configs, through the same rule objects (launcher/layout.py)."""
+both accept and refuse the same configs, through the same rule objects (launcher/layout/rules.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from launcher import layout as layout_rules
 from launcher.cli import _train_task, plan_task
-from launcher.config import LauncherError, compose_config
+from launcher.config import compose_config
 from launcher.data import Splits
-from launcher.layout import build_mesh
+from launcher.errors import LauncherError
+from launcher.layout import INTERLEAVED, build_mesh
+from launcher.layout import rules as layout_rules
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.parallel.pipeline import SCHEDULES
@@ -36,7 +37,7 @@ def cases() -> list[tuple[str, ...]]:
     for tp, pp, schedule, batch in itertools.product((1, 2, 4), (1, 2, 4), SCHEDULES, BATCHES.values()):
         if pp == 1 and schedule != "1f1b":
             continue  # no pipeline: the schedule is not read
-        v = ("virtual_stages=2",) if schedule in ("interleaved_1f1b", "interleaved_zb") else ()
+        v = ("virtual_stages=2",) if schedule in INTERLEAVED else ()
         out.append((f"tp={tp}", f"pp={pp}", f"pp_schedule={schedule}", *v, *batch))
     return out
 

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from bench.published_runs import make_cfg
 from launcher import planner
-from launcher.config import CONF_DIR, LauncherError
+from launcher.config import CONF_DIR
+from launcher.errors import LauncherError
 from launcher.flops import GIB, num_params
 from launcher.layout import ZERO_BUBBLE, Layout
 from launcher.planner import comm, memory

@@ -10,7 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from launcher import calibration, hardware
-from launcher.config import CONF_DIR, HardwareConfig
+from launcher.config import CONF_DIR
+from launcher.hardware_config import HardwareConfig
 
 CPU_YAML = Path(CONF_DIR) / "hardware" / "cpu.yaml"
 

@@ -12,7 +12,7 @@ import pytest
 from bench.published_runs import RUNS
 from bench.published_runs import predict as resolve
 from launcher import planner
-from launcher.config import LauncherError
+from launcher.errors import LauncherError
 from launcher.layout import Layout
 from launcher.planner import cost, memory
 from launcher.planner.request import problem

@@ -29,7 +29,7 @@ from bench.planner_accuracy import (
 )
 from bench.recompute import held_bytes, memory_rows, tp2_memory_worker
 from launcher.flops import head_dim
-from launcher.layout import from_config
+from launcher.layout_config import from_config
 from launcher.model.transformer import Block, rope_tables
 from launcher.planner.memory import layer_activation_bytes
 from tests.dist import run

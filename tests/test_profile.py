@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import LauncherError, validate
+from launcher.errors import LauncherError
 from launcher.train.loop import train
+from launcher.validate import validate
 from tests.conftest import run_cli, tiny_args, tiny_config
 
 

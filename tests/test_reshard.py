@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.layout import from_config
+from launcher.layout_config import from_config
 from launcher.spawn import start_local_workers
 from launcher.train.loop import train
 from tests.conftest import losses, tiny_config, worker_pids

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from launcher.layout import Layout, from_config, owner_rank, rank_stages
+from launcher.layout import Layout, owner_rank, rank_stages
+from launcher.layout_config import from_config
 from tests.conftest import losses
 from tests.dist import run
 from tests.test_layout import error

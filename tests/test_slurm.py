@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import LauncherError
+from launcher.errors import LauncherError
 from launcher.planner import resolve
 from launcher.slurm import emit_script, job_resources, preflight
 from launcher.slurm_job import expand_nodelist, rendezvous

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.layout import from_config
+from launcher.layout_config import from_config
 from launcher.spawn import RankEnv, env_rank
 from launcher.train.loop import train
 from tests.conftest import run_cli, tiny_config

@@ -21,9 +21,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
 import launcher.slurm  # noqa: F401  (importing it registers the ${slurm_job:...} resolver, before configs resolve)
-from launcher.config import TrainConfig, validate
+from launcher.config import TrainConfig
 from launcher.hydra_compat import basic_sweeper
 from launcher.layout import DEGREES
+from launcher.validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ ConfigStore.instance().store(group="hydra/sweeper", name="layouts", node=LayoutS
 
 def ranked_layouts(cfg: TrainConfig, top: int, world: int | None = None) -> list[tuple[list[str], dict[str, Any]]]:
     """The best `top` distinct layouts of `cfg` on `world` devices: (overrides, prediction) each."""
-    from launcher.layout import plan_world_size
+    from launcher.layout_config import plan_world_size
     from launcher.planner import plan
 
     world = world or plan_world_size(cfg)

@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from launcher.config import make_dir
 from launcher.data import tokenizer as tok
 from launcher.errors import LauncherError
-from launcher.files import temp_beside
+from launcher.files import make_dir, temp_beside
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets' loaders
 

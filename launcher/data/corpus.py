@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.config import DataConfig, LauncherError, make_dir
+from launcher.config import DataConfig
 from launcher.data.build import TextCache
 from launcher.data.loader import min_tokens
-from launcher.files import write_atomic
+from launcher.errors import LauncherError
+from launcher.files import make_dir, write_atomic
 
 
 @dataclass(frozen=True)

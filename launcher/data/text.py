@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.config import DataConfig, make_dir
+from launcher.config import DataConfig
 from launcher.data import tokenizer as tok
 from launcher.data.build import BUILDERS, TextCache, build_cache, check_text_key
 from launcher.errors import LauncherError
-from launcher.files import write_atomic
+from launcher.files import make_dir, write_atomic
 
 CACHE_VERSION = "text-v1"  # bump when the cache layout changes
 MEMO = "file-digests.json"  # content hashes of corpus files by (path, size, mtime), beside the caches

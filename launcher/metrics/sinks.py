@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from launcher.config import LauncherError, WandbConfig
+from launcher.config import WandbConfig
+from launcher.errors import LauncherError
 from launcher.files import write_atomic
 from launcher.metrics.moe_load import LayerLoad, load_histograms
 

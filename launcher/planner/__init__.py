@@ -6,8 +6,8 @@ cannot fit. Pure Python: nothing here imports torch unless a profile needs calib
 - `run_plan(cfg)`: the `plan` command (ranked table, or JSON with plan.format=json).
 - `plan(cfg, world)`: every valid layout of `world` devices, ranked (also the layout sweeper's).
 
-`plan` and `train` accept the same configs: both run `config.validate`, and every layout either
-considers passes the rules of launcher/layout.py (`layout.violations`).
+`plan` and `train` accept the same configs: both run `validate.validate`, and every layout either
+considers passes the rules of launcher/layout/ (`layout.violations`).
 
 Modules: device (machine data), machine (profile -> numbers), comm (collectives on link levels),
 memory, cost (step time), search (enumerate + rank), request (config -> search space), report.
@@ -15,12 +15,15 @@ memory, cost (step time), search (enumerate + rank), request (config -> search s
 
 from __future__ import annotations
 
-from launcher.config import LauncherError, TrainConfig, validate
+from launcher.config import TrainConfig
+from launcher.errors import LauncherError
 from launcher.flops import GIB
-from launcher.layout import Layout, from_config, launch_world_size, plan_world_size
+from launcher.layout import Layout
+from launcher.layout_config import from_config, launch_world_size, plan_world_size
 from launcher.planner.report import to_json, to_table
 from launcher.planner.request import problem, space
 from launcher.planner.search import Prediction, Problem, Result, predict, search
+from launcher.validate import validate
 
 __all__ = ["resolve", "run_plan", "plan", "Prediction", "Layout"]
 

@@ -8,9 +8,11 @@ torch is imported.
 
 from __future__ import annotations
 
-from launcher.config import CALIBRATED, HardwareConfig, LauncherError, LinkConfig, check_ranges
+from launcher.errors import LauncherError
 from launcher.flops import GIB, device_flop_per_byte
+from launcher.hardware_config import CALIBRATED, HardwareConfig, LinkConfig
 from launcher.planner.device import Level, Machine
+from launcher.ranges import check_ranges
 
 LINK_EFFICIENCY = 0.8  # nccl-tests bus bandwidth is typically 75-90% of the datasheet link rate
 KINDS = ("cpu", "cuda", "tpu")

@@ -1,5 +1,5 @@
 """From a TrainConfig to what the search needs (Problem, Space): the layout rules of
-launcher/layout.py parse and check the keys. Every error is a LauncherError whose one line names the
+launcher/layout/ parse and check the keys. Every error is a LauncherError whose one line names the
 key and the fix.
 """
 
@@ -9,14 +9,8 @@ import dataclasses
 import os
 
 from launcher.config import TrainConfig
-from launcher.layout import (
-    check_world,
-    given_degrees,
-    int_or_auto,
-    recompute_layers_of,
-    worker_threads,
-    workers_per_node,
-)
+from launcher.layout import check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
+from launcher.layout_config import given_degrees
 from launcher.planner.device import Machine
 from launcher.planner.machine import machine
 from launcher.planner.search import Problem, Space

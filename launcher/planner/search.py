@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from launcher.config import LauncherError, ModelConfig
+from launcher.config import ModelConfig
+from launcher.errors import LauncherError
 from launcher.flops import GIB, flops_per_token, hardware_flops_per_token, mfu
 from launcher.layout import (
     V_SHAPED,

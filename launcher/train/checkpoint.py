@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from launcher.config import CheckpointConfig, LauncherError
-from launcher.errors import CheckpointFailed
+from launcher.config import CheckpointConfig
+from launcher.errors import CheckpointFailed, LauncherError
 from launcher.train.ckpt_write import (
     Pending,
     SaveStats,

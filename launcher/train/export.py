@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from launcher.config import LauncherError, ModelConfig
+from launcher.config import ModelConfig
+from launcher.errors import LauncherError
 from launcher.files import temp_beside
 from launcher.model.hf import CONFIG, INDEX, check_llama, hf_config, hf_name
 from launcher.train.checkpoint import MARKER, complete_checkpoints, no_readable

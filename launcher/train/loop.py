@@ -15,7 +15,8 @@ from launcher import flops
 from launcher.config import TrainConfig, compile_enabled
 from launcher.data import BatchLoader, Splits, load_splits
 from launcher.hardware import peak_flops
-from launcher.layout import Layout, from_config, owner_rank, worker_threads, workers_per_node
+from launcher.layout import Layout, owner_rank, worker_threads, workers_per_node
+from launcher.layout_config import from_config
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter, memory_gib, memory_measure
 from launcher.metrics.profile import StepProfiler

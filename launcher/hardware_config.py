@@ -1,0 +1,64 @@
+"""The keys of a hardware profile (conf/hardware/*.yaml): the device, and each level of its interconnect."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launcher.ranges import ranged
+
+
+@dataclass
+class LinkConfig:
+    """One level of the interconnect: devices that share it, bandwidth per device, latency."""
+
+    name: str = "link"
+    size: int = ranged(1, ge=1)  # devices inside one domain of this level
+    bandwidth_gbs: float | None = ranged(None, gt=0)  # GB/s per device, one direction; None: calibrate (cpu)
+    latency_us: float | None = ranged(1.0, ge=0)  # per hop; None: calibrate (cpu)
+    # GB/s per device of these two collectives where the backend does not reach the ring algorithm's
+    # (gloo's reduce-scatter all-reduces the whole buffer); None: bandwidth_gbs (cpu: calibrated)
+    all_gather_gbs: float | None = ranged(None, gt=0)
+    reduce_scatter_gbs: float | None = ranged(None, gt=0)
+    all_to_all_gbs: float | None = ranged(None, gt=0)
+    # bandwidth by message size where it varies (cpu: gloo, calibrated): rows [bytes, all-reduce,
+    # all-gather, reduce-scatter, all-to-all GB/s]; between rows the planner interpolates in log size,
+    # outside them it takes the nearest row. None: the single numbers above at every size
+    by_size: list[list[float]] | None = ranged(None, gt=0)
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "cpu"
+    kind: str = "cpu"  # cpu | cuda | tpu (tpu: planner only)
+    peak_tflops: float | None = ranged(None, gt=0)  # dense bf16 (fp32 on cpu); None: calibrate (cpu)
+    memory_gib: float = ranged(16.0, gt=0)
+    devices_per_node: int = ranged(1, ge=1)
+    # achievable share of peak for large matmuls (planner); None: calibrate (cpu: sustained over peak GEMM)
+    matmul_efficiency: float | None = ranged(1.0, gt=0, le=1)
+    # device memory bandwidth (HBM), GB/s: what the work that is not matmul is bound by (planner);
+    # None: the planner's per-kind constant instead (cpu)
+    memory_bandwidth_gbs: float | None = ranged(None, gt=0)
+    # host time per tensor-parallel block and microbatch that no device work hides: DTensor dispatch
+    # on a CPU, where the host is the device; 0 on accelerators (launches run ahead). None: calibrate
+    host_overhead_us: float | None = ranged(0.0, ge=0)
+    # host time per block and microbatch, forward + backward, that no device work hides: the framework's
+    # dispatch of the block's ops on a CPU; 0 on accelerators (launches run ahead). None: calibrate
+    block_overhead_us: float | None = ranged(0.0, ge=0)
+    # host time of the optimizer step per parameter a device updates (cpu: fused AdamW streaming from
+    # memory); 0 on accelerators, where it is well under 1% of a step. None: calibrate
+    optimizer_ns_per_param: float | None = ranged(0.0, ge=0)
+    # host time per byte of the copies FSDP makes around its collectives (cpu: into freshly allocated
+    # buffers, page faults included); 0 on accelerators (device copies at HBM speed). None: calibrate
+    host_copy_ns_per_byte: float | None = ranged(0.0, ge=0)
+    links: list[LinkConfig] = field(default_factory=list)
+
+
+# HardwareConfig's scalar numbers that None asks to calibrate on this machine (cpu: launcher/hardware.py)
+CALIBRATED = (
+    "peak_tflops",
+    "matmul_efficiency",
+    "host_overhead_us",
+    "block_overhead_us",
+    "optimizer_ns_per_param",
+    "host_copy_ns_per_byte",
+)

@@ -1,0 +1,70 @@
+"""The one Layout, and every rule about layouts, once each.
+
+core.py      the frozen `Layout`, the schedule names, the rank order, the stage split
+degrees.py   int-or-auto, the world-size rule, the data-parallel split, the microbatch rule
+rules.py     the validity rules `plan` and `train` both apply (`violations`, `check`)
+mesh.py      rank at coordinates, the output's owner, the DeviceMesh, workers and threads
+
+The layout never reads a TrainConfig: the Layout a config fixes, and the world size it plans for,
+are launcher/layout_config.py's. This package's public names are re-exported here.
+"""
+
+from launcher.layout.core import (
+    DEGREES,
+    INTERLEAVED,
+    MESH_DIMS,
+    MULTI_STAGE,
+    RECOMPUTE,
+    RESHARD,
+    SCHEDULES,
+    V_SHAPED,
+    ZERO_BUBBLE,
+    Layout,
+    rank_stages,
+    stage_layers,
+    stage_size,
+)
+from launcher.layout.degrees import (
+    check_world,
+    divisors,
+    fixed_degrees,
+    int_or_auto,
+    microbatch_count,
+    recompute_layers_of,
+    split_dp,
+)
+from launcher.layout.mesh import build_mesh, expert_mesh, owner_rank, rank_of, worker_threads, workers_per_node
+from launcher.layout.rules import async_tp_applies, check, expert_split, violations
+
+__all__ = [
+    "DEGREES",
+    "INTERLEAVED",
+    "MESH_DIMS",
+    "MULTI_STAGE",
+    "RECOMPUTE",
+    "RESHARD",
+    "SCHEDULES",
+    "V_SHAPED",
+    "ZERO_BUBBLE",
+    "Layout",
+    "async_tp_applies",
+    "build_mesh",
+    "check",
+    "check_world",
+    "divisors",
+    "expert_mesh",
+    "expert_split",
+    "fixed_degrees",
+    "int_or_auto",
+    "microbatch_count",
+    "owner_rank",
+    "rank_of",
+    "rank_stages",
+    "recompute_layers_of",
+    "split_dp",
+    "stage_layers",
+    "stage_size",
+    "violations",
+    "worker_threads",
+    "workers_per_node",
+]

@@ -1,0 +1,130 @@
+"""The config's checks that need no torch, no process and no layout: `validate` runs them all, and the
+first that fails raises one LauncherError naming the key and the fix. The layout's own rules (degrees,
+batch split, what divides what) are launcher/layout/'s; the expert-parallel lines come from there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from launcher.config import ModelConfig, TrainConfig, compile_enabled
+from launcher.errors import LauncherError
+from launcher.flops import head_dim
+from launcher.layout import RECOMPUTE, RESHARD, SCHEDULES, expert_split
+from launcher.ranges import check_ranges
+
+CHOICES = {
+    "model.norm": ("rmsnorm", "layernorm"),
+    "model.norm_position": ("pre", "post"),
+    "model.mlp": ("swiglu", "gelu"),
+    "model.positions": ("rope", "learned"),
+    "model.moe.score": ("sigmoid", "softmax"),
+    "model.moe.balance": ("bias", "aux", "none"),
+    "data.name": ("stdlib", "tokens", "text"),
+    "data.dtype": ("uint16", "uint32"),
+    "pp_schedule": (*SCHEDULES, "auto"),  # auto: the planner's choice
+    "recompute": (*RECOMPUTE, "auto"),
+    "fsdp.reshard_after_forward": RESHARD,
+    "dtype": ("auto", "fp32", "bf16"),
+    "cpu_allocator": ("auto", "fast", "lean"),
+    "metrics.console": ("auto", "rich", "plain", "none"),
+    "metrics.wandb.mode": ("offline", "online", "disabled"),
+    "hardware.kind": ("cpu", "cuda", "tpu"),
+    "checkpoint.on_error": ("continue", "stop"),
+    "guard.spike": ("off", "skip", "rollback"),
+    "guard.snapshot": ("host", "device"),
+}
+
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
+    return cfg
+
+
+def check_async_tp(cfg: TrainConfig) -> None:
+    """async_tp=true: torch's micro-pipelined TP is an inductor pass over CUDA symmetric memory."""
+    if not cfg.async_tp:
+        return
+    if cfg.hardware.kind != "cuda":
+        raise LauncherError(
+            f"async_tp=true needs CUDA GPUs (torch's async TP uses CUDA symmetric memory), not "
+            f"hardware.kind={cfg.hardware.kind}: set async_tp=false"
+        )
+    if not compile_enabled(cfg) or not cfg.sequence_parallel:
+        raise LauncherError(
+            "async_tp=true needs compile=true and sequence_parallel=true (torch fuses the TP collectives "
+            "with their matmuls while compiling a sequence-parallel block): set them, or async_tp=false"
+        )
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no torch, no process and no layout: one LauncherError naming the key and the
+    fix. `plan` and `train` both run them first (`planner.run_plan`, `planner.resolve`); the layout's
+    own rules (degrees, batch split) are in launcher/layout/."""
+    check_ranges(cfg)
+    for key, allowed in CHOICES.items():
+        if get_key(cfg, key) not in allowed:
+            raise LauncherError(f"{key}={get_key(cfg, key)}: choose one of {', '.join(allowed)}")
+    if not (isinstance(cfg.compile, bool) or cfg.compile == "auto"):
+        raise LauncherError(f"compile={cfg.compile}: choose one of true, false, auto")
+    check_async_tp(cfg)
+    m = cfg.model
+    check_heads(m)
+    if cfg.seq_len > m.max_seq_len:
+        raise LauncherError(
+            f"seq_len={cfg.seq_len} exceeds model.max_seq_len={m.max_seq_len} of model '{m.name}': "
+            f"lower seq_len or raise model.max_seq_len"
+        )
+    if cfg.data.name == "text" and cfg.data.val_path:
+        raise LauncherError(
+            "data.val_path is a token file for data=tokens: data=text holds out whole documents (data.val_fraction)"
+        )
+    check_profile(cfg)
+    check_moe(m, cfg.ep if isinstance(cfg.ep, int) and cfg.ep >= 1 else 1)  # a bad ep: the degree's own line
+    if cfg.metrics.moe_table and not m.moe.experts:
+        raise LauncherError(
+            "metrics.moe_table=true shows the layers of a mixture of experts: drop it, or use one (model.moe.experts>0)"
+        )
+    if any(len(pair) != 2 or pair[0] > pair[1] for pair in cfg.guard.skip_batches):
+        raise LauncherError(f"guard.skip_batches={cfg.guard.skip_batches}: give [first, last] pairs, first <= last")
+    if cfg.data.name == "stdlib" and m.vocab_size < 256:
+        raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
+
+
+def check_heads(m: ModelConfig) -> None:
+    """The attention heads: they split the width evenly, KV heads group them, RoPE rotates pairs."""
+    if m.head_dim is None and m.dim % m.n_heads:
+        raise LauncherError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: change either")
+    if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
+        raise LauncherError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if m.positions == "rope" and head_dim(m) % 2:
+        raise LauncherError(f"head dim {head_dim(m)} is odd: RoPE needs an even model.head_dim")
+
+
+def check_profile(cfg: TrainConfig) -> None:
+    """profile.*: a window inside the run; a memory snapshot only where a CUDA allocator records it."""
+    p = cfg.profile
+    if p.start is not None and cfg.steps and p.start > cfg.steps:
+        raise LauncherError(f"profile.start={p.start} is after the last step (steps={cfg.steps}): lower profile.start")
+    if p.memory and (p.start is None or cfg.hardware.kind != "cuda"):
+        raise LauncherError(
+            "profile.memory=true dumps a CUDA memory snapshot: set profile.start=N on a cuda hardware profile, "
+            "or drop profile.memory"
+        )
+
+
+def check_moe(m: ModelConfig, ep: int) -> None:
+    """The model-side MoE rules, and ep against the experts (`layout.expert_split`, the layout's own
+    rule and wording); ep against the data-parallel ranks is the layout's alone."""
+    moe = m.moe
+    if moe.experts and moe.top_k > moe.experts:
+        raise LauncherError(f"model.moe.top_k={moe.top_k} exceeds model.moe.experts={moe.experts}: lower top_k")
+    problem = expert_split(ep, m)
+    if problem:
+        raise LauncherError(problem)
+    if moe.experts and moe.first_dense_layers >= m.n_layers:
+        raise LauncherError(
+            f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of "
+            f"model.n_layers={m.n_layers}: lower it or set model.moe.experts=0"
+        )
