@@ -102,7 +102,10 @@ def error(*overrides: str, world_size: int | None = None) -> str:
         (("pp=2", "batch.global=12"), r"batch.global=12 is not a multiple of batch.micro x dp = 8 x 1"),
         (("pp=2", "microbatches=3", "batch.global=32"), r"microbatches=3 but batch.global / \(batch.micro x dp\)"),
         (("pp=2", "pp_schedule=interleaved_1f1b", "microbatches=3"), r"microbatches=3 is not a multiple of pp=2"),
-        (("pp=2", "model.tied_embeddings=true"), r"tied_embeddings"),
+        (
+            ("pp=2", "model.tied_embeddings=true"),
+            r"model.tied_embeddings=true shares the embedding .*: set pp=1 or model.tied_embeddings=false",
+        ),
         (("sequence_parallel=true",), r"sequence_parallel=true needs tensor parallelism"),
         (("tp=2", "sequence_parallel=true", "seq_len=33"), r"seq_len=33 must be a multiple of tp=2"),
         (("cp=2", "seq_len=30"), r"cp=2 splits each sequence into 2 x cp = 4 equal chunks: seq_len=30 is not a mult"),
