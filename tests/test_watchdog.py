@@ -146,10 +146,10 @@ def test_describe_names_who_stopped_and_who_waits() -> None:
 
 
 def test_the_timeout_fits_the_predicted_step_with_a_floor() -> None:
-    assert timeout_for(WatchdogConfig(), "cpu", None) == 60
-    assert timeout_for(WatchdogConfig(), "cuda", {"step_time_s": 0.5}) == 300
-    assert timeout_for(WatchdogConfig(), "cuda", {"step_time_s": 30.0}) == 600
-    assert timeout_for(WatchdogConfig(timeout_s=0), "cuda", None) == 0
+    assert timeout_for(WatchdogConfig(), "cpu", 0.0) == 60
+    assert timeout_for(WatchdogConfig(), "cuda", 0.5) == 300
+    assert timeout_for(WatchdogConfig(), "cuda", 30.0) == 600
+    assert timeout_for(WatchdogConfig(timeout_s=0), "cuda", 0.0) == 0
 
 
 def test_gloo_process_group_timeout_follows_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
