@@ -156,12 +156,12 @@ def test_gloo_process_group_timeout_follows_the_config(tmp_path: Path, monkeypat
     import torch.distributed as dist
 
     from launcher.spawn import RankEnv, join_group
-    from tests.conftest import tiny_config
+    from tests.conftest import run_for, tiny_config
 
     seen = {}
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    join_group(tiny_config(tmp_path, "nccl_timeout_s=42"), RankEnv(0, 1, 0), tmp_path)
+    join_group(run_for(tiny_config(tmp_path, "nccl_timeout_s=42")), RankEnv(0, 1, 0), tmp_path)
     assert seen["backend"] == "gloo" and seen["timeout"] == timedelta(seconds=42)
 
 
