@@ -14,8 +14,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from launcher.cli import run_of
 from launcher.config import compose_config as make_config
 from launcher.model.init import initialized_model
+from launcher.planner import resolve
 from launcher.train.checkpoint import Checkpointer, Stateful, complete_checkpoints
 from launcher.train.loop import train
 from launcher.train.optim import build_optimizer
@@ -55,7 +57,7 @@ def throughput(tmp: Path, name: str, *overrides: str) -> float:
         "metrics.wandb.mode=disabled",
         *overrides,
     )
-    train(cfg, tmp / name)
+    train(run_of(cfg, *resolve(cfg)), tmp / name)
     rows = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
     tokens = (len(rows) - 1) * cfg.batch["micro"] * cfg.seq_len
     return tokens / (rows[-1]["time"] - rows[0]["time"])

@@ -60,7 +60,7 @@ def step_time_rows(seq_len: int, batch: int, steps: int, threads: int | None) ->
     for cp in (1, 2):  # one after the other: each run has the machine's cores to itself
         cfg = resolved_config(1, 1, 1, seq_len, batch, f"cp={cp}", *([f"threads={threads}"] if threads else []))
         per_rank = run(timing_worker, cp, [cfg], steps, timeout=1800)
-        _, prediction = resolve(cfg, cp)
+        _, prediction, _ = resolve(cfg, cp)
         seconds = max(r[0] for r in per_rank)  # the step ends when the slowest rank ends
         pred = prediction.as_dict()
         rows.append({"cp": cp, "predicted": pred["step_time_s"], "measured": seconds, "time_s": pred["time_s"]})

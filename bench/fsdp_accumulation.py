@@ -24,17 +24,18 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import launcher.parallel
+import launcher.parallel.runner
 from launcher.compat import inner_tensors
 from launcher.config import TrainConfig, compose_config
-from launcher.layout import Layout
+from launcher.layout import Layout, build_mesh
 from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
+from launcher.planner import build_options
 from launcher.planner.memory import rank_memory
 from launcher.train.optim import build_optimizer
 
-RUNTIME = launcher.parallel.set_gradient_sync
+RUNTIME = launcher.parallel.runner.set_gradient_sync
 
 
 def no_sync(model: torch.nn.Module, layout: Layout, last: bool) -> None:
@@ -84,7 +85,8 @@ def held_between_microbatches(
     (the options' steps interleaved, so both see the same machine load)."""
     torch.set_num_threads(1)
     layout = from_config(cfg, world)
-    runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"))
+    mesh = build_mesh(layout) if layout.world_size > 1 else None
+    runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), torch.device("cpu"))
     optimizer, _ = build_optimizer(runner.parts, cfg.optim, len(options) * (steps + 2))
     tokens = torch.randint(0, cfg.model.vocab_size, (layout.local_batch, cfg.seq_len + 1))
     starts: list[int] = []
@@ -92,7 +94,7 @@ def held_between_microbatches(
     hook = runner.model.register_forward_pre_hook(lambda *_: starts.append(meter.alive()), prepend=True)
 
     def step(option: str, metered: bool) -> float:
-        launcher.parallel.set_gradient_sync = OPTIONS[option]
+        launcher.parallel.runner.set_gradient_sync = OPTIONS[option]
         starts.clear()
         t0 = time.perf_counter()
         with meter if metered else contextlib.nullcontext():
@@ -116,7 +118,7 @@ def held_between_microbatches(
             out[option] = {"held": held, "planned": planned, "step_s": statistics.median(times[option][1:])}
     finally:
         hook.remove()
-        launcher.parallel.set_gradient_sync = RUNTIME
+        launcher.parallel.runner.set_gradient_sync = RUNTIME
     return out
 
 

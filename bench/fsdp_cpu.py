@@ -25,9 +25,11 @@ from omegaconf import OmegaConf
 
 from bench.peer_shape import SHAPE
 from launcher.config import TrainConfig
+from launcher.layout import build_mesh
 from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
+from launcher.planner import build_options
 from launcher.train.optim import build_optimizer
 
 BATCH = 8  # sequences per process per step
@@ -56,7 +58,8 @@ def worker(rank: int, world: int, dp: int, steps: int, extra: list[str]) -> dict
     torch.set_num_threads(1)
     cfg = peer_config(dp, extra)
     layout = from_config(cfg, dp)
-    runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"))
+    mesh = build_mesh(layout) if layout.world_size > 1 else None
+    runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), torch.device("cpu"))
     optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, cfg.model.vocab_size, (BATCH, cfg.seq_len + 1), generator=gen)

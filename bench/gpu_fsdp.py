@@ -20,29 +20,33 @@ from launcher.layout import build_mesh
 from launcher.layout_config import from_config
 from launcher.metrics.meter import memory_gib
 from launcher.model.init import materialize, meta_model
-from launcher.parallel import ParallelRunner
 from launcher.parallel.data import shard_blocks
-from launcher.precision import BF16_FSDP
+from launcher.parallel.runner import ParallelRunner
+from launcher.planner import build_options
+from launcher.precision import fsdp_policy
 from launcher.spawn import cuda_env_defaults
-from launcher.train.loop import loaders, pick_device
 from launcher.train.optim import build_optimizer, optimizer_impl
+from launcher.train.setup import loaders, pick_device
 
 
 def main(run_dir: Path, overrides: list[str]) -> None:
     cfg = compose_config(*overrides)
     cuda_env_defaults(cfg.hardware.kind)
-    device = pick_device(cfg)  # cuda:0, or the CPU (gpu_check --rehearse: gloo, fp32)
+    layout = from_config(cfg, 1)
+    options = build_options(cfg, layout)
+    device = pick_device(options)  # cuda:0, or the CPU (gpu_check --rehearse: gloo, fp32)
     cuda = device.type == "cuda"
     backend = {"backend": "nccl", "device_id": device} if cuda else {"backend": "gloo"}
     dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **backend)
-    layout = from_config(cfg, 1)
     mesh = build_mesh(layout, device.type)
     model = meta_model(cfg.model)
-    shard_blocks(model, mesh["dp_shard"], reshard_after_forward=True, mp_policy=BF16_FSDP if cuda else None)
+    shard_blocks(
+        model, mesh["dp_shard"], reshard_after_forward=True, mp_policy=fsdp_policy("fsdp_bf16" if cuda else "fp32")
+    )
     materialize([model], cfg.seed, device)
     runner = ParallelRunner([model], layout.micro, autocast=None, mesh=mesh, layout=layout)
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
-    train_loader, _ = loaders(cfg, layout, load_splits(cfg.data), 0)
+    train_loader, _ = loaders(layout, load_splits(cfg.data), options, 0)
     losses = {}
     for step in range(1, cfg.steps + 1):
         inputs, targets = train_loader.next_batch()

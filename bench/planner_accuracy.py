@@ -32,7 +32,7 @@ from launcher.model.init import meta_model
 from launcher.model.transformer import Block, rope_tables
 from launcher.parallel import parallelize
 from launcher.parallel.pipeline import stage_module
-from launcher.planner import resolve
+from launcher.planner import build_options, resolve
 from launcher.planner.memory import layer_activation_bytes, rank_memory, rank_params
 from launcher.train.optim import build_optimizer
 
@@ -67,7 +67,9 @@ def timing_worker(rank: int, world: int, cfgs: list[TrainConfig], steps: int) ->
     for cfg in cfgs:
         torch.set_num_threads(worker_threads(cfg.threads, world))  # what train() does
         layout = from_config(cfg, world)
-        runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), build_mesh(layout))
+        runner = parallelize(
+            meta_model(cfg.model), layout, build_mesh(layout), build_options(cfg, layout), torch.device("cpu")
+        )
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         glob = layout.global_batch
         local = glob // layout.dp
@@ -100,7 +102,7 @@ def step_time_rows(seq_len: int, batch: int, steps: int) -> list[dict[str, Any]]
         cfgs = [resolved_config(lay["tp"], lay["pp"], lay["dp"], seq_len, batch) for lay in lays]
         per_rank = run(timing_worker, world, cfgs, steps, timeout=1800)
         for i, (lay, cfg) in enumerate(zip(lays, cfgs)):
-            layout, prediction = resolve(cfg, world)
+            layout, prediction, _ = resolve(cfg, world)
             pred = prediction.as_dict()
             measured = max(r[i] for r in per_rank)  # the step ends when the slowest rank ends
             rows.append(
@@ -176,7 +178,7 @@ def two_rank_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:
     cfg = resolved_config(2, 1, 1, seq_len, 1)
     m = cfg.model
     lay = from_config(cfg, world)
-    runner = parallelize(meta_model(cfg.model), lay, cfg, None, torch.device("cpu"), build_mesh(lay))
+    runner = parallelize(meta_model(cfg.model), lay, build_mesh(lay), build_options(cfg, lay), torch.device("cpu"))
     model = runner.parts[0]
     torch.manual_seed(0)
     x = torch.randn(1, seq_len, m.dim, requires_grad=True)
@@ -188,7 +190,9 @@ def two_rank_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:
     }  # fmt: skip
     fcfg = resolved_config(1, 1, 2, seq_len, 2)
     flay = from_config(fcfg, world)
-    frunner = parallelize(meta_model(fcfg.model), flay, fcfg, None, torch.device("cpu"), build_mesh(flay))
+    frunner = parallelize(
+        meta_model(fcfg.model), flay, build_mesh(flay), build_options(fcfg, flay), torch.device("cpu")
+    )
     shard = rank_memory(m, seq_len, flay, 4, "cpu", 0).params / 4  # fp32 master bytes / 4 = elements
     out["params"].append({"case": "fsdp dp=2", "rank": rank, "predicted": shard, "held": local_numel(frunner.parts[0])})
     return out

@@ -26,7 +26,7 @@ from launcher.layout import build_mesh, worker_threads
 from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
-from launcher.planner import resolve
+from launcher.planner import build_options, resolve
 from launcher.planner.memory import rank_memory
 from launcher.train.optim import build_optimizer
 
@@ -74,7 +74,9 @@ def worker(rank: int, world: int, names: list[str], steps: int) -> dict[str, dic
     for name in names:
         cfg = case_config(name)
         layout = from_config(cfg, world)
-        runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), build_mesh(layout))
+        runner = parallelize(
+            meta_model(cfg.model), layout, build_mesh(layout), build_options(cfg, layout), torch.device("cpu")
+        )
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         train_step(runner, optimizer, batches[0])  # warm-up: shapes, buffers
         exclude = {p.untyped_storage().data_ptr() for part in runner.parts for p in part.parameters()}
@@ -104,7 +106,7 @@ def rows(steps: int) -> list[dict[str, Any]]:
     out = []
     for name in CASES:
         cfg = case_config(name)
-        layout, prediction = resolve(cfg, 2)
+        layout, prediction, _ = resolve(cfg, 2)
         predicted = [rank_memory(cfg.model, SEQ, layout, 4, "cpu", r).activations for r in range(2)]
         measured = [r[name]["peak"] for r in per_rank]
         step = max(r[name]["time"] for r in per_rank)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import difflib
 import sys
 from collections.abc import Callable
-from dataclasses import fields, is_dataclass
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -20,6 +20,11 @@ from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError
 from launcher.extras import install_hint, installed, require
 from launcher.files import make_dir
 from launcher.hydra_compat import hydra_errors_raised, hydra_full_error
+from launcher.layout import Layout
+from launcher.options import BuildOptions, Run
+
+if TYPE_CHECKING:
+    from launcher.planner import Prediction
 
 SUBMITIT_PLUGIN = "hydra_plugins.hydra_submitit_launcher"  # conf/hydra/launcher/slurm.yaml builds on its config
 
@@ -110,11 +115,11 @@ def _train_task(cfg: TrainConfig) -> None:
     env = env_rank()
     # the run's one layout; first of all, resolve checks the ranges (validate.validate), which the
     # world size and the layout read
-    layout, prediction = resolve(cfg, env.world_size if env else None)
+    layout, prediction, options = resolve(cfg, env.world_size if env else None)
     if cfg.dry_run:  # shapes only: a layout that would not fit is reported, not refused
         from launcher.dryrun import dry_run
 
-        dry_run(cfg, layout)
+        dry_run(cfg.model, layout, options)
         if not prediction.fits and not cfg.force:
             print(f"note: {too_big(cfg, prediction)}")
         return
@@ -130,7 +135,7 @@ def _train_task(cfg: TrainConfig) -> None:
     if cfg.checkpoint.dir:
         make_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
     check_source(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
-    check_folder(cfg)  # init.from: a readable Llama folder of exactly the model's shapes
+    check_folder(cfg.model, cfg.init.get("from"))  # init.from: a readable Llama folder of exactly the model's shapes
     if cfg.metrics.wandb.mode != "disabled" and not installed("wandb"):
         if cfg.metrics.wandb.mode == "online":
             require("wandb", what="metrics.wandb.mode=online")
@@ -141,7 +146,7 @@ def _train_task(cfg: TrainConfig) -> None:
     # a bad path, or checkpoints none of which is readable, fails here
     preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"), every_rank=env is not None)
     # a failed worker raises WorkerFailed (exit 1); the loop puts the prediction into summary.json
-    summary = launch(cfg, run_dir, layout, prediction.as_dict())
+    summary = launch(run_of(cfg, layout, prediction, options), run_dir)
     if "preempted_at_step" in summary:
         from launcher.slurm_job import requeue
 
@@ -152,6 +157,13 @@ def _train_task(cfg: TrainConfig) -> None:
             file=sys.stderr,
         )
         sys.exit(PREEMPTED)
+
+
+def run_of(cfg: TrainConfig, layout: Layout, prediction: Prediction | None, options: BuildOptions) -> Run:
+    """The run every rank receives: `planner.resolve`'s output and the config sections the loop reads."""
+    sections = ("model", "data", "optim", "checkpoint", "guard", "metrics", "eval", "profile", "watchdog")
+    keys = ("steps", "smoke", "resume", "cpu_allocator", "nccl_timeout_s", "max_restarts", *sections)
+    return Run(layout, prediction, options, record=asdict(cfg), **{key: getattr(cfg, key) for key in keys})
 
 
 def train() -> None:

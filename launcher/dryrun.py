@@ -24,9 +24,10 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from launcher.config import TrainConfig
+from launcher.config import ModelConfig
 from launcher.flops import GIB
 from launcher.layout import Layout, build_mesh, rank_of, stage_layers
+from launcher.options import BuildOptions
 
 PER_RANK_LINES = 64  # above this many ranks, memory is printed per group of identical ranks
 
@@ -43,29 +44,31 @@ class Param:
     element_size: int
 
 
-def meta_model(cfg: TrainConfig) -> Any:
+def meta_model(cfg: ModelConfig) -> Any:
     """The model on the meta device (shapes, no storage), with a single block: every block has the
     same shapes, so a rank's blocks are copies of it (building 126 meta blocks takes seconds)."""
     from launcher.model.init import meta_model as build_meta
 
-    model = build_meta(replace(cfg.model, n_layers=1))
-    model.cfg = cfg.model
+    model = build_meta(replace(cfg, n_layers=1))
+    model.cfg = cfg
     return model
 
 
-def rank_model(template: Any, cfg: TrainConfig, layout: Layout, rank: int) -> Any:
+def rank_model(template: Any, cfg: ModelConfig, layout: Layout, rank: int) -> Any:
     """A fresh meta model holding the blocks of this rank's pipeline stages, under their global names."""
     from torch import nn
 
     stages = layout.pp_stages(layout.coordinates(rank)["pp"]) if layout.pp > 1 else [0]
-    per_stage = stage_layers(cfg.model.n_layers, layout.stages)
+    per_stage = stage_layers(cfg.n_layers, layout.stages)
     model = copy.deepcopy(template)
     block = model.layers["0"]
     model.layers = nn.ModuleDict({str(i): copy.deepcopy(block) for s in stages for i in per_stage[s]})
     return model
 
 
-def build_rank(cfg: TrainConfig, layout: Layout, rank: int, template: Any = None) -> tuple[list[Param], dict, list]:
+def build_rank(
+    cfg: ModelConfig, layout: Layout, options: BuildOptions, rank: int, template: Any = None
+) -> tuple[list[Param], dict, list]:
     """Shard the meta model as `rank` would: its parameters, {name: local shape}, pipeline stages."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -76,7 +79,7 @@ def build_rank(cfg: TrainConfig, layout: Layout, rank: int, template: Any = None
     model = rank_model(template or meta_model(cfg), cfg, layout, rank)
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=layout.world_size)
     try:
-        parts, stages = shard_model(model, layout, cfg, build_mesh(layout, "cpu"))
+        parts, stages = shard_model(model, layout, options, build_mesh(layout, "cpu"))
         params, local, seen = [], {}, set()
         for part in parts:
             for name, p in part.named_parameters():
@@ -162,14 +165,14 @@ def compact(held: list[tuple[str, tuple, tuple, str]]) -> list[str]:
     return out
 
 
-def dry_run(cfg: TrainConfig, layout: Layout, out: Any = print) -> dict[int, int]:
-    """Print what every rank would hold; return {rank: parameter bytes}."""
+def dry_run(cfg: ModelConfig, layout: Layout, options: BuildOptions, out: Any = print) -> dict[int, int]:
+    """Print what every rank of `layout` would hold of model `cfg`; return {rank: parameter bytes}."""
     t0 = time.perf_counter()
-    cfg = replace(cfg, compile=False)  # nothing runs: no need to compile
+    options = replace(options, compile=False)  # nothing runs: no need to compile
     template = meta_model(cfg)
     built = {}  # pipeline rank → (params, stages), from its dp 0 / tp 0 rank
     for pp_rank in range(layout.pp):
-        params, local, stages = build_rank(cfg, layout, rank_of(layout, pp=pp_rank), template)
+        params, local, stages = build_rank(cfg, layout, options, rank_of(layout, pp=pp_rank), template)
         assert local == local_shapes(params, layout, rank_of(layout, pp=pp_rank)), "derived shapes disagree"
         built[pp_rank] = params, stages
     # ranks of one pipeline position whose distinct (shape, placement) kinds shard alike hold alike
@@ -186,10 +189,9 @@ def dry_run(cfg: TrainConfig, layout: Layout, out: Any = print) -> dict[int, int
         groups[tuple((p.name, shapes[p.name], p.shape, placement_text(p)) for p in params)] = ranks
         nbytes = sum(math.prod(shapes[p.name]) * p.element_size for p in params)
         memory.update(dict.fromkeys(ranks, nbytes))
-    m = cfg.model
     cp = f"cp={layout.cp} " if layout.cp > 1 else ""
     out(
-        f"dry run: model {m.name} · layout tp={layout.tp} pp={layout.pp} {cp}dp={layout.dp} "
+        f"dry run: model {cfg.name} · layout tp={layout.tp} pp={layout.pp} {cp}dp={layout.dp} "
         f"(dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}) · {layout.world_size} ranks · "
         f"sequence_parallel={layout.sequence_parallel} · pp_schedule={layout.schedule} · "
         f"virtual_stages={layout.virtual_stages} · recompute={layout.recompute} · "

@@ -1,4 +1,4 @@
-"""Which numbers a run computes in: one decision, from the config and the layout.
+"""Which numbers a run computes in: one decision, from the dtype asked for, the device and the layout.
 
 - fp32: dtype=fp32, or dtype=auto on a CPU (bf16 is slower than fp32 there without AMX).
 - FSDP2 mixed precision on cuda where the layout shards with FSDP (dp_shard x cp > 1, HSDP included):
@@ -8,35 +8,45 @@
 - bf16 autocast everywhere else (one process, pure TP, DDP, and bf16 on a CPU): parameters and
   gradients stay fp32, matmuls run in bf16. No sharded gather to save there, and the same numbers
   as before on CPU.
+
+The decision needs no torch (`planner.resolve` takes it into BuildOptions.precision); the policy and
+the autocast context that carry it out import torch when the runtime asks for them.
 """
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from typing import TYPE_CHECKING
 
-from launcher.config import TrainConfig
 from launcher.layout import Layout
 
-# bf16 compute, fp32 gradient reduction; the sharded parameters (the master weights) stay fp32
-BF16_FSDP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
-def precision_mode(cfg: TrainConfig, layout: Layout) -> str:
-    """fp32 | fsdp_bf16 (FSDP2's MixedPrecisionPolicy) | autocast_bf16."""
-    cuda = cfg.hardware.kind == "cuda"
-    if not (cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda)):
+def precision_mode(dtype: str, kind: str, layout: Layout) -> str:
+    """fp32 | fsdp_bf16 (FSDP2's MixedPrecisionPolicy) | autocast_bf16, for config `dtype` on `kind`."""
+    cuda = kind == "cuda"
+    if not (dtype == "bf16" or (dtype == "auto" and cuda)):
         return "fp32"
     return "fsdp_bf16" if cuda and layout.fsdp_shard > 1 else "autocast_bf16"
 
 
-def fsdp_policy(cfg: TrainConfig, layout: Layout) -> MixedPrecisionPolicy | None:
-    """The policy `fully_shard` gets (None: FSDP's default, parameters in their own dtype)."""
-    return BF16_FSDP if precision_mode(cfg, layout) == "fsdp_bf16" else None
-
-
-def autocast_for(cfg: TrainConfig, layout: Layout, device: torch.device) -> torch.autocast | None:
-    """The autocast context the runner enters around forward (None: none)."""
-    if precision_mode(cfg, layout) != "autocast_bf16":
+def fsdp_policy(mode: str) -> MixedPrecisionPolicy | None:
+    """The policy `fully_shard` gets (None: FSDP's default, parameters in their own dtype): bf16
+    compute, fp32 gradient reduction; the sharded parameters (the master weights) stay fp32."""
+    if mode != "fsdp_bf16":
         return None
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def autocast_for(mode: str, device: torch.device) -> torch.autocast | None:
+    """The autocast context the runner enters around forward (None: none)."""
+    if mode != "autocast_bf16":
+        return None
+    import torch
+
     return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -27,9 +27,9 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from launcher.compat import bound_device, failure_line, leave_process_groups
-from launcher.config import TrainConfig
 from launcher.errors import CROSSING, Hung, LauncherError, WorkerFailed
-from launcher.layout import Layout, owner_rank
+from launcher.layout import owner_rank
+from launcher.options import Run
 from launcher.train.preemption import LOCAL_WORKER_ENV, STOP_SIGNALS, PreemptionFlag, local_worker_signals
 from launcher.train.watchdog import LocalMonitor, timeout_for, watching
 
@@ -139,14 +139,14 @@ def local_device(local_rank: int) -> int:
     return local_rank % max(1, torch.cuda.device_count())
 
 
-def join_group(cfg: TrainConfig, env: RankEnv, run_dir: Path) -> None:
+def join_group(run: Run, env: RankEnv, run_dir: Path) -> None:
     """Join the default process group: NCCL bound to this rank's GPU (set as the current device), its
     flight recorder writing under `run_dir`; gloo on CPUs."""
     import torch
     import torch.distributed as dist
 
     device = None
-    if cfg.hardware.kind == "cuda":
+    if run.options.device == "cuda":
         device = torch.device("cuda", local_device(env.local_rank))
         torch.cuda.set_device(device)
         flight_recorder_env(run_dir)
@@ -157,41 +157,40 @@ def join_group(cfg: TrainConfig, env: RankEnv, run_dir: Path) -> None:
         base, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size))
         store = dist.PrefixStore(f"launcher/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base)
     cuda = device is not None
-    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=cfg.nccl_timeout_s)
+    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=run.nccl_timeout_s)
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **bound_device(device)
     )
 
 
-def run_rank(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None = None) -> dict[str, Any]:
+def run_rank(run: Run, run_dir: Path) -> dict[str, Any]:
     """Body of every rank when the world is larger than one: join the group, train, leave."""
     if os.environ.get(LOCAL_WORKER_ENV):
         local_worker_signals()
     env = env_rank()
     assert env is not None, "run_rank needs RANK/WORLD_SIZE (torchrun, elastic launch) or SLURM variables"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    join_group(cfg, env, run_dir)
+    join_group(run, env, run_dir)
     try:
-        return train_rank(cfg, run_dir, env.rank, layout, prediction)
+        return train_rank(run, run_dir, env.rank)
     finally:
         leave_process_groups()
 
 
-def train_rank(cfg: TrainConfig, run_dir: Path, rank: int, layout: Layout, prediction: dict | None) -> dict[str, Any]:
+def train_rank(run: Run, run_dir: Path, rank: int) -> dict[str, Any]:
     """Train this rank, its phases reported to its watchdog (launcher/train/watchdog.py)."""
     from launcher.train.loop import train
 
-    with watching(cfg.watchdog, cfg.hardware.kind, run_dir, rank, layout.world_size, prediction) as watchdog:
-        return train(cfg, run_dir, rank, layout, prediction, watchdog)
+    world, step_s = run.layout.world_size, run.predicted_step_s
+    with watching(run.watchdog, run.options.device, run_dir, rank, world, step_s) as watchdog:
+        return train(run, run_dir, rank, watchdog)
 
 
-def start_local_workers(
-    cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None = None
-) -> dict[str, Any]:
+def start_local_workers(run: Run, run_dir: Path) -> dict[str, Any]:
     """One process per rank on this machine; returns the summary of the output-owning rank."""
-    agent = local_agent(cfg, run_dir, layout, prediction)
-    timeout_s = timeout_for(cfg.watchdog, cfg.hardware.kind, prediction)
-    monitor = LocalMonitor(run_dir / "watchdog", layout.world_size, timeout_s, cfg.hardware.kind == "cuda")
+    agent = local_agent(run, run_dir)
+    timeout_s = timeout_for(run.watchdog, run.options.device, run.predicted_step_s)
+    monitor = LocalMonitor(run_dir / "watchdog", run.layout.world_size, timeout_s, run.options.device == "cuda")
     os.environ[LOCAL_WORKER_ENV] = "1"  # inherited by the workers (see launcher/train/preemption.py)
     try:
         result = supervise(agent, monitor)
@@ -207,7 +206,7 @@ def start_local_workers(
         if kind in CROSSING:  # bad input found by the workers (no checkpoint loads: exit 2), a NaN loss (exit 3)
             raise CROSSING[kind](message)
         raise WorkerFailed(f"worker rank {rank} failed (exit {failure.exitcode}): {line}")
-    return result.return_values[owner_rank(layout)]
+    return result.return_values[owner_rank(run.layout)]
 
 
 # what a rank reports when another rank died under it: the symptom, never the cause
@@ -273,7 +272,7 @@ def stop_at_once(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def local_agent(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None) -> LocalElasticAgent:
+def local_agent(run: Run, run_dir: Path) -> LocalElasticAgent:
     """PyTorch's elastic agent for `run_rank` on this machine, built as `elastic_launch` builds it, but
     kept at hand: its worker group names the worker processes and its rendezvous can be closed."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -285,11 +284,11 @@ def local_agent(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dic
     rendezvous = RendezvousParameters("c10d", "127.0.0.1:0", uuid.uuid4().hex, min_nodes=1, max_nodes=1)
     spec = WorkerSpec(
         role="worker",
-        local_world_size=layout.world_size,
+        local_world_size=run.layout.world_size,
         rdzv_handler=get_rendezvous_handler(rendezvous),
         entrypoint=run_rank,
-        args=(cfg, run_dir, layout, prediction),
-        max_restarts=cfg.max_restarts,  # a restarted group resumes from the newest complete checkpoint
+        args=(run, run_dir),
+        max_restarts=run.max_restarts,  # a restarted group resumes from the newest complete checkpoint
         monitor_interval=0.1,
     )
     return LocalElasticAgent(spec, DefaultLogsSpecs(), start_method="spawn")
@@ -341,10 +340,10 @@ def kill_workers(agent: LocalElasticAgent, outcome: Future, wait_s: float = 10.0
         logging.disable(logging.NOTSET)
 
 
-def launch(cfg: TrainConfig, run_dir: Path, layout: Layout, prediction: dict | None = None) -> dict[str, Any]:
-    """Run every rank of `layout`; `prediction` (the planner's) goes into the run's summary."""
+def launch(run: Run, run_dir: Path) -> dict[str, Any]:
+    """Run every rank of `run.layout`; its prediction (the planner's) goes into the run's summary."""
     if env_rank() is not None:
-        return run_rank(cfg, run_dir, layout, prediction)
-    if layout.world_size == 1:
-        return train_rank(cfg, run_dir, 0, layout, prediction)
-    return start_local_workers(cfg, run_dir, layout, prediction)
+        return run_rank(run, run_dir)
+    if run.layout.world_size == 1:
+        return train_rank(run, run_dir, 0)
+    return start_local_workers(run, run_dir)

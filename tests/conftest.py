@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from launcher.cli import run_of
 from launcher.config import TrainConfig, compose_config
+from launcher.layout_config import from_config
+from launcher.options import Run
+from launcher.planner import Prediction, build_options
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +43,13 @@ def tiny_args(cache: str | Path, steps: int = 4) -> list[str]:
 def tiny_config(tmp_path: Path, *overrides: str) -> TrainConfig:
     """The TrainConfig of `tiny_args` (later overrides win)."""
     return make_config(*tiny_args(tmp_path / "cache"), *overrides)
+
+
+def run_for(cfg: TrainConfig, world: int | None = 1, prediction: Prediction | None = None) -> Run:
+    """The Run `train` hands its ranks for `cfg` on `world` ranks (None: the degrees' product), with
+    `prediction` as the planner's (None: none, so that nothing here depends on the calibration)."""
+    layout = from_config(cfg, world)
+    return run_of(cfg, layout, prediction, build_options(cfg, layout))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -11,14 +11,14 @@ import pytest
 
 from launcher.train.export import export
 from launcher.train.loop import train
-from tests.conftest import assert_bad_input, run_cli, tiny_args, tiny_config
+from tests.conftest import assert_bad_input, run_cli, run_for, tiny_args, tiny_config
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A `tiny` run's checkpoints and their Hugging Face export (`hf/`)."""
     tmp = tmp_path_factory.mktemp("tiny")
-    train(tiny_config(tmp, "steps=2", "checkpoint.every=2"), tmp / "run")
+    train(run_for(tiny_config(tmp, "steps=2", "checkpoint.every=2")), tmp / "run")
     export(str(tmp / "run" / "checkpoints"), str(tmp / "hf"), "hf")
     return tmp
 

@@ -27,9 +27,9 @@ from launcher.layout_config import from_config
 from launcher.model import Transformer
 from launcher.model.init import BLOCK, meta_model
 from launcher.parallel import parallelize, shard_model
-from launcher.planner import resolve
+from launcher.planner import build_options, resolve
 from launcher.train.loop import train
-from tests.conftest import run_cli, tiny_args, tiny_config
+from tests.conftest import run_cli, run_for, tiny_args, tiny_config
 from tests.dist import run
 
 MIB = 2**20
@@ -84,11 +84,11 @@ def build_within_budget(rank: int, world: int, overrides: list[str]) -> dict[str
     cfg = compose_config(*overrides)
     layout = from_config(cfg, world)
     mesh = build_mesh(layout, "cpu")
-    shards, largest = param_bytes(shard_model(meta_model(cfg.model), layout, cfg, mesh)[0])
+    shards, largest = param_bytes(shard_model(meta_model(cfg.model), layout, build_options(cfg, layout), mesh)[0])
     budget = AllocationBudget(shards + largest + SLACK)
     try:
         with budget:
-            runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), mesh)
+            runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), torch.device("cpu"))
     except OverBudget as err:
         return {"over_budget": str(err), "shards": shards, "largest": largest}
     held = param_bytes(runner.parts)[0]
@@ -116,7 +116,7 @@ def test_the_budget_stops_a_full_model_build_before_it_allocates() -> None:
 
 def test_steps_0_builds_reports_memory_and_stops(tmp_path: Any) -> None:
     cfg = tiny_config(tmp_path, "steps=0", "smoke=true")
-    summary = train(cfg, tmp_path / "r", prediction={"memory_gib": 1.5})
+    summary = train(run_for(cfg, prediction={"memory_gib": 1.5}), tmp_path / "r")
     assert summary["steps"] == 0 and summary["smoke_loss"] > 0
     assert summary["peak_mem_gib_per_rank"] == [summary["peak_mem_gib"]] and summary["peak_mem_gib"] > 0
     assert summary["cpu_allocator"] == "lean", "a memory check measures the run, not glibc's cache"
@@ -133,7 +133,7 @@ def test_out_of_memory_while_building_is_one_line(tmp_path: Any, monkeypatch: py
 
     monkeypatch.setattr("launcher.model.init.torch.randn", no_memory)
     with pytest.raises(OutOfMemory) as err:
-        train(tiny_config(tmp_path, "steps=0"), tmp_path / "r", prediction={"memory_gib": 1.5})
+        train(run_for(tiny_config(tmp_path, "steps=0"), prediction={"memory_gib": 1.5}), tmp_path / "r")
     line = str(err.value)
     assert "\n" not in line and err.value.exit_code == 1
     assert "rank 0" in line and "123456 bytes" in line and "planner estimated 1.50 GiB" in line
@@ -143,7 +143,7 @@ def test_steps_0_on_a_layout_that_does_not_fit_is_refused_unless_forced(tmp_path
     args = ("+model=1b", "steps=0", "hardware.memory_gib=1")
     with pytest.raises(LauncherError, match="force=true"):
         resolve(compose_config(*args), 1)
-    layout, prediction = resolve(compose_config(*args, "force=true"), 1)
+    layout, prediction, _ = resolve(compose_config(*args, "force=true"), 1)
     assert not prediction.fits
 
 

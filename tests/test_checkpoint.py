@@ -17,32 +17,32 @@ from launcher.model import Transformer
 from launcher.model.init import initialized_model
 from launcher.train.checkpoint import complete_checkpoints, resolve_resume
 from launcher.train.loop import train
-from tests.conftest import losses, run_cli, tiny_config
+from tests.conftest import losses, run_cli, run_for, tiny_config
 
 
 def test_resume_is_exact(tmp_path: Path) -> None:
     full = tmp_path / "full"
-    train(tiny_config(tmp_path, "steps=8", "checkpoint.every=4"), full)
+    train(run_for(tiny_config(tmp_path, "steps=8", "checkpoint.every=4")), full)
     assert [p.name for p in complete_checkpoints(full / "checkpoints")] == ["step_00000008", "step_00000004"]
     resumed = tmp_path / "resumed"
-    train(tiny_config(tmp_path, "steps=8", f"resume={full / 'checkpoints' / 'step_00000004'}"), resumed)
+    train(run_for(tiny_config(tmp_path, "steps=8", f"resume={full / 'checkpoints' / 'step_00000004'}")), resumed)
     expected = losses(full)
     assert losses(resumed) == {s: expected[s] for s in range(5, 9)}
 
 
 def test_keep_prunes_oldest_only_after_newer_complete(tmp_path: Path) -> None:
-    train(tiny_config(tmp_path, "steps=8", "checkpoint.every=2", "checkpoint.keep=2"), tmp_path / "r")
+    train(run_for(tiny_config(tmp_path, "steps=8", "checkpoint.every=2", "checkpoint.keep=2")), tmp_path / "r")
     names = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
     assert names == ["step_00000006", "step_00000008"]
 
 
 def test_corrupt_newest_falls_back_to_previous_and_keeps_it(tmp_path: Path, capsys) -> None:
     run = tmp_path / "r"
-    train(tiny_config(tmp_path, "steps=8", "checkpoint.every=4"), run)
+    train(run_for(tiny_config(tmp_path, "steps=8", "checkpoint.every=4")), run)
     newest = run / "checkpoints" / "step_00000008"
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
-    summary = train(tiny_config(tmp_path, "steps=10", "checkpoint.every=0"), run)
+    summary = train(run_for(tiny_config(tmp_path, "steps=10", "checkpoint.every=0")), run)
     assert "unreadable" in capsys.readouterr().out
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 10 and steps[8:] == [5, 6, 7, 8, 9, 10]  # resumed from step 4, not 8
@@ -68,9 +68,9 @@ def test_bad_resume_paths_are_one_line_errors(tmp_path: Path) -> None:
 
 def test_other_model_shape_names_the_tensor(tmp_path: Path) -> None:
     run = tmp_path / "r"
-    train(tiny_config(tmp_path, "steps=2", "checkpoint.every=2"), run)
+    train(run_for(tiny_config(tmp_path, "steps=2", "checkpoint.every=2")), run)
     with pytest.raises(LauncherError, match=r"holds .*weight with shape .* but the model has"):
-        train(tiny_config(tmp_path, "steps=4", "model.ffn_dim=64"), run)
+        train(run_for(tiny_config(tmp_path, "steps=4", "model.ffn_dim=64")), run)
 
 
 def test_full_disk_keeps_previous_checkpoint_and_training_goes_on(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -86,7 +86,7 @@ def test_full_disk_keeps_previous_checkpoint_and_training_goes_on(tmp_path: Path
 
     monkeypatch.setattr(filesystem.FileSystemWriter, "write_data", failing)
     run = tmp_path / "r"
-    summary = train(tiny_config(tmp_path, "steps=6", "checkpoint.every=2", "checkpoint.keep=1"), run)
+    summary = train(run_for(tiny_config(tmp_path, "steps=6", "checkpoint.every=2", "checkpoint.keep=1")), run)
     assert summary["steps"] == 6
     assert "no space left on device" in capsys.readouterr().out
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -128,7 +128,7 @@ def test_sigterm_saves_current_step_exits_preempted_and_resumes(tmp_path: Path) 
 
 def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "steps=3", "checkpoint.every=3")
-    train(cfg, tmp_path / "r")
+    train(run_for(cfg), tmp_path / "r")
     result = run_cli(
         "export-weights", str(tmp_path / "r" / "checkpoints"), str(tmp_path / "model.safetensors"), cwd=tmp_path
     )
@@ -153,10 +153,10 @@ def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
 
 def test_async_save_completes_and_resumes_exactly(tmp_path: Path) -> None:
     full = tmp_path / "full"
-    train(tiny_config(tmp_path, "steps=8", "checkpoint.every=4", "checkpoint.async_save=true"), full)
+    train(run_for(tiny_config(tmp_path, "steps=8", "checkpoint.every=4", "checkpoint.async_save=true")), full)
     assert [p.name for p in complete_checkpoints(full / "checkpoints")] == ["step_00000008", "step_00000004"]
     assert not list((full / "checkpoints").glob("*.partial"))
     resumed = tmp_path / "resumed"
-    train(tiny_config(tmp_path, "steps=8", f"resume={full / 'checkpoints' / 'step_00000004'}"), resumed)
+    train(run_for(tiny_config(tmp_path, "steps=8", f"resume={full / 'checkpoints' / 'step_00000004'}")), resumed)
     expected = losses(full)
     assert losses(resumed) == {s: expected[s] for s in range(5, 9)}

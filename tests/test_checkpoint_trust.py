@@ -14,7 +14,7 @@ from launcher.errors import LauncherError
 from launcher.train.export import export
 from launcher.train.loop import train
 from launcher.train.untrusted import read_metadata
-from tests.conftest import run_cli, tiny_args, tiny_config
+from tests.conftest import run_cli, run_for, tiny_args, tiny_config
 from tests.test_checkpoint import losses
 
 
@@ -38,7 +38,7 @@ def plant(file: Path, marker: Path) -> None:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted 8-step run with checkpoints at steps 4 and 8."""
     tmp = tmp_path_factory.mktemp("trust")
-    train(tiny_config(tmp, "steps=8", "checkpoint.every=4"), tmp / "run")
+    train(run_for(tiny_config(tmp, "steps=8", "checkpoint.every=4")), tmp / "run")
     return tmp / "run"
 
 
@@ -59,7 +59,7 @@ def test_crafted_file_in_newest_runs_nothing_and_falls_back_exactly(
     run, marker = copy_run(reference, tmp_path), tmp_path / "pwned"
     plant(run / "checkpoints" / "step_00000008" / FILES[kind], marker)
     capsys.readouterr()
-    train(tiny_config(tmp_path, "steps=8", "checkpoint.every=0"), run)
+    train(run_for(tiny_config(tmp_path, "steps=8", "checkpoint.every=0")), run)
     out = capsys.readouterr().out
     assert not marker.exists(), "unpickling the checkpoint ran code"
     warnings = [line for line in out.splitlines() if "unreadable" in line]
@@ -95,7 +95,7 @@ def test_damaged_checkpoint_is_kept_until_a_newer_one_is_saved(reference: Path, 
     run = copy_run(reference, tmp_path)
     damaged = run / "checkpoints" / "step_00000008"
     (damaged / "extras.json").write_text("{")
-    train(tiny_config(tmp_path, "steps=7", "checkpoint.every=2", "checkpoint.keep=1"), run)
+    train(run_for(tiny_config(tmp_path, "steps=7", "checkpoint.every=2", "checkpoint.keep=1")), run)
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == ["step_00000007", "step_00000008"], names  # 4 and 6 pruned; the damaged 8 is newer: kept
     assert (damaged / "extras.json").read_text() == "{"
@@ -105,7 +105,7 @@ def test_explicit_unreadable_path_is_one_line(reference: Path, tmp_path: Path) -
     run = copy_run(reference, tmp_path)
     (run / "checkpoints" / "step_00000004" / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(LauncherError, match=r"__0_0.distcp: truncated \(0 of \d+ bytes\)"):
-        train(tiny_config(tmp_path, "steps=8", f"resume={run / 'checkpoints' / 'step_00000004'}"), run)
+        train(run_for(tiny_config(tmp_path, "steps=8", f"resume={run / 'checkpoints' / 'step_00000004'}")), run)
 
 
 def test_file_damaged_for_one_rank_makes_every_rank_fall_back(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from launcher.train import ckpt_write
 from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.ckpt_write import TEST_DISK_FULL_ENV, cause
 from launcher.train.loop import train
-from tests.conftest import losses, run_cli, tiny_args, tiny_config
+from tests.conftest import losses, run_cli, run_for, tiny_args, tiny_config
 
 
 def names(root: Path) -> list[str]:
@@ -44,7 +44,7 @@ def test_cause_is_the_errno_or_the_free_space(tmp_path: Path, monkeypatch) -> No
 def test_failed_save_is_one_line_training_goes_on_and_resumes_exactly(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setenv(TEST_DISK_FULL_ENV, "4")
     run = tmp_path / "r"
-    summary = train(tiny_config(tmp_path, "steps=6", "checkpoint.every=2"), run)
+    summary = train(run_for(tiny_config(tmp_path, "steps=6", "checkpoint.every=2")), run)
     out = capsys.readouterr().out.strip().splitlines()
     assert out == [
         f"warning: checkpoint at step 4 failed: no space left on device ({run}/checkpoints/step_00000004.partial); "
@@ -57,7 +57,7 @@ def test_failed_save_is_one_line_training_goes_on_and_resumes_exactly(tmp_path: 
     assert summary["checkpoint_bytes_per_rank"] == [rows[2]["ckpt_bytes"]]
     monkeypatch.delenv(TEST_DISK_FULL_ENV)
     resumed = tmp_path / "resumed"
-    train(tiny_config(tmp_path, "steps=6", f"resume={run / 'checkpoints' / 'step_00000002'}"), resumed)
+    train(run_for(tiny_config(tmp_path, "steps=6", f"resume={run / 'checkpoints' / 'step_00000002'}")), resumed)
     assert losses(resumed) == {s: loss for s, loss in losses(run).items() if s > 2}
 
 
@@ -69,7 +69,7 @@ def test_stop_or_a_failed_final_save_ends_the_run(tmp_path: Path, monkeypatch, s
     monkeypatch.setenv(TEST_DISK_FULL_ENV, str(at))
     run = tmp_path / "r"
     with pytest.raises(CheckpointFailed, match=f"checkpoint at step {at} failed: no space left on device"):
-        train(tiny_config(tmp_path, "steps=4", "checkpoint.every=2", setting), run)
+        train(run_for(tiny_config(tmp_path, "steps=4", "checkpoint.every=2", setting)), run)
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == (["step_00000002"] if at == 4 else [])
     assert not list((run / "checkpoints").glob("*.partial"))
 
@@ -87,5 +87,5 @@ def test_final_save_failing_on_one_rank_exits_non_zero_in_one_line(tmp_path: Pat
     assert names(root) == ["step_00000002"]
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     measured = [r["ckpt_bytes"] for r in rows if "ckpt_bytes" in r]
-    _, prediction = resolve(tiny_config(tmp_path, "dp=2"))
+    _, prediction, _ = resolve(tiny_config(tmp_path, "dp=2"))
     assert len(measured) == 1 and measured[0] == pytest.approx(prediction.memory.checkpoint, rel=0.01)

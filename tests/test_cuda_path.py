@@ -19,16 +19,17 @@ from launcher.layout import build_mesh
 from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
-from launcher.precision import BF16_FSDP, autocast_for, fsdp_policy, precision_mode
+from launcher.planner import build_options
+from launcher.precision import autocast_for, fsdp_policy, precision_mode
 from launcher.spawn import CUDA_ENV, FLIGHT_RECORDER_FILE, cuda_env_defaults, run_rank
-from launcher.train.loop import pick_device
 from launcher.train.optim import adamw_impl, build_optimizer, optimizer_impl
+from launcher.train.setup import pick_device
 from launcher.validate import validate
-from tests.conftest import symm_mem_needs_enabling
+from tests.conftest import run_for, symm_mem_needs_enabling
 from tests.dist import run
 
 CUDA = HardwareConfig(name="h100_sxm", kind="cuda", peak_tflops=989.0)
-CPU = HardwareConfig()
+CPU = HardwareConfig(peak_tflops=1.0)  # a peak given: build_options calibrates none (make_cfg has no cache_dir)
 STEPS, SEQ, BATCH = 4, 16, 8
 
 
@@ -55,13 +56,13 @@ def make_cfg(hardware: HardwareConfig = CPU, **keys: object) -> TrainConfig:
 def test_precision_follows_hardware_and_layout(hardware: HardwareConfig, keys: dict, world: int, mode: str) -> None:
     cfg = make_cfg(hardware, **keys)
     layout = from_config(cfg, world)
-    assert precision_mode(cfg, layout) == mode
-    policy = fsdp_policy(cfg, layout)
-    assert (policy is BF16_FSDP) == (mode == "fsdp_bf16")
+    assert precision_mode(cfg.dtype, hardware.kind, layout) == mode
+    policy = fsdp_policy(mode)
+    assert (policy is not None) == (mode == "fsdp_bf16")
     if policy is not None:
         assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     if hardware.kind == "cpu":  # a CUDA autocast cannot be built on this machine
-        autocast = autocast_for(cfg, layout, torch.device("cpu"))
+        autocast = autocast_for(mode, torch.device("cpu"))
         assert (autocast is not None) == (mode == "autocast_bf16")
 
 
@@ -112,8 +113,10 @@ def test_cuda_env_defaults_only_on_cuda_and_never_override() -> None:
 def test_each_rank_computes_on_the_gpu_its_local_rank_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     """run_rank sets the device from the local rank (SLURM sets SLURM_LOCALID, not LOCAL_RANK)."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert pick_device(make_cfg(CUDA)) == torch.device("cuda", 3)
-    assert pick_device(make_cfg()) == torch.device("cpu")
+    cfg = make_cfg(CUDA)
+    options = build_options(cfg, from_config(cfg, 1))
+    assert pick_device(options) == torch.device("cuda", 3)
+    assert pick_device(replace(options, device="cpu")) == torch.device("cpu")
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +129,7 @@ def train_losses(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, obje
     layout = from_config(cfg, world_size)
     device = torch.device("cpu")
     mesh = build_mesh(layout, "cpu") if world_size > 1 else None
-    runner = parallelize(meta_model(cfg.model), layout, cfg, autocast_for(cfg, layout, device), device, mesh)
+    runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), device)
     fused = cfg.hardware.kind == "cuda"  # what a cuda run picks, forced onto these CPU tensors
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps, fusable=lambda p: fused)
     local = BATCH // layout.dp
@@ -176,7 +179,7 @@ def _shard_on_fake_world(cfg: TrainConfig, rank: int, world: int) -> dict[str, s
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world)
     try:
         mesh = build_mesh(layout, "cpu")
-        shard_model(build(cfg.model), layout, cfg, mesh)
+        shard_model(build(cfg.model), layout, build_options(cfg, layout), mesh)
         return {dim: mesh[dim].get_group().group_name for dim in ("tp", "dp_shard")}
     finally:
         dist.destroy_process_group()
@@ -249,7 +252,7 @@ def test_each_rank_joins_nccl_bound_to_its_gpu_with_the_flight_recorder_on(
     monkeypatch.setattr(launcher.spawn, "leave_process_groups", lambda: None)
     cfg = make_cfg(CUDA)
     cfg.batch["global"] = 32  # 16 data-parallel ranks (the layout is train's, mocked here)
-    assert run_rank(cfg, tmp_path, from_config(cfg, 16)) == {"trained": True}
+    assert run_rank(run_for(cfg, 16), tmp_path) == {"trained": True}
     device = torch.device("cuda", gpu)
     as_device = lambda d: torch.device("cuda", d) if isinstance(d, int) else torch.device(d)  # noqa: E731
     assert [as_device(args[0]) for args, _ in set_device.calls] == [device]

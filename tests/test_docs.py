@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, run_shell
+from tests.conftest import ROOT, run_for, run_shell
 from tests.textdata import train_bpe, write_corpus
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -73,7 +73,7 @@ def prepare_hf(command: str, tmp: Path) -> None:
     from launcher.train.loop import train
     from tests.conftest import tiny_config
 
-    train(tiny_config(tmp, "steps=2", "checkpoint.every=2"), tmp / "runs" / "tiny")
+    train(run_for(tiny_config(tmp, "steps=2", "checkpoint.every=2")), tmp / "runs" / "tiny")
     if "init.from=llama-tiny" in command:
         export(str(tmp / "runs" / "tiny" / "checkpoints"), str(tmp / "llama-tiny"), "hf")
 

@@ -18,6 +18,7 @@ from launcher.config import ModelConfig
 from launcher.flops import device_flop_per_byte, loss_chunk_rows
 from launcher.model import transformer
 from launcher.model.init import initialized_model
+from launcher.planner import build_options
 
 GQA = dict(n_heads=8, n_kv_heads=2)
 
@@ -153,7 +154,7 @@ def test_the_loss_chunks_follow_the_hardware_profile() -> None:
         keys = ("+model=tiny", f"hardware={hardware}", "model.vocab_size=8192", "model.dim=32", "seq_len=256")
         cfg = compose_config(*keys, "batch.micro=16", "compile=false", "dtype=fp32")
         layout = from_config(cfg, 1)
-        runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"))
+        runner = parallelize(meta_model(cfg.model), layout, None, build_options(cfg, layout), torch.device("cpu"))
         tokens = torch.randint(0, 8192, (16, 257), generator=torch.Generator().manual_seed(3))
         probe = LogitMatmuls(8192)
         with probe:

@@ -15,7 +15,7 @@ from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.guard import TEST_NAN_ENV
 from launcher.train.loop import train
 from launcher.train.untrusted import verify
-from tests.conftest import losses, run_cli, tiny_args, tiny_config
+from tests.conftest import losses, run_cli, run_for, tiny_args, tiny_config
 
 
 def assert_stopped(result, step: int, rank: int, run: Path, last: int) -> None:
@@ -48,12 +48,14 @@ def test_nan_on_one_data_parallel_rank_stops_every_rank(tmp_path: Path) -> None:
 
 def test_skip_nonfinite_skips_the_update_and_counts_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TEST_NAN_ENV, "3")
-    summary = train(tiny_config(tmp_path, "steps=5", "optim.skip_nonfinite=true", "checkpoint.every=0"), tmp_path / "r")
+    summary = train(
+        run_for(tiny_config(tmp_path, "steps=5", "optim.skip_nonfinite=true", "checkpoint.every=0")), tmp_path / "r"
+    )
     assert summary["skipped_steps"] == 1
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1]
     assert math.isnan(rows[2]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[3:])
     monkeypatch.delenv(TEST_NAN_ENV)
-    clean = train(tiny_config(tmp_path, "steps=2", "checkpoint.every=0"), tmp_path / "clean")
+    clean = train(run_for(tiny_config(tmp_path, "steps=2", "checkpoint.every=0")), tmp_path / "clean")
     assert [r["loss"] for r in rows[:2]] == list(losses(tmp_path / "clean").values())
     assert clean["skipped_steps"] == 0

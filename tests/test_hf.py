@@ -20,11 +20,12 @@ from launcher.model import Transformer
 from launcher.model.hf import HFFolder, check_folder, hf_name
 from launcher.model.init import materialize, meta_model
 from launcher.parallel import parallelize
+from launcher.planner import build_options
 from launcher.spawn import start_local_workers
 from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.export import consolidated_model_state, export, shard_groups
 from launcher.train.loop import train
-from tests.conftest import assert_bad_input, losses, run_cli, tiny_args, tiny_config
+from tests.conftest import assert_bad_input, losses, run_cli, run_for, tiny_args, tiny_config
 from tests.dist import run
 
 transformers = pytest.importorskip("transformers")  # the [hf] extra; `make setup` installs it
@@ -77,7 +78,7 @@ def test_shard_groups_bound_each_shard() -> None:
 @pytest.mark.parametrize("tied", [False, True])
 def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path, tied: bool) -> None:
     cfg = tiny_config(tmp_path, "steps=2", "checkpoint.every=2", f"model.tied_embeddings={tied}")
-    train(cfg, tmp_path / "r")
+    train(run_for(cfg), tmp_path / "r")
     out = tmp_path / "hf"
     result = run_cli("export-weights", str(tmp_path / "r" / "checkpoints"), str(out), "format=hf", "shard_gib=0.0001")
     assert result.returncode == 0, result.stderr
@@ -95,7 +96,9 @@ def read_on_every_layout(rank: int, world_size: int, folder: Path, cases: list[d
     for keys in cases:
         cfg = replace(tiny_config(Path("/unused"), f"init.from={folder}"), **keys)
         layout = from_config(cfg, world_size)
-        runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), build_mesh(layout, "cpu"))
+        runner = parallelize(
+            meta_model(cfg.model), layout, build_mesh(layout, "cpu"), build_options(cfg, layout), torch.device("cpu")
+        )
         params = {n: p for part in runner.parts for n, p in part.named_parameters()}
         out.append({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()})
     return out
@@ -131,9 +134,9 @@ def test_import_gives_transformers_logits_then_trains_under_tp2_as_one_process(t
         torch.testing.assert_close(model.eval()(TOKENS), hf_logits(folder), rtol=0, atol=1e-5)
 
     ref = tiny_config(tmp_path, *overrides)
-    train(ref, tmp_path / "single")
+    train(run_for(ref), tmp_path / "single")
     cfg = tiny_config(tmp_path, *overrides, "tp=2", "threads=1")
-    start_local_workers(cfg, tmp_path / "tp2", from_config(cfg, None))
+    start_local_workers(run_for(cfg, None), tmp_path / "tp2")
     expected = losses(tmp_path / "single")
     assert losses(tmp_path / "tp2") == pytest.approx(expected, rel=1e-4)
     assert losses(tmp_path / "tp2")[1] < 10  # started from the folder, not from NaN or a random model
@@ -179,18 +182,18 @@ def test_damaged_or_rescaled_folders_are_one_line(tmp_path: Path) -> None:
     shard = sorted(folder.glob("model-*.safetensors"))[-1]
     shard.write_bytes(b"\xff" * 64)
     with pytest.raises(LauncherError, match=f"cannot read .* from {shard.name}"):
-        check_folder(tiny_config(tmp_path, f"init.from={folder}"))
+        check_folder(tiny_config(tmp_path).model, str(folder))
     scaled = hf_folder(tmp_path / "scaled")
     config = json.loads((scaled / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
     (scaled / "config.json").write_text(json.dumps(config))
     with pytest.raises(LauncherError, match="rope_type=llama3"):
-        check_folder(tiny_config(tmp_path, f"init.from={scaled}"))
+        check_folder(tiny_config(tmp_path).model, str(scaled))
 
 
 def test_export_format_hf_refuses_a_non_llama_model(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "steps=1", "checkpoint.every=1", "model.mlp=gelu")
-    train(cfg, tmp_path / "r")
+    train(run_for(cfg), tmp_path / "r")
     result = run_cli("export-weights", str(tmp_path / "r" / "checkpoints"), str(tmp_path / "hf"), "format=hf")
     assert result.returncode == 2 and "model.mlp=gelu (Llama: swiglu)" in result.stderr, result.stderr
     assert not (tmp_path / "hf").exists()

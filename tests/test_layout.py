@@ -11,7 +11,7 @@ import pytest
 from launcher.errors import LauncherError
 from launcher.layout import Layout, owner_rank, rank_of, rank_stages, stage_layers
 from launcher.layout_config import check_environment, from_config
-from launcher.planner import resolve
+from launcher.planner import build_options, resolve
 from tests.conftest import make_config, run_cli
 
 
@@ -79,7 +79,7 @@ def test_layers_split_evenly_extra_layers_to_the_first_stages() -> None:
 def error(*overrides: str, world_size: int | None = None) -> str:
     cfg = make_config("+model=small", *overrides)
     with pytest.raises(LauncherError) as info:
-        layout, _ = resolve(cfg, world_size)
+        layout, _, _ = resolve(cfg, world_size)
         check_environment(cfg, layout, local=world_size is None)
     message = str(info.value)
     assert "\n" not in message
@@ -133,7 +133,7 @@ def test_valid_layouts_pass() -> None:
         (("hardware=h200", "tp=4", "pp=2", "dry_run=true"), (4, 2, 1, 8)),  # dp fills the node's 8 GPUs
     ):
         cfg = make_config("+model=small", *overrides)
-        layout, _ = resolve(cfg)
+        layout, _, _ = resolve(cfg)
         assert (layout.tp, layout.pp, layout.dp, layout.world_size) == degrees, overrides
         if not cfg.dry_run:  # as the CLI: a dry run needs no devices
             check_environment(cfg, layout, local=True)
@@ -162,8 +162,8 @@ def test_dry_run_70b_tp8_pp4_dp2_ranks() -> None:
     from launcher.dryrun import build_rank, local_shapes
 
     cfg = make_config("+model=70b", "tp=8", "pp=4", "dp=2", "dry_run=true")
-    layout, _ = resolve(cfg)
-    params, first, stages = build_rank(cfg, layout, 0)
+    layout, _, _ = resolve(cfg)
+    params, first, stages = build_rank(cfg.model, layout, build_options(cfg, layout), 0)
     assert stages == [0]
     assert first["tok_embeddings.weight"] == (8016, 8192)  # 128256 / tp 8 / dp_shard 2
     assert (
@@ -171,7 +171,7 @@ def test_dry_run_70b_tp8_pp4_dp2_ranks() -> None:
         and "layers.19.ffn_norm.weight" in first
         and "layers.20.ffn_norm.weight" not in first
     )
-    params, last, stages = build_rank(cfg, layout, 63)
+    params, last, stages = build_rank(cfg.model, layout, build_options(cfg, layout), 63)
     assert stages == [3] and "output.weight" in last and "layers.79.attention.wq.weight" in last
     assert last["layers.79.feed_forward.w2.weight"] == (4096, 3584)  # (8192 / dp_shard 2, 28672 / tp 8)
     assert local_shapes(params, layout, 50) == last  # same stage, other tp / dp coordinates, even shards
@@ -197,6 +197,6 @@ def test_dry_run_derived_shapes_equal_building_every_rank(overrides: tuple[str, 
     layout = from_config(cfg, None)
     representative = {}
     for rank in range(layout.world_size):
-        params, built, _ = build_rank(cfg, layout, rank)
+        params, built, _ = build_rank(cfg.model, layout, build_options(cfg, layout), rank)
         representative.setdefault(layout.coordinates(rank)["pp"], params)
         assert local_shapes(representative[layout.coordinates(rank)["pp"]], layout, rank) == built, rank

@@ -19,7 +19,7 @@ from launcher.model.init import initialized_model
 from launcher.model.moe import MoE, balance_step, moe_layers
 from launcher.model.transformer import Transformer
 from launcher.planner import resolve
-from tests.conftest import assert_bad_input, run_cli, tiny_args
+from tests.conftest import assert_bad_input, run_cli, run_for, tiny_args
 
 
 def moe_cfg(**moe: object):
@@ -176,7 +176,7 @@ def test_bias_balancing_beats_none_and_matches_aux(tmp_path: Path) -> None:
     results = {}
     for mode in ("bias", "aux", "none"):
         cfg = compose_config(*common, f"model.moe.balance={mode}")
-        summary = train(cfg, tmp_path / mode)
+        summary = train(run_for(cfg), tmp_path / mode)
         rows = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
         late = [r["moe_load_imbalance"] for r in rows[-10:]]
         results[mode] = (sum(late) / len(late), summary["val_loss"])

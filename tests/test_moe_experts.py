@@ -13,6 +13,7 @@ from launcher.config import compose_config
 from launcher.model import experts as ex
 from launcher.model.init import initialized_model
 from launcher.model.moe import MoE, moe_layers
+from tests.conftest import run_for
 
 COUNTS = [3, 0, 9, 8]  # an empty group, groups of unaligned sizes
 
@@ -87,6 +88,8 @@ def test_parallelize_sets_the_path_and_the_summary_records_it(tmp_path) -> None:
     from launcher.train.loop import train
     from tests.conftest import tiny_config
 
-    summary = train(tiny_config(tmp_path, "model=moe_tiny", "steps=1", "checkpoint.every=0"), tmp_path / "run")
+    summary = train(run_for(tiny_config(tmp_path, "model=moe_tiny", "steps=1", "checkpoint.every=0")), tmp_path / "run")
     assert summary["expert_impl"] == "loop"
-    assert "expert_impl" not in train(tiny_config(tmp_path, "steps=1", "checkpoint.every=0"), tmp_path / "dense")
+    assert "expert_impl" not in train(
+        run_for(tiny_config(tmp_path, "steps=1", "checkpoint.every=0")), tmp_path / "dense"
+    )

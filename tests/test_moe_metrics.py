@@ -26,7 +26,7 @@ from launcher.model.init import initialized_model
 from launcher.model.moe import balance_step, moe_layers
 from launcher.planner import resolve
 from launcher.train.loop import train
-from tests.conftest import tiny_config
+from tests.conftest import run_for, tiny_config
 
 
 def fake_layer(index: int, bias: float, capacity: float | None = None) -> SimpleNamespace:
@@ -146,7 +146,7 @@ def test_train_shows_the_table_and_logs_histograms_at_log_steps(
 ) -> None:
     overrides = ["model=moe_tiny", "steps=4", "checkpoint.every=0", "metrics.log_every=2", "metrics.console=plain"]
     cfg = tiny_config(tmp_path, *overrides, "metrics.moe_table=true", "metrics.wandb.mode=offline")
-    train(cfg, tmp_path / "run")
+    train(run_for(cfg), tmp_path / "run")
     out = capsys.readouterr().out
     assert out.count("MoE load per layer") == 2  # plain: under the line of each logged step, 2 and 4
     assert [step for _, step in fake_wandb.logged] == [2, 4]

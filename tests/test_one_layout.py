@@ -18,8 +18,8 @@ from launcher.layout import rules as layout_rules
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.parallel.pipeline import SCHEDULES
-from launcher.planner import resolve
-from launcher.train.loop import loaders
+from launcher.planner import build_options, resolve
+from launcher.train.setup import loaders
 
 SEQ = 16
 # tiny, with layers for pp=4 x 2 virtual stages and KV heads for tp=4
@@ -49,12 +49,12 @@ def runtime_step(cfg, lay) -> tuple[int, int, int]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     tokens = np.arange(4096, dtype=np.uint16) % 256
-    train_loader, _ = loaders(cfg, lay, Splits(tokens, tokens, 256), dp_rank=0)
+    train_loader, _ = loaders(lay, Splits(tokens, tokens, 256), build_options(cfg, lay), dp_rank=0)
     inputs, targets = train_loader.next_batch()
     model = meta_model(cfg.model)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=lay.world_size)
     try:
-        runner = parallelize(model, lay, cfg, None, torch.device("cpu"), build_mesh(lay, "cpu"))
+        runner = parallelize(model, lay, build_mesh(lay, "cpu"), build_options(cfg, lay), torch.device("cpu"))
         if lay.pp > 1:
             schedule = runner.schedule
             assert isinstance(schedule, SCHEDULES[lay.schedule])
@@ -72,7 +72,7 @@ def runtime_step(cfg, lay) -> tuple[int, int, int]:
 @pytest.mark.parametrize("overrides", cases(), ids=" ".join)
 def test_the_planned_step_is_the_step_that_runs(overrides: tuple[str, ...]) -> None:
     cfg = compose_config(*MODEL, *overrides)
-    lay, prediction = resolve(cfg)
+    lay, prediction, _ = resolve(cfg)
     sequences, per_microbatch, count = runtime_step(cfg, lay)
     assert prediction.layout == lay
     assert prediction.tokens_per_step == sequences * SEQ
@@ -88,7 +88,7 @@ def test_the_searched_step_is_the_step_that_runs(world: int) -> None:
     """Keys left auto: the planner's best layout (inside torchrun of `world` ranks) runs as planned."""
     auto = ("tp=auto", "pp=auto", "pp_schedule=auto", "recompute=auto", "batch.micro=auto", "batch.global=32")
     cfg = compose_config(*MODEL, *auto)
-    lay, prediction = resolve(cfg, world)
+    lay, prediction, _ = resolve(cfg, world)
     sequences, per_microbatch, count = runtime_step(cfg, lay)
     assert lay.world_size == world and sequences == 32
     assert (prediction.tokens_per_step, prediction.tokens_per_microbatch) == (sequences * SEQ, per_microbatch * SEQ)
@@ -99,7 +99,7 @@ def test_the_issues_two_examples() -> None:
     """pp=2 batch.micro=8: 4 microbatches of 8; pp=2 batch.micro=4 batch.global=32: 8 of 4."""
     for overrides, expected in ((("batch.micro=8",), (32, 8, 4)), (("batch.micro=4", "batch.global=32"), (32, 4, 8))):
         cfg = compose_config(*MODEL, "pp=2", *overrides)
-        lay, prediction = resolve(cfg)
+        lay, prediction, _ = resolve(cfg)
         assert runtime_step(cfg, lay) == expected
         assert prediction.tokens_per_step == expected[0] * SEQ
 

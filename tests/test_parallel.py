@@ -26,6 +26,7 @@ from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.parallel.context import split_sequence
+from launcher.planner import build_options
 from launcher.train.optim import build_optimizer
 from tests.conftest import selected_cases
 from tests.dist import run_many
@@ -139,7 +140,7 @@ def train_case(
     `each_step(runner)` after every optimizer step (what a caller records beyond these)."""
     layout = from_config(cfg, world_size)
     mesh = build_mesh(layout, "cpu") if world_size > 1 else None
-    runner = parallelize(meta_model(cfg.model), layout, cfg, None, torch.device("cpu"), mesh)
+    runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), torch.device("cpu"))
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
     coords = layout.coordinates(torch.distributed.get_rank()) if mesh is not None else {"dp": 0, "cp": 0}
     local = GLOBAL_BATCH // layout.dp

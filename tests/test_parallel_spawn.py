@@ -10,19 +10,17 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import FAILED, WorkerFailed
-from launcher.layout_config import from_config
 from launcher.spawn import first_cause, start_local_workers
 from launcher.train.loop import train
-from tests.conftest import tiny_config
+from tests.conftest import run_for, tiny_config
 
 
 def test_train_tp2_pp2_matches_one_process(tmp_path: Path) -> None:
     overrides = ("hardware.peak_tflops=1.0", "steps=3", "batch.global=8", "eval.every=3", "eval.batches=1")
     single = tiny_config(tmp_path, *overrides, f"run_dir={tmp_path / 'single'}")
-    ref = train(single, tmp_path / "single")
+    ref = train(run_for(single), tmp_path / "single")
     cfg = tiny_config(tmp_path, *overrides, "tp=2", "pp=2", "pp_schedule=gpipe", "threads=1")
-    layout = from_config(cfg, None)
-    summary = start_local_workers(cfg, tmp_path / "par", layout)
+    summary = start_local_workers(run_for(cfg, None), tmp_path / "par")
     assert summary["world_size"] == 4 and summary["layout"]["pp"] == 2
     assert summary["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4)
     assert summary["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-4)
@@ -55,6 +53,6 @@ def test_a_dying_worker_takes_the_job_down_with_its_rank_and_error(tmp_path: Pat
     (run_dir / "metrics.jsonl").mkdir(parents=True)
     start = time.monotonic()
     with pytest.raises(WorkerFailed, match=r"worker rank 0 failed \(exit 1\): IsADirectoryError") as failed:
-        start_local_workers(cfg, run_dir, from_config(cfg, None))
+        start_local_workers(run_for(cfg, None), run_dir)
     assert failed.value.exit_code == FAILED  # what `train` exits with
     assert time.monotonic() - start < 90

@@ -266,12 +266,12 @@ def test_run_plan_table_and_constraints(capsys):
 def test_resolve_fills_autos_with_the_best_layout():
     cfg = make_cfg("70b", nodes=4, seq_len=4096, batch={"micro": "auto", "global": 128}, tp="auto", pp="auto",
                    pp_schedule="auto", recompute="auto")  # fmt: skip
-    best, prediction = planner.resolve(cfg, 32)
+    best, prediction, options = planner.resolve(cfg, 32)
     assert cfg.tp == "auto" and prediction.layout == best == planner.plan(cfg, 32)[1].ranked[0].layout
     assert best.world_size == 32 and best.global_batch == 128 and best.recompute in ("none", "selective", "full")
     pinned = make_cfg("70b", nodes=4, seq_len=4096, batch={"micro": best.micro, "global": 128},
                       **{k: v for k, v in best.settings().items() if "." not in k})  # fmt: skip
-    assert planner.resolve(pinned, 32) == (best, prediction)  # the same layout given by hand: the same run
+    assert planner.resolve(pinned, 32) == (best, prediction, options)  # the same layout given by hand: the same run
     pred = prediction.as_dict()
     json.dumps(pred)
     assert pred["fits"] and pred["memory_gib"] <= 74.5

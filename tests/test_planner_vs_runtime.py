@@ -31,6 +31,7 @@ from bench.recompute import held_bytes, memory_rows, tp2_memory_worker
 from launcher.flops import head_dim
 from launcher.layout_config import from_config
 from launcher.model.transformer import Block, rope_tables
+from launcher.planner import build_options
 from launcher.planner.memory import layer_activation_bytes
 from tests.dist import run
 
@@ -105,7 +106,9 @@ def zero_worker(rank: int, world: int) -> dict[str, int]:
     for reshard in ("always", "never"):
         cfg = resolved_config(1, 1, 2, SEQ, 2, f"fsdp.reshard_after_forward={reshard}")
         lay = from_config(cfg, world)
-        model = parallelize(meta_model(cfg.model), lay, cfg, None, torch.device("cpu"), build_mesh(lay)).parts[0]
+        model = parallelize(
+            meta_model(cfg.model), lay, build_mesh(lay), build_options(cfg, lay), torch.device("cpu")
+        ).parts[0]
         model(torch.zeros(1, SEQ, dtype=torch.long))
         out[reshard] = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
         out["stage"] = rank_params(cfg.model, lay, 0)

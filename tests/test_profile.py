@@ -12,12 +12,12 @@ import pytest
 from launcher.errors import LauncherError
 from launcher.train.loop import train
 from launcher.validate import validate
-from tests.conftest import run_cli, tiny_args, tiny_config
+from tests.conftest import run_cli, run_for, tiny_args, tiny_config
 
 
 def test_profile_writes_a_trace_of_the_asked_steps_and_a_top_ops_line(tmp_path: Path) -> None:
     run = tmp_path / "r"
-    summary = train(tiny_config(tmp_path, "steps=4", "profile.start=2", "profile.steps=2"), run)
+    summary = train(run_for(tiny_config(tmp_path, "steps=4", "profile.start=2", "profile.steps=2")), run)
     trace = json.loads((run / "profile" / "rank0.trace.json").read_text())
     steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("step_")}
     assert steps == {"step_2", "step_3"}

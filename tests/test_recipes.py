@@ -36,7 +36,7 @@ def test_the_promised_recipes_exist() -> None:
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_recipe_is_accepted_and_header_states_the_prediction(name: str) -> None:
     cfg = compose_config(f"+recipe={name}")
-    _, prediction = resolve(cfg)  # raises if refused, or predicted not to fit
+    _, prediction, _ = resolve(cfg)  # raises if refused, or predicted not to fit
     header = (Path(CONF_DIR) / "recipe" / f"{name}.yaml").read_text()
     stated = float(re.search(r"Planner prediction: MFU ([\d.]+)%", header).group(1))
     assert stated == pytest.approx(100 * prediction.mfu, abs=0.1), "re-run the planner and update the header"

@@ -14,22 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from launcher.layout_config import from_config
 from launcher.spawn import start_local_workers
 from launcher.train.loop import train
-from tests.conftest import losses, tiny_config, worker_pids
+from tests.conftest import losses, run_for, tiny_config, worker_pids
 
 COMMON = ("hardware.peak_tflops=1.0", "steps=6", "batch.global=8", "threads=1")
 
 
 def run(tmp_path: Path, name: str, *overrides: str) -> Path:
     cfg = tiny_config(tmp_path, *COMMON, *overrides)
-    layout = from_config(cfg, None)
-    run_dir = tmp_path / name
-    if layout.world_size == 1:
-        train(cfg, run_dir)
+    job, run_dir = run_for(cfg, None), tmp_path / name
+    if job.layout.world_size == 1:
+        train(job, run_dir)
     else:
-        start_local_workers(cfg, run_dir, layout)
+        start_local_workers(job, run_dir)
     return run_dir
 
 

@@ -18,13 +18,12 @@ import torch
 
 from launcher.data import BatchLoader
 from launcher.errors import NON_FINITE, LauncherError
-from launcher.layout_config import from_config
 from launcher.spawn import start_local_workers
 from launcher.train.guard import TEST_NAN_ENV
 from launcher.train.loop import train
 from launcher.train.spike import TEST_SPIKE_ENV, Detector
 from launcher.validate import validate
-from tests.conftest import losses, make_config, run_cli, tiny_args, tiny_config
+from tests.conftest import losses, make_config, run_cli, run_for, tiny_args, tiny_config
 
 # checked from step 6 (after 2 warm-up steps, a window of 3); a snapshot every 3 steps
 GUARD = ("guard.warmup=2", "guard.window=3", "guard.snapshot_every=3", "checkpoint.every=0", "hardware.peak_tflops=1.0")
@@ -32,11 +31,11 @@ GUARD = ("guard.warmup=2", "guard.window=3", "guard.snapshot_every=3", "checkpoi
 
 def run(tmp_path: Path, name: str, *overrides: str) -> Path:
     cfg = tiny_config(tmp_path, "steps=12", *GUARD, *overrides)
-    layout = from_config(cfg, None)
-    if layout.world_size == 1:
-        train(cfg, tmp_path / name)
+    job = run_for(cfg, None)
+    if job.layout.world_size == 1:
+        train(job, tmp_path / name)
     else:
-        start_local_workers(cfg, tmp_path / name, layout)
+        start_local_workers(job, tmp_path / name)
     return tmp_path / name
 
 

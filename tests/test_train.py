@@ -11,7 +11,7 @@ import pytest
 from launcher.layout_config import from_config
 from launcher.spawn import RankEnv, env_rank
 from launcher.train.loop import train
-from tests.conftest import run_cli, tiny_config
+from tests.conftest import run_cli, run_for, tiny_config
 
 JSONL_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_gib"}
 SUMMARY_KEYS = {"final_loss", "val_loss", "median_tokens_per_s", "median_mfu", "world_size", "layout", "wall_time_s"}
@@ -24,20 +24,20 @@ def losses(run_dir: Path) -> list[float]:
 def test_same_seed_same_losses_other_seed_other_losses(tmp_path: Path) -> None:
     runs = {}
     for name, seed in [("a", 7), ("b", 7), ("c", 8)]:
-        train(tiny_config(tmp_path, f"seed={seed}"), tmp_path / name)
+        train(run_for(tiny_config(tmp_path, f"seed={seed}")), tmp_path / name)
         runs[name] = losses(tmp_path / name)
     assert runs["a"] == runs["b"]
     assert runs["a"] != runs["c"]
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path: Path) -> None:
-    accumulated = train(tiny_config(tmp_path, "batch.micro=2", "batch.global=8"), tmp_path / "acc")
-    whole = train(tiny_config(tmp_path, "batch.micro=8"), tmp_path / "whole")
+    accumulated = train(run_for(tiny_config(tmp_path, "batch.micro=2", "batch.global=8")), tmp_path / "acc")
+    whole = train(run_for(tiny_config(tmp_path, "batch.micro=8")), tmp_path / "whole")
     assert accumulated["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-4)
 
 
 def test_loss_falls(tmp_path: Path) -> None:
-    summary = train(tiny_config(tmp_path, "steps=40", "optim.warmup_steps=5", "optim.lr=1e-2"), tmp_path / "r")
+    summary = train(run_for(tiny_config(tmp_path, "steps=40", "optim.warmup_steps=5", "optim.lr=1e-2")), tmp_path / "r")
     curve = losses(tmp_path / "r")
     assert summary["final_loss"] < curve[0] - 1.0, curve
 
@@ -47,7 +47,7 @@ def test_outputs_jsonl_summary_and_wandb_offline_without_api_key(tmp_path: Path,
     monkeypatch.setenv("WANDB_API_KEY", secret)
     run_dir = tmp_path / "run"
     cfg = tiny_config(tmp_path, "metrics.wandb.mode=offline", "eval.every=2", "eval.batches=1")
-    summary = train(cfg, run_dir)
+    summary = train(run_for(cfg), run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(JSONL_KEYS <= r.keys() for r in rows)

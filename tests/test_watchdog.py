@@ -146,22 +146,22 @@ def test_describe_names_who_stopped_and_who_waits() -> None:
 
 
 def test_the_timeout_fits_the_predicted_step_with_a_floor() -> None:
-    assert timeout_for(WatchdogConfig(), "cpu", None) == 60
-    assert timeout_for(WatchdogConfig(), "cuda", {"step_time_s": 0.5}) == 300
-    assert timeout_for(WatchdogConfig(), "cuda", {"step_time_s": 30.0}) == 600
-    assert timeout_for(WatchdogConfig(timeout_s=0), "cuda", None) == 0
+    assert timeout_for(WatchdogConfig(), "cpu", 0.0) == 60
+    assert timeout_for(WatchdogConfig(), "cuda", 0.5) == 300
+    assert timeout_for(WatchdogConfig(), "cuda", 30.0) == 600
+    assert timeout_for(WatchdogConfig(timeout_s=0), "cuda", 0.0) == 0
 
 
 def test_gloo_process_group_timeout_follows_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
     from launcher.spawn import RankEnv, join_group
-    from tests.conftest import tiny_config
+    from tests.conftest import run_for, tiny_config
 
     seen = {}
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    join_group(tiny_config(tmp_path, "nccl_timeout_s=42"), RankEnv(0, 1, 0), tmp_path)
+    join_group(run_for(tiny_config(tmp_path, "nccl_timeout_s=42")), RankEnv(0, 1, 0), tmp_path)
     assert seen["backend"] == "gloo" and seen["timeout"] == timedelta(seconds=42)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.config import ModelConfig, TrainConfig
+from launcher.config import ModelConfig
 from launcher.errors import LauncherError
 from launcher.extras import require
 from launcher.flops import head_dim
@@ -202,22 +202,20 @@ def safetensors_keys(file: Path) -> list[str]:
         return list(f.keys())
 
 
-def init_source(cfg: TrainConfig) -> HFFolder | None:
+def init_source(path: str | None) -> HFFolder | None:
     """Where a run's initial weights come from: an HF folder (`init.from`), or None (seeded random)."""
-    path = cfg.init.get("from")
     return HFFolder.open(path) if path else None
 
 
-def check_folder(cfg: TrainConfig) -> None:
+def check_folder(model: ModelConfig, path: str | None) -> None:
     """Before any worker starts: `init.from` is a readable Llama folder whose tensors have exactly the
     model's shapes, and whose settings (norm eps, RoPE theta, tied embeddings) are the model's; else one
     line naming the first that differs and the fix."""
     from launcher.model.init import meta_model
 
-    path = cfg.init.get("from")
     if not path:
         return
-    check_llama(cfg.model, "init.from")
+    check_llama(model, "init.from")
     require("safetensors", what="init.from")
     folder = HFFolder.open(path)
     scaling = folder.config.get("rope_parameters") or folder.config.get("rope_scaling") or {}
@@ -228,13 +226,13 @@ def check_folder(cfg: TrainConfig) -> None:
             "give a folder with default RoPE"
         )
     for hf_key, (key, read) in SETTINGS.items():
-        theirs, ours = read(folder.config), getattr(cfg.model, key)
+        theirs, ours = read(folder.config), getattr(model, key)
         if theirs != ours and not (isinstance(ours, float) and math.isclose(theirs, ours, rel_tol=1e-9)):
             raise LauncherError(
                 f"init.from={path}: its config.json has {hf_key}={theirs} but model.{key}={ours}: "
                 f"set model.{key}={theirs}"
             )
-    for name, p in meta_model(cfg.model).named_parameters():
+    for name, p in meta_model(model).named_parameters():
         hf = folder.source(name)
         if hf not in folder.files:
             raise LauncherError(f"init.from={path} holds no tensor {hf} (the model's {name}): give a Llama folder")

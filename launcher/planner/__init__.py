@@ -1,8 +1,9 @@
 """The layout planner: predict memory, step time and MFU of every layout, pick the best, refuse what
 cannot fit. Pure Python: nothing here imports torch unless a profile needs calibrating (cpu).
 
-- `resolve(cfg, env_world_size)`: the run's one `Layout` and the prediction for it. The CLI's only
-  call into the planner: `train` and its dry run use it once, and the runtime reads the Layout.
+- `resolve(cfg, env_world_size)`: the run's one `Layout`, the prediction for it and the
+  `BuildOptions` (launcher/options.py). The CLI's only call into the planner: `train` and its dry
+  run use it once, and the runtime reads these, never the config.
 - `run_plan(cfg)`: the `plan` command (ranked table, or JSON with plan.format=json).
 - `plan(cfg, world)`: every valid layout of `world` devices, ranked (also the layout sweeper's).
 
@@ -15,17 +16,20 @@ memory, cost (step time), search (enumerate + rank), request (config -> search s
 
 from __future__ import annotations
 
-from launcher.config import TrainConfig
+from launcher.config import TrainConfig, compile_enabled
 from launcher.errors import LauncherError
-from launcher.flops import GIB
-from launcher.layout import Layout
+from launcher.flops import GIB, device_flop_per_byte
+from launcher.hardware import peak_flops
+from launcher.layout import Layout, async_tp_applies, worker_threads, workers_per_node
 from launcher.layout_config import from_config, launch_world_size, plan_world_size
+from launcher.options import BuildOptions
 from launcher.planner.report import to_json, to_table
 from launcher.planner.request import problem, space
 from launcher.planner.search import Prediction, Problem, Result, predict, search
+from launcher.precision import precision_mode
 from launcher.validate import validate
 
-__all__ = ["resolve", "run_plan", "plan", "Prediction", "Layout"]
+__all__ = ["resolve", "build_options", "run_plan", "plan", "Prediction", "Layout"]
 
 # `auto` here: the planner chooses
 SEARCHED = ("tp", "pp", "cp", "ep", "pp_schedule", "recompute", "recompute_layers", "batch.micro")
@@ -64,10 +68,10 @@ def searched(cfg: TrainConfig) -> list[str]:
     return [k for k in SEARCHED if (cfg.batch.get("micro") if k == "batch.micro" else getattr(cfg, k)) == "auto"]
 
 
-def resolve(cfg: TrainConfig, env_world_size: int | None = None) -> tuple[Layout, Prediction]:
-    """The run's layout and the planner's prediction for it. Keys left `auto` take the fastest layout
-    that fits the launch's world size; a layout predicted not to fit is refused (force=true runs it,
-    a dry run only reports it)."""
+def resolve(cfg: TrainConfig, env_world_size: int | None = None) -> tuple[Layout, Prediction, BuildOptions]:
+    """The run's layout, the planner's prediction for it, and how to build it. Keys left `auto` take
+    the fastest layout that fits the launch's world size; a layout predicted not to fit is refused
+    (force=true runs it, a dry run only reports it)."""
     validate(cfg)
     world = launch_world_size(cfg, env_world_size)
     auto = searched(cfg)
@@ -78,12 +82,30 @@ def resolve(cfg: TrainConfig, env_world_size: int | None = None) -> tuple[Layout
                 f"give {auto[0]} a value"
             )
         best = plan(cfg, world)[1].ranked[0]
-        return best.layout, best
+        return best.layout, best, build_options(cfg, best.layout)
     layout = from_config(cfg, world)
     prediction = predict(problem(cfg, layout.world_size), layout)
     if not prediction.fits and not (cfg.force or cfg.dry_run):
         raise too_big(cfg, prediction)
-    return layout, prediction
+    return layout, prediction, build_options(cfg, layout)
+
+
+def build_options(cfg: TrainConfig, layout: Layout) -> BuildOptions:
+    """What the runtime needs of `cfg` beyond `layout`, each decision taken here once."""
+    hw = cfg.hardware
+    threads = worker_threads(cfg.threads, workers_per_node(layout.world_size, cfg.nodes))
+    return BuildOptions(
+        seed=cfg.seed,
+        precision=precision_mode(cfg.dtype, hw.kind, layout),
+        compile=compile_enabled(cfg),
+        async_tp=async_tp_applies(layout, cfg.async_tp),
+        seq_len=cfg.seq_len,
+        init_from=cfg.init.get("from") or None,
+        device=hw.kind,
+        threads=threads,
+        peak_flops=peak_flops(hw, threads, cfg.cache_dir),
+        flop_per_byte=device_flop_per_byte(hw.kind, hw.peak_tflops, hw.memory_bandwidth_gbs),
+    )
 
 
 def too_big(cfg: TrainConfig, prediction: Prediction) -> LauncherError:

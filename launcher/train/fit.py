@@ -5,7 +5,7 @@ of a rank that runs out of memory while building."""
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,8 +13,11 @@ from launcher.errors import OutOfMemory
 from launcher.flops import GIB
 from launcher.layout import Layout
 from launcher.model.init import AllocationFailed
-from launcher.parallel import Runner
+from launcher.parallel.runner import Runner
 from launcher.train.preemption import collective_device
+
+if TYPE_CHECKING:
+    from launcher.planner import Prediction
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
 # cpu_allocator modes as (mallopt parameter, value) pairs; values are C ints
@@ -72,11 +75,11 @@ def memory_summary(per_rank: list[float], key: str = "peak_mem_gib") -> dict[str
     return {key: max(per_rank), f"{key}_per_rank": per_rank}
 
 
-def predicted_gib(prediction: dict[str, Any] | None) -> float | None:
-    return prediction.get("memory_gib") if prediction else None
+def predicted_gib(prediction: Prediction | None) -> float | None:
+    return prediction.memory.as_gib()["total"] if prediction else None
 
 
-def out_of_memory(rank: int, err: AllocationFailed, prediction: dict[str, Any] | None) -> OutOfMemory:
+def out_of_memory(rank: int, err: AllocationFailed, prediction: Prediction | None) -> OutOfMemory:
     predicted = predicted_gib(prediction)
     estimate = f"the planner estimated {predicted:.2f} GiB per rank" if predicted is not None else "no planner estimate"
     return OutOfMemory(
@@ -97,7 +100,7 @@ def smoke_step(runner: Runner, layout: Layout, batch: tuple[torch.Tensor, torch.
     return loss
 
 
-def memory_lines(per_rank: list[float], prediction: dict[str, Any] | None) -> list[str]:
+def memory_lines(per_rank: list[float], prediction: Prediction | None) -> list[str]:
     """One line per rank: measured peak beside the planner's prediction (its worst rank's memory)."""
     predicted = predicted_gib(prediction)
     versus = f" · predicted {predicted:.3f} GiB" if predicted is not None else ""

@@ -28,7 +28,7 @@ from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.preemption import collective_device
 
 if TYPE_CHECKING:
-    from launcher.parallel import Runner
+    from launcher.parallel.runner import Runner
     from launcher.train.checkpoint import Checkpointer
 
 TEST_NAN_ENV = "LAUNCHER_TEST_NAN"

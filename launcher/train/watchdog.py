@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from launcher.errors import HUNG
 from launcher.files import write_atomic
@@ -62,11 +62,10 @@ BACKSTOP_S = 60.0  # a local worker whose launcher did not kill it after its own
 TEST_HANG_ENV = "LAUNCHER_TEST_HANG"
 
 
-def timeout_for(cfg: WatchdogConfig, kind: str, prediction: dict[str, Any] | None) -> float:
+def timeout_for(cfg: WatchdogConfig, kind: str, step_s: float) -> float:
     """Seconds a phase may last (0: off): `watchdog.timeout_s`, or STEP_FACTOR predicted steps, at least FLOOR_S."""
     if cfg.timeout_s is not None:
         return float(cfg.timeout_s)
-    step_s = float((prediction or {}).get("step_time_s") or 0.0)
     return max(FLOOR_S.get(kind, FLOOR_S["cuda"]), STEP_FACTOR * step_s)
 
 
@@ -256,10 +255,10 @@ class Off:
 
 @contextmanager
 def watching(
-    cfg: WatchdogConfig, kind: str, run_dir: Path, rank: int, world: int, prediction: dict[str, Any] | None
+    cfg: WatchdogConfig, kind: str, run_dir: Path, rank: int, world: int, step_s: float
 ) -> Iterator[Watchdog | Off]:
     """This rank's watchdog for the life of its training (spawn.run_rank, and a world of one)."""
-    timeout_s = timeout_for(cfg, kind, prediction)
+    timeout_s = timeout_for(cfg, kind, step_s)
     local = bool(os.environ.get(LOCAL_WORKER_ENV))
     watchdog = Watchdog(run_dir / "watchdog", rank, world, timeout_s, local, kind == "cuda") if timeout_s else Off()
     try:

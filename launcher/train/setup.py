@@ -1,0 +1,169 @@
+"""A rank's setup for its run: its device, data, model shards, optimizer, metrics and checkpoints, and
+the state a resumed run continues from. Everything comes from the `Run` (launcher/options.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launcher import flops
+from launcher.data import BatchLoader, Splits, load_splits
+from launcher.layout import Layout, build_mesh, owner_rank
+from launcher.metrics.console import ConsoleView
+from launcher.metrics.meter import Meter
+from launcher.metrics.sinks import JsonlSink, WandbSink
+from launcher.model.init import AllocationFailed, meta_model
+from launcher.options import BuildOptions, Run
+from launcher.parallel import parallelize
+from launcher.parallel.runner import Runner
+from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
+from launcher.train.fit import allocator_mode, out_of_memory, set_cpu_allocator
+from launcher.train.guard import Guard
+from launcher.train.optim import build_optimizer
+from launcher.train.watchdog import Off, Watchdog
+
+log = logging.getLogger("launcher")
+
+
+@dataclass
+class Worker:
+    """One rank as `setup` built it for its run."""
+
+    run: Run
+    run_dir: Path
+    rank: int
+    owner: bool  # rank 0 of the last pipeline stage: the user-facing output is its own
+    device: torch.device
+    allocator: str  # how glibc's malloc was tuned (launcher/train/fit.py)
+    watchdog: Watchdog | Off
+    t_start: float
+    build_s: float  # from the start to the shards initialized
+    runner: Runner
+    optimizer: torch.optim.Optimizer
+    schedule: Any  # the learning-rate schedule
+    train_loader: BatchLoader
+    val_loader: BatchLoader
+    meter: Meter
+    view: ConsoleView
+    sinks: list[Any]
+    ckpt_root: Path
+    checkpointer: Checkpointer
+    guard: Guard
+    resumed: Stateful | None = None
+
+    @property
+    def start(self) -> int:
+        """The step training continues after: a resumed checkpoint's, else 0."""
+        return self.resumed.step if self.resumed is not None else 0
+
+    @property
+    def per_layer(self) -> bool:
+        """MoE: each layer's load, shown (moe_table) or logged (wandb)."""
+        return self.run.metrics.moe_table or self.run.metrics.wandb.mode != "disabled"
+
+
+def pick_device(options: BuildOptions) -> torch.device:
+    """cuda: the GPU `spawn.run_rank` set from the local rank (torchrun's LOCAL_RANK or SLURM_LOCALID;
+    SLURM sets no LOCAL_RANK), cuda:0 for a world of one."""
+    if options.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank_logger(run_dir: Path, rank: int) -> None:
+    handler = logging.FileHandler(run_dir / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def loaders(
+    layout: Layout, splits: Splits, options: BuildOptions, dp_rank: int, cp_rank: int = 0
+) -> tuple[BatchLoader, BatchLoader]:
+    """Training and validation batches: each step, `layout.local_batch` sequences per data-parallel
+    rank (its microbatches, which the runner splits; a cp rank's chunks of them), `layout.global_batch`
+    over all."""
+    batch, cp, seq, seed = layout.global_batch, (cp_rank, layout.cp), options.seq_len, options.seed
+    return (
+        BatchLoader(splits.train, seq, batch, dp_rank, layout.dp, seed, *cp),
+        BatchLoader(splits.val, seq, batch, dp_rank, layout.dp, seed + 1, *cp),
+    )
+
+
+def outputs(run: Run, run_dir: Path, owner: bool) -> tuple[ConsoleView, list[Any]]:
+    """The console view (the owner's; silent elsewhere) and the metrics sinks (the owner's only)."""
+    layout, options = run.layout, run.options
+    header = (
+        f"[bold]{run.model.name}[/] {flops.num_params(run.model) / 1e6:.1f}M params · layout {asdict(layout)} · "
+        f"batch {layout.global_batch}x{options.seq_len} · {options.threads} threads/worker · "
+        f"peak {options.peak_flops / 1e12:.3f} TFLOP/s/device"
+    )
+    view = ConsoleView(run.metrics.console if owner else "none", run.steps, header, run.metrics.moe_table)
+    sinks: list[Any] = []
+    if owner:
+        sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        if run.metrics.wandb.mode != "disabled":
+            sinks.append(WandbSink(run.metrics.wandb, run_dir, {"layout": asdict(layout), **run.record}))
+    return view, sinks
+
+
+def build(run: Run, rank: int, device: torch.device) -> Runner:
+    """This rank's shards of the model, allocated and initialized (seeded, or from init.from)."""
+    layout = run.layout
+    torch.manual_seed(run.options.seed)  # dropout
+    try:
+        mesh = build_mesh(layout, device.type) if layout.world_size > 1 else None
+        return parallelize(meta_model(run.model), layout, mesh, run.options, device)
+    except AllocationFailed as err:
+        raise out_of_memory(rank, err, run.prediction) from None
+
+
+def setup(run: Run, run_dir: Path, rank: int, watchdog: Watchdog | Off) -> Worker:
+    """Everything this rank needs before its first step, resumed from the newest checkpoint (resume)."""
+    t_start = time.perf_counter()
+    layout, options = run.layout, run.options
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rank_logger(run_dir, rank)
+    device = pick_device(options)
+    allocator = allocator_mode(run.cpu_allocator, run.steps)
+    if device.type == "cpu" and not set_cpu_allocator(allocator):
+        allocator = "glibc default"  # not glibc: no mallopt
+    coords = layout.coordinates(rank)
+    owner = rank == owner_rank(layout)
+    torch.set_num_threads(options.threads)
+    train_loader, val_loader = loaders(layout, load_splits(run.data), options, coords["dp"], coords["cp"])
+    runner = build(run, rank, device)
+    build_s = time.perf_counter() - t_start
+    optimizer, schedule = build_optimizer(runner.parts, run.optim, run.steps)
+    flops_per_token = flops.flops_per_token(run.model, options.seq_len)
+    tokens = layout.global_batch * options.seq_len
+    meter = Meter(tokens, flops_per_token, options.peak_flops, layout.world_size, device)
+    view, sinks = outputs(run, run_dir, owner)
+    log.info("rank %d coords %s threads %d device %s", rank, coords, options.threads, device)
+    ckpt_root = Path(run.checkpoint.dir or run_dir / "checkpoints")
+    checkpointer = Checkpointer(run.checkpoint, ckpt_root, rank, device)
+    guard = Guard(run.optim.skip_nonfinite, rank, checkpointer)
+    worker = Worker(
+        run, run_dir, rank, owner, device, allocator, watchdog, t_start, build_s, runner, optimizer, schedule,
+        train_loader, val_loader, meter, view, sinks, ckpt_root, checkpointer, guard,
+    )  # fmt: skip
+    worker.resumed = resume(worker)
+    return worker
+
+
+def resume(w: Worker) -> Stateful | None:
+    """Load the checkpoint `resume` names (auto: the newest complete one, if any) into the model,
+    the optimizer, the schedule and the loader; None when training starts fresh."""
+    resumed = w.checkpointer.load(resolve_resume(w.run.resume, w.ckpt_root), w.runner.parts, w.optimizer)
+    if resumed is not None:
+        w.guard.skipped = resumed.extras.get("skipped_steps", 0)
+        w.schedule.load_state_dict(resumed.extras["schedule"])
+        w.train_loader.load_state_dict(resumed.extras["loader"])
+        w.view.note(f"resumed from step {resumed.step} ({w.ckpt_root})")
+    return resumed
