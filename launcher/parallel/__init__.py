@@ -28,11 +28,10 @@ from launcher.model.experts import local, select_impl
 from launcher.model.hf import init_source
 from launcher.model.init import materialize
 from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers
-from launcher.model.transformer import split_weight_passes
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel, set_gradient_sync
 from launcher.parallel.expert import parallelize_experts
-from launcher.parallel.pipeline import build_schedule, stage_module
+from launcher.parallel.pipeline import build_schedule, split_weight_passes, stage_module
 from launcher.parallel.recompute import apply_recompute
 from launcher.parallel.tensor import apply_tensor_parallel, loss_context
 from launcher.precision import fsdp_policy, precision_mode
