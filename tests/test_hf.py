@@ -75,7 +75,9 @@ def test_shard_groups_bound_each_shard() -> None:
 
 # tied embeddings; a head_dim apart from dim // n_heads (Qwen3-style: 4 heads of 32 in a 64-wide model),
 # which config.json must carry for transformers to build projections of our widths
-@pytest.mark.parametrize("keys", [(), ("model.tied_embeddings=true",), ("model.head_dim=32",)])
+@pytest.mark.parametrize(
+    "keys", [(), ("model.tied_embeddings=true",), ("model.head_dim=32",)], ids=["untied", "tied", "head_dim"]
+)
 def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path, keys: tuple[str, ...]) -> None:
     cfg = tiny_config(tmp_path, "steps=2", "checkpoint.every=2", *keys)
     train(cfg, tmp_path / "r")
