@@ -33,12 +33,11 @@ def block_memory_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:
         apply_context_parallel(model, build_mesh(lay)["cp"], seq_len)
     materialize([model], cfg.seed, torch.device("cpu"))
     local = seq_len // lay.cp
-    positions = model.positions(torch.device("cpu")) if world > 1 else torch.arange(local)
-    rope = model.rope[:, positions]  # the table Transformer.forward hands every block
+    rope = model.positions(model.rope, 1)  # the table Transformer.forward hands every block
     attention = model.layers["0"].attention
     constants: tuple[torch.Tensor, ...] = ()
     if world > 1:  # built once per run: the key order and the chunks' masks (chunk 0 has none)
-        shard, cpu = attention.attend.__self__, torch.device("cpu")
+        shard, cpu = attention.core.shard, torch.device("cpu")
         constants = (shard.key_order(cpu), *(shard.mask(j, cpu, torch.float32) for j in shard.chunks if j))
     torch.manual_seed(rank)
     x = torch.randn(1, local, cfg.model.dim, requires_grad=True)

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from bench.parallel import train_step
 from launcher.compat import inner_tensors
 from launcher.config import TrainConfig, compose_config
+from launcher.flops import head_dim
 from launcher.layout import Layout, build_mesh
 from launcher.layout_config import from_config
 from launcher.model.init import meta_model
@@ -121,7 +122,7 @@ def memory_rows(seq_len: int) -> list[dict[str, Any]]:
     """tp=1: every mode of MODES, predicted and held bytes."""
     cfg = config(seq_len)
     m = cfg.model
-    rope = rope_tables(m.dim // m.n_heads, m.max_seq_len, m.rope_theta, torch.device("cpu"))
+    rope = rope_tables(head_dim(m), m.max_seq_len, m.rope_theta, torch.device("cpu"))
     rows = []
     for name, recompute, layers, n in MODES:
         torch.manual_seed(0)
@@ -164,7 +165,7 @@ def flop_rows(seq_len: int) -> list[dict[str, Any]]:
 
     cfg = config(seq_len, 1, "model.n_layers=4")
     m = cfg.model
-    rope = rope_tables(m.dim // m.n_heads, m.max_seq_len, m.rope_theta, torch.device("cpu"))
+    rope = rope_tables(head_dim(m), m.max_seq_len, m.rope_theta, torch.device("cpu"))
     modes = (("none", "none", 0), ("selective", "selective", 0), ("layers=1", "none", 1), ("full", "full", 0))
     counted, rows = {}, []
     for name, recompute, layers in modes:

@@ -8,6 +8,7 @@ Their ratio is the planner's SPLIT_BACKWARD_CPU (launcher/planner/cost.py).
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from collections.abc import Callable
 
@@ -15,7 +16,9 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from bench.planner_accuracy import resolved_config
-from launcher.model.transformer import Block, rope_tables, split_weight_passes
+from launcher.flops import head_dim
+from launcher.model.transformer import Block, rope_tables
+from launcher.parallel.pipeline import split_weight_passes
 
 
 def main(argv: list[str]) -> None:
@@ -26,11 +29,12 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(0)
     m = resolved_config(1, 1, 1, 256, 2).model
     blocks = torch.nn.ModuleList(Block(m, layer) for layer in range(2))
-    params = list(blocks.parameters())
-    rope = rope_tables(m.dim // m.n_heads, 256, m.rope_theta, torch.device("cpu"))
+    split_blocks = copy.deepcopy(blocks)  # the same weights, their fused projections split
+    split_weight_passes(split_blocks)
+    rope = rope_tables(head_dim(m), 256, m.rope_theta, torch.device("cpu"))
     x0, dy = torch.randn(2, 256, m.dim), torch.randn(2, 256, m.dim)
 
-    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(blocks: torch.nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor]:
         x = x0.clone().requires_grad_()
         h = x
         for block in blocks:
@@ -38,23 +42,21 @@ def main(argv: list[str]) -> None:
         return x, h
 
     def whole() -> tuple[float, float]:  # one node per fused projection, as outside zero-bubble schedules
-        split_weight_passes(blocks, False)
-        _, h = forward()
+        _, h = forward(blocks)
         start = time.perf_counter()
         h.backward(dy)
         return time.perf_counter() - start, 0.0
 
     def split() -> tuple[float, float]:
-        split_weight_passes(blocks)
-        x, h = forward()
+        x, h = forward(split_blocks)
         start = time.perf_counter()
-        _, groups = stage_backward_input([h], [dy], [x], iter(params))
+        _, groups = stage_backward_input([h], [dy], [x], iter(split_blocks.parameters()))
         mid = time.perf_counter()
-        stage_backward_weight(iter(params), groups)
+        stage_backward_weight(iter(split_blocks.parameters()), groups)
         return mid - start, time.perf_counter() - mid
 
     def timed(fn: Callable[[], tuple[float, float]]) -> tuple[float, float]:
-        for p in params:
+        for p in (*blocks.parameters(), *split_blocks.parameters()):
             p.grad = None
         return fn()
 

@@ -135,7 +135,7 @@ def _attend_recorded(rank: int, world_size: int, device_type: str, flash: bool) 
     model = nn.Sequential(Attention(cfg))
     apply_context_parallel(model, SimpleNamespace(get_group=lambda: dist.group.WORLD, device_type=device_type), SEQ)
     positions = local_positions(SEQ, world_size, rank)
-    out = model[0].attend(*(t[..., positions, :] for t in (q, k, v)), 0.0, True)
+    out = model[0].core(*(t[..., positions, :] for t in (q, k, v)))
     reference = real(q, k, v, is_causal=True, enable_gqa=True)[..., positions, :]
     return {"calls": calls, "flash": flash_calls, "error": (out - reference).abs().max().item()}
 

@@ -15,9 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from launcher.config import ModelConfig
-from launcher.flops import device_flop_per_byte, loss_chunk_rows
+from launcher.flops import device_flop_per_byte, head_dim, loss_chunk_rows
 from launcher.model import transformer
 from launcher.model.init import initialized_model
+from launcher.parallel.pipeline import split_weight_passes
 from launcher.planner import build_options
 
 GQA = dict(n_heads=8, n_kv_heads=2)
@@ -29,7 +30,7 @@ def unfused_attention(self: transformer.Attention, x: torch.Tensor, rope: torch.
     q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
     if rope is not None:
         q, k = transformer.apply_rope(q, rope), transformer.apply_rope(k, rope)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -171,14 +172,15 @@ def test_split_backward_computes_each_gradient_once() -> None:
 
     cfg = dataclasses.replace(ModelConfig(), n_layers=1, bias=True, **GQA)
     block = transformer.Block(cfg)
-    rope = transformer.rope_tables(cfg.dim // cfg.n_heads, 16, cfg.rope_theta, torch.device("cpu"))
+    rope = transformer.rope_tables(head_dim(cfg), 16, cfg.rope_theta, torch.device("cpu"))
     x0, dy = torch.randn(2, 16, cfg.dim), torch.randn(2, 16, cfg.dim)
     params = list(block.parameters())
 
     def backward_flops(split: bool) -> tuple[int, list[torch.Tensor]]:
         for p in params:
             p.grad = None
-        transformer.split_weight_passes(block, split)  # what shard_model does for zero-bubble schedules
+        if split:
+            split_weight_passes(block)  # what shard_model does for zero-bubble schedules
         x = x0.clone().requires_grad_()
         out = block(x, rope)
         with FlopCounterMode(display=False) as counter:

@@ -75,9 +75,13 @@ def test_shard_groups_bound_each_shard() -> None:
     assert shard_groups({"a": 4, "b": 4, "c": 9, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path, tied: bool) -> None:
-    cfg = tiny_config(tmp_path, "steps=2", "checkpoint.every=2", f"model.tied_embeddings={tied}")
+# tied embeddings; a head_dim apart from dim // n_heads (Qwen3-style: 4 heads of 32 in a 64-wide model),
+# which config.json must carry for transformers to build projections of our widths
+@pytest.mark.parametrize(
+    "keys", [(), ("model.tied_embeddings=true",), ("model.head_dim=32",)], ids=["untied", "tied", "head_dim"]
+)
+def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path, keys: tuple[str, ...]) -> None:
+    cfg = tiny_config(tmp_path, "steps=2", "checkpoint.every=2", *keys)
     train(run_for(cfg), tmp_path / "r")
     out = tmp_path / "hf"
     result = run_cli("export-weights", str(tmp_path / "r" / "checkpoints"), str(out), "format=hf", "shard_gib=0.0001")

@@ -111,6 +111,20 @@ def allocating(nbytes: int, what: str) -> Iterator[None]:
         raise AllocationFailed(int(asked.group(1)) if asked else nbytes, what) from None
 
 
+@contextlib.contextmanager
+def tied_output(part: nn.Module) -> Iterator[None]:
+    """Around what replaces a part's parameters module by module (`to_empty`, the tensor-parallel
+    plan): the output projection that shares the embedding's weight (tied embeddings) lets go of it
+    first, so it is neither allocated nor cut twice, and shares the embedding's new one after."""
+    tied = part.output is not None and part.tok_embeddings is not None
+    tied = tied and part.output.weight is part.tok_embeddings.weight
+    if tied:
+        part.output.weight = None
+    yield
+    if tied:
+        part.output.weight = part.tok_embeddings.weight
+
+
 def local_bytes(p: torch.Tensor) -> int:
     local = p.to_local() if isinstance(p, DTensor) else p
     return local.numel() * local.element_size()
@@ -123,11 +137,8 @@ def materialize(parts: list[nn.Module], seed: int, device: torch.device, source:
     seeded random; recompute their buffers (RoPE tables)."""
     done: set[int] = set()
     for part in parts:
-        if part.cfg.tied_embeddings and part.output is not None:  # to_empty would allocate it twice
-            part.output.weight = None
-        with allocating(sum(local_bytes(p) for p in part.parameters()), "this rank's shards"):
+        with allocating(sum(local_bytes(p) for p in part.parameters()), "this rank's shards"), tied_output(part):
             part.to_empty(device=device)
-        part.tie_weights()
         for name, p in part.named_parameters():
             if id(p) in done:  # tied embeddings: one parameter, filled once
                 continue

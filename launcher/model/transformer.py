@@ -1,24 +1,22 @@
 """One decoder-only transformer for the Llama and GPT-2 families, chosen by config.
 
-Read top to bottom: norms, rotary positions, attention (GQA), MLP (SwiGLU or GELU), block (pre- or
-post-norm), model. Shapes are written so that tensor parallelism can shard heads and hidden widths
-without changes here: head counts are inferred from the projected width (`view(..., -1, head_dim)`),
-and a pipeline stage is the same model with some parts set to None (names stay stable, so
-checkpoints load across layouts).
+Read top to bottom: norms, positions (rotary or learned), attention (GQA), MLP (SwiGLU or GELU),
+block (pre- or post-norm), model. Nothing here knows how the model is cut (launcher/parallel/):
+tensor parallelism shards heads and hidden widths without changes here, as head counts follow from
+the projected width (`view(..., -1, head_dim)`); context parallelism and zero-bubble schedules swap
+in their own `Positions`, `CausalAttention` and `FusedLinear` modules; a pipeline stage is this model
+with the parts other stages hold deleted (names stay stable, so checkpoints load across layouts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
 
 from launcher.config import ModelConfig
-from launcher.flops import loss_chunk_rows
+from launcher.flops import head_dim, kv_heads, loss_chunk_rows
+from launcher.model.fused import FusedLinear
 from launcher.model.loss import linear_cross_entropy
 from launcher.model.moe import MoE, is_moe_layer
 
@@ -38,7 +36,7 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, heads, seq, head_dim) by the tables for the first `seq` positions."""
+    """Rotate (batch, heads, seq, head_dim) by the tables' first `seq` rows."""
     seq = x.shape[-2]
     cos, sin = rope[0, :seq].to(x.dtype), rope[1, :seq].to(x.dtype)
     half = x.shape[-1] // 2
@@ -46,147 +44,64 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, gqa: bool) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+class Positions(nn.Module):
+    """Which positions of its sequence each local token holds: here the first ones, in order, so a
+    table indexed by position (RoPE's angles, learned position embeddings) is read from its first
+    row. Context parallelism swaps in its rank's positions (launcher/parallel/context.py)."""
+
+    def forward(self, table: torch.Tensor, dim: int) -> torch.Tensor:
+        """`table`'s rows along `dim` in the local tokens' order (as many as a consumer reads)."""
+        return table
 
 
-def _weight_grads(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, shapes: list, n_weights: int) -> list:
-    """The gradients of the stacked weights, then biases, whose (shape, dtype) are `shapes`, from the
-    product's gradient and its input."""
-    g = grad.to(dtype).flatten(0, -2)
-    rows = [shape[0] for shape, _ in shapes[:n_weights]]
-    grad_w = (g.t() @ x.to(dtype).flatten(0, -2)).split(rows)
-    grad_b = g.sum(0).split(rows) if n_weights < len(shapes) else ()
-    return [gp.to(dt) for gp, (_, dt) in zip((*grad_w, *grad_b), shapes)]
+class CausalAttention(nn.Module):
+    """The attention core: each query attends to the keys up to its own position. GQA's query heads
+    share K/V heads without repeating them. Context parallelism swaps in its own."""
 
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
 
-class StackedLinear(torch.autograd.Function):
-    """x @ [w_1; w_2; ...].T as one matmul. The stacked copy lives only inside forward and backward:
-    autograd keeps x and the weights themselves (as separate `nn.Linear`s would), not a copy of them
-    per layer (under FSDP, that copy would outlive the resharded weights until backward).
-    `weight_grads`: one node gives x's and the weights' gradients; without it the weights come in
-    detached and `StackedLinearWeights` gives theirs (zero-bubble schedules)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, weight_grads: bool, *weights: torch.Tensor) -> Any:
-        ctx.save_for_backward(x if weight_grads else None, *weights)
-        ctx.dtype, ctx.x_dtype = dtype, x.dtype
-        ctx.shapes = [(w.shape, w.dtype) for w in weights]
-        return x.to(dtype) @ torch.cat(weights).to(dtype).t()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, *weights = ctx.saved_tensors  # unpacked once: checkpointing's saved-tensor hooks allow no more
-        grad_x = (grad.to(ctx.dtype) @ torch.cat(weights).to(ctx.dtype)).to(ctx.x_dtype)
-        if x is None:
-            return grad_x, None, None, *(None for _ in weights)
-        return grad_x, None, None, *_weight_grads(grad, x, ctx.dtype, ctx.shapes, len(weights))
-
-
-class StackedLinearWeights(torch.autograd.Function):
-    """The weights' (and biases') side of `StackedLinear` for zero-bubble schedules, as its own
-    autograd node beside it: forward returns the biases (zero without) expanded to the output's shape,
-    to be added to the product; backward computes the weights' gradients from the saved x (given
-    detached) and the output's gradient. Two nodes, so a zero-bubble schedule's input pass (torch's
-    stage_backward_input) runs only the x side and its weight pass only this one; one node would
-    compute both in both passes. Elsewhere one node is cheaper: the add is a pass over the output."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, n_weights: int, *params: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        ctx.dtype, ctx.n_weights = dtype, n_weights
-        ctx.shapes = [(p.shape, p.dtype) for p in params]
-        weights, biases = params[:n_weights], params[n_weights:]
-        width = sum(w.shape[0] for w in weights)
-        bias = torch.cat(biases).to(dtype) if biases else x.new_zeros((), dtype=dtype)
-        return bias.expand(*x.shape[:-1], width)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
-        return None, None, None, *_weight_grads(grad, x, ctx.dtype, ctx.shapes, ctx.n_weights)
-
-
-def fused_linear(x: torch.Tensor, *linears: nn.Linear, split: bool = False) -> tuple[torch.Tensor, ...]:
-    """`x` through several `nn.Linear`s that share it, as one matmul (x read once, one larger GEMM
-    forward and one each for x's and the weights' gradients); returns each projection's output. The
-    parameters stay separate, so names, checkpoints and the tensor-parallel plan are those of the
-    unfused layers. Under tensor parallelism (weights Shard(0) DTensors, x a replicated DTensor) the
-    stack is of the local shards, [q_r; k_r; v_r]: this rank's whole heads (hidden units) of each
-    projection; x's gradient is then a partial sum, reduced where the replicated input came from
-    (launcher/parallel/tensor.py). `split`: the weights' gradients in a node of their own (zero-bubble)."""
-    weights = [lin.weight for lin in linears]
-    biases = [lin.bias for lin in linears if lin.bias is not None]
-    if isinstance(x, DTensor):
-        x = x.to_local(grad_placements=[Partial()])
-        weights = [w.to_local() for w in weights]
-        biases = [b.to_local() for b in biases]
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    with torch.autocast(device, enabled=False):  # the Functions cast to autocast's dtype themselves
-        if split:
-            product = StackedLinear.apply(x, dtype, False, *(w.detach() for w in weights))
-            out = product + StackedLinearWeights.apply(x.detach(), dtype, len(weights), *weights, *biases)
-        else:
-            out = StackedLinear.apply(x, dtype, True, *weights)
-            out = out + torch.cat(biases).to(dtype) if biases else out
-    return out.split([w.shape[0] for w in weights], dim=-1)
-
-
-def split_weight_passes(model: nn.Module, split: bool = True) -> None:
-    """The fused projections of `model` give their weights' gradients in nodes of their own (or not),
-    for a zero-bubble schedule's separate input and weight passes."""
-    for module in model.modules():
-        if isinstance(module, (Attention, FeedForward)):
-            module.split = split
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
-    # the attention core; context parallelism swaps in its own (launcher/parallel/context.py)
-    attend = staticmethod(causal_attention)
-    split = False  # fused_linear's weight gradients in their own node (split_weight_passes)
-
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
-        self.n_rep = cfg.n_heads // (cfg.n_kv_heads or cfg.n_heads)
-        kv_width = (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
+        self.head_dim = head_dim(cfg)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.dim, kv_width, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.dim, kv_width, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.dim, kv_heads(cfg) * self.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.dim, kv_heads(cfg) * self.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
-        self.dropout = cfg.dropout
+        self.qkv = FusedLinear()  # wq, wk and wv as one matmul (model/fused.py)
+        self.core = CausalAttention(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
         # (batch, heads, seq, head_dim): SDPA's fast path wants 4-D inputs
-        q, k, v = (
-            t.view(b, s, -1, self.head_dim).transpose(1, 2)
-            for t in fused_linear(x, self.wq, self.wk, self.wv, split=self.split)
-        )
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x, self.wq, self.wk, self.wv))
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
             v = v.contiguous()  # SDPA saves v: a view of the fused output would keep pre-rotation q, k alive
-        # GQA: query head i reads KV head i // n_rep, without materializing repeated K and V
-        dropout = self.dropout if self.training else 0.0
-        out = self.attend(q, k, v, dropout, self.n_rep > 1)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(self.core(q, k, v).transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x). GELU: w2(gelu(w1 x))."""
-
-    split = False  # as Attention.split
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        self.gate_up = FusedLinear() if self.w3 is not None else None  # w1 and w3 as one matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w3 is not None:
-            gate, up = fused_linear(x, self.w1, self.w3, split=self.split)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x, self.w1, self.w3)
             return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
@@ -211,39 +126,29 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    # global positions of the local tokens, (device) -> (seq,); None: 0..seq-1. Set under context
-    # parallelism, where a rank holds two chunks of each sequence (launcher/parallel/context.py)
-    positions: Callable[[torch.device], torch.Tensor] | None = None
-    # the device's FLOP per byte, which sizes the chunked loss's chunks (flops.loss_chunk_rows); set by
-    # `parallelize` from the hardware profile; 0: chunks of 16 MiB of logits
-    flop_per_byte: float = 0.0
-
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        # the device's FLOP per byte, which sizes the chunked loss's chunks (flops.loss_chunk_rows); set by
+        # `parallelize` from the hardware profile; 0: chunks of 16 MiB of logits
+        self.flop_per_byte = 0.0
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings: nn.Embedding | None = (
             nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
         )
+        self.positions = Positions()
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg) if cfg.norm_position == "pre" else None
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.tie_weights()
+        if cfg.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", self._rope_tables(), persistent=False)
 
     def _rope_tables(self) -> torch.Tensor | None:
         if self.cfg.positions != "rope":
             return None
         device = next(self.parameters()).device
-        return rope_tables(
-            self.cfg.head_dim or self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device
-        )
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the output projection again, after anything that replaced parameters
-        (tensor parallelism, `to_empty`); a pipeline stage holding only one of them has nothing to tie."""
-        if self.cfg.tied_embeddings and self.output is not None and self.tok_embeddings is not None:
-            self.output.weight = self.tok_embeddings.weight
+        return rope_tables(head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta, device)
 
     def reset_buffers(self) -> None:
         """Recompute the RoPE tables on the parameters' device (built on meta, they hold nothing)."""
@@ -254,14 +159,12 @@ class Transformer(nn.Module):
         """tokens (batch, seq) → logits (batch, seq, vocab); a middle pipeline stage maps h → h.
         With `targets` (batch, seq): the mean token loss instead, computed in chunks (model/loss.py)
         so the full logits never exist (inside forward: FSDP has the output weight gathered)."""
-        h, rope = tokens, self.rope
-        pos = self.positions(tokens.device) if self.positions is not None else None
-        if rope is not None and pos is not None:
-            rope = rope[:, pos]
+        h, rope = tokens, None if self.rope is None else self.positions(self.rope, 1)
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device) if pos is None else pos)
+                every = torch.arange(self.cfg.max_seq_len, device=tokens.device)
+                h = h + self.pos_embeddings(self.positions(every, 0)[: tokens.shape[1]])
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is not None:

@@ -20,12 +20,11 @@ from launcher.model.experts import select_impl
 from launcher.model.hf import init_source
 from launcher.model.init import materialize
 from launcher.model.moe import moe_layers
-from launcher.model.transformer import split_weight_passes
 from launcher.options import BuildOptions
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel
 from launcher.parallel.expert import parallelize_experts
-from launcher.parallel.pipeline import stage_module
+from launcher.parallel.pipeline import split_weight_passes, stage_module
 from launcher.parallel.recompute import apply_recompute
 from launcher.parallel.runner import ParallelRunner, PipelineRunner, Runner
 from launcher.parallel.tensor import apply_tensor_parallel

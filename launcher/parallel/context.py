@@ -13,7 +13,7 @@ even over the cp ranks. On CUDA that mask is torch's `causal_lower_right` bias, 
 the flash kernel with K and V's GQA heads as they are: with an explicit mask SDPA would fall back to
 the math kernel and its score matrices (`ContextShard.mask`). torch's experimental ring attention
 has no CPU path (docs/parallelism.md); this one runs wherever SDPA does. RoPE and learned positions
-use the global positions (`Transformer.positions`).
+use the global positions (`ContextPositions`, in place of the model's `Positions`).
 
 Everything else is local per token: norms, the MLP, the loss (each rank's mean over its tokens; the
 runner averages over cp ranks, all of which hold the same number of tokens). cp ranks hold identical
@@ -33,7 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 from launcher.compat import all_gather_single, reduce_scatter_single
-from launcher.model.transformer import Attention
+from launcher.model.transformer import CausalAttention, Positions
+from launcher.parallel.swap import swap_modules
 
 
 def rank_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -88,7 +89,7 @@ class ContextShard:
         self._cache: dict[tuple, torch.Tensor] = {}
 
     def positions(self, device: torch.device) -> torch.Tensor:
-        """Global positions of the local tokens (Transformer reads them for RoPE / learned positions)."""
+        """Global positions of the local tokens (`ContextPositions`: for RoPE and learned positions)."""
         key = ("positions", device)
         if key not in self._cache:
             self._cache[key] = local_positions(self.seq_len, self.cp, self.rank).to(device)
@@ -154,11 +155,31 @@ class ContextShard:
         return torch.cat(outs, dim=-2)
 
 
+class ContextPositions(nn.Module):
+    """The model's `Positions` on a cp rank: the rows of its tokens' global positions."""
+
+    def __init__(self, shard: ContextShard) -> None:
+        super().__init__()
+        self.shard = shard
+
+    def forward(self, table: torch.Tensor, dim: int) -> torch.Tensor:
+        return table.index_select(dim, self.shard.positions(table.device))
+
+
+class ContextAttention(nn.Module):
+    """The model's `CausalAttention` on a cp rank: local queries against every rank's keys before them."""
+
+    def __init__(self, shard: ContextShard, dropout: float) -> None:
+        super().__init__()
+        self.shard, self.dropout = shard, dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.shard.attend(q, k, v, self.dropout if self.training else 0.0, q.shape[1] != k.shape[1])
+
+
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
     """Make `model` (a whole model or a pipeline stage) run on this rank's share of `seq_len`-token
     sequences: global positions for RoPE and learned positions, and every attention over the group."""
     shard = ContextShard(cp_mesh.get_group(), seq_len, cp_mesh.device_type)
-    model.positions = shard.positions
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.attend = shard.attend
+    swap_modules(model, Positions, lambda _: ContextPositions(shard))
+    swap_modules(model, CausalAttention, lambda core: ContextAttention(shard, core.dropout))

@@ -8,9 +8,9 @@ the planner counts with too): when S does not divide n_layers, the first n_layer
 one layer more (the last stage already carries the output projection and the loss, the heaviest
 non-block work, so it is never the one given the extra layer).
 
-A stage is the same `Transformer` with the parts it does not hold set to None, its blocks keeping
-their global names (`layers.5`), so parameter names, and therefore checkpoints, do not depend on
-the layout.
+A stage is a copy of the (meta) `Transformer` with the parts it does not hold deleted, as torchtitan
+cuts its stages: its blocks keep their global names (`layers.5`), so parameter names, and therefore
+checkpoints, do not depend on the layout.
 
 Schedules: gpipe (all forwards, then all backwards: every micro-batch's activations are alive at
 once), 1f1b (after a warm-up of pp - stage forwards, one forward then one backward: at most pp
@@ -23,11 +23,13 @@ the bubbles: interleaved_zb (ZB1P: looped placement, any v), zbv (ZB-V) and dual
 DualPipe folded into a V), the last two with exactly two stages per rank placed in a V
 (`layout.rank_stages`: rank r holds stages r and 2 pp - 1 - r, so rank 0 holds the embedding and
 the loss). torch runs I as `autograd.grad` over the stage's inputs with the graph retained, so a
-microbatch's saved activations live until its W: the planner counts them in flight until then.
+microbatch's saved activations live until its W: the planner counts them in flight until then. The
+fused projections' weight gradients get a node of their own there (`split_weight_passes`).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +47,8 @@ from torch.distributed.pipelining import (
 from launcher.compat import pipeline_stage
 from launcher.layout import MULTI_STAGE, ZERO_BUBBLE, stage_layers
 from launcher.model import Transformer
+from launcher.model.fused import FusedLinear, SplitFusedLinear
+from launcher.parallel.swap import swap_modules
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -57,19 +61,23 @@ SCHEDULES = {
 
 
 def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
-    """A view of `model` holding only stage `stage`'s parts (shared modules, no copies of weights)."""
-    part = Transformer.__new__(Transformer)
-    nn.Module.__init__(part)
-    part.cfg = model.cfg
-    ids = stage_layers(model.cfg.n_layers, n_stages)[stage]
-    first, last = stage == 0, stage == n_stages - 1
-    part.tok_embeddings = model.tok_embeddings if first else None
-    part.pos_embeddings = model.pos_embeddings if first else None
-    part.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in ids})
-    part.norm = model.norm if last else None
-    part.output = model.output if last else None
-    part.register_buffer("rope", model.rope, persistent=False)
+    """Stage `stage`'s part of `model` (on meta: shapes only): a copy of its own, so that the stages of
+    one rank (virtual stages) share no module, hook or buffer, without the parts other stages hold."""
+    part = copy.deepcopy(model)
+    held = {str(i) for i in stage_layers(model.cfg.n_layers, n_stages)[stage]}
+    for name in [name for name in part.layers if name not in held]:
+        del part.layers[name]
+    if stage > 0:
+        part.tok_embeddings = part.pos_embeddings = None
+    if stage < n_stages - 1:
+        part.norm = part.output = None
     return part
+
+
+def split_weight_passes(model: nn.Module) -> None:
+    """The fused projections of `model` give their weights' gradients in nodes of their own, for a
+    zero-bubble schedule's separate input and weight passes."""
+    swap_modules(model, FusedLinear, lambda _: SplitFusedLinear())
 
 
 def _owned(out: Any) -> Any:

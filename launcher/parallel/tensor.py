@@ -19,7 +19,8 @@ column-parallel over the vocabulary, and the loss is computed from vocabulary-sh
 Every parameter becomes a DTensor on the tensor-parallel mesh (duplicated ones as Replicate), so
 optimizer and gradient-norm code never mixes plain tensors with DTensors. Weights are cut from the
 full tensor every rank already holds (same seed), with no communication (`src_data_rank=None`).
-Between modules tensors stay plain (local) tensors, which is also what pipeline stages send.
+Between modules tensors stay plain (local) tensors, which is also what pipeline stages send; the
+fused projections (launcher/model/fused.py) run on the local shards (`LocalFusedLinear`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -40,7 +42,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from launcher.model.fused import FusedLinear
+from launcher.model.init import tied_output
 from launcher.model.moe import MoE
+from launcher.parallel.swap import swap_modules
 
 
 class Duplicate(ParallelStyle):
@@ -60,6 +65,28 @@ class Duplicate(ParallelStyle):
             return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
         return distribute_module(module, device_mesh, partition, to_dtensor, to_local)
+
+
+class LocalFusedLinear(nn.Module):
+    """A `FusedLinear` over column-parallel layers (weights Shard(0), x a replicated DTensor), run on
+    this rank's shards: the stack [q_r; k_r; v_r] is this rank's whole heads (hidden units) of each
+    projection. x's gradient is then a partial sum, reduced once where the replicated input came
+    from (the `PrepareModuleInput` of the plan: Megatron's "f")."""
+
+    def __init__(self, fused: FusedLinear) -> None:
+        super().__init__()
+        self.fused = fused  # zero-bubble schedules swap it for their split one (parallel/pipeline.py)
+
+    def forward(self, x: DTensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+        weights = [lin.weight.to_local() for lin in linears]
+        biases = [lin.bias.to_local() for lin in linears if lin.bias is not None]
+        return self.fused.project(x.to_local(grad_placements=[Partial()]), weights, biases)
+
+
+def local_fused(model: nn.Module) -> None:
+    """Every `FusedLinear` of `model` on its layers' local shards. Also the MoE shared experts', which
+    launcher/parallel/expert.py cuts the same way after this plan."""
+    swap_modules(model, FusedLinear, LocalFusedLinear)
 
 
 def plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict[str, ParallelStyle]:
@@ -112,9 +139,12 @@ def plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) 
 def apply_tensor_parallel(
     model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, local_logits: bool = False
 ) -> None:
-    """Shard `model` (a whole model or a pipeline stage) over the 1-D tensor-parallel mesh in place."""
-    parallelize_module(model, mesh, plan(model, sequence_parallel, local_logits))
-    model.tie_weights()  # both are Shard(0) over the vocabulary: share the one DTensor again
+    """Shard `model` (a whole model or a pipeline stage) over the 1-D tensor-parallel mesh in place.
+    Tied embeddings: the output projection shares the embedding's DTensor (both Shard(0) over the
+    vocabulary)."""
+    with tied_output(model):
+        parallelize_module(model, mesh, plan(model, sequence_parallel, local_logits))
+    local_fused(model)
 
 
 def loss_context(tp: int) -> contextlib.AbstractContextManager:
