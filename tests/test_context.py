@@ -75,6 +75,7 @@ def references(request: pytest.FixtureRequest) -> dict:
     return {v: train_case(make_cfg(v), 1) for v in VARIANTS if v in wanted}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", CASES)
 def test_matches_single_process(results: dict, references: dict, variant: str, case: str) -> None:
@@ -146,6 +147,7 @@ def attention_calls() -> dict:
     return dict(zip(cases, run_many([(_attend_recorded, 2, case) for case in cases])))
 
 
+@pytest.mark.slow
 def test_gqa_attention_on_gpus_passes_sdpa_no_tensor_mask(attention_calls: dict) -> None:
     """On CUDA the flash kernel takes no attn_mask and the memory-efficient kernel no GQA (before recent
     torch), so a call with both leaves SDPA the math kernel, which materializes every score (aten's
@@ -160,6 +162,7 @@ def test_gqa_attention_on_gpus_passes_sdpa_no_tensor_mask(attention_calls: dict)
             assert call["mask"] is not None or (call["causal"] and call["q"] == call["k"]), call
 
 
+@pytest.mark.slow
 def test_gqa_attention_reaches_the_flash_kernel_with_kv_heads_unexpanded(attention_calls: dict) -> None:
     """Where torch can run flash (stood in for on CPU), each lower-right chunk is a call of its flash
     op, with 2 KV heads for 4 query heads and the causal flag; results unchanged. On CPU the additive

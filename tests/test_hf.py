@@ -73,6 +73,7 @@ def test_shard_groups_bound_each_shard() -> None:
     assert shard_groups({"a": 4, "b": 4, "c": 9, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path, tied: bool) -> None:
     cfg = tiny_config(tmp_path, "steps=2", "checkpoint.every=2", f"model.tied_embeddings={tied}")
@@ -100,6 +101,7 @@ def read_on_every_layout(rank: int, world_size: int, folder: Path, cases: list[d
     return out
 
 
+@pytest.mark.slow
 def test_every_layout_reads_exactly_the_folders_tensors(tmp_path: Path) -> None:
     """tp=2 (rows and columns), FSDP (rows of row-sharded tensors), pp=2 (each stage its layers): each
     rank reads its own box, and the boxes together are the folder's tensors, bit for bit."""
@@ -118,6 +120,7 @@ def test_every_layout_reads_exactly_the_folders_tensors(tmp_path: Path) -> None:
             assert torch.equal(tensor, theirs[hf_name(name)]), (case, name)
 
 
+@pytest.mark.slow
 def test_import_gives_transformers_logits_then_trains_under_tp2_as_one_process(tmp_path: Path) -> None:
     """The folder's weights load unchanged (step 0 logits = HF's), and training from them under tp=2
     (local workers, each rank reading its own shards) matches one process; the tp=2 result exported
@@ -142,6 +145,7 @@ def test_import_gives_transformers_logits_then_trains_under_tp2_as_one_process(t
     torch.testing.assert_close(hf_logits(out), expected_logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pp2_checkpoint_exports_and_imports_back(tmp_path: Path) -> None:
     """Trained under pp=2, exported as HF (same logits in transformers), imported under pp=2: the first
     step's loss is the loss of the exported model."""
@@ -162,6 +166,7 @@ def test_pp2_checkpoint_exports_and_imports_back(tmp_path: Path) -> None:
     assert losses(tmp_path / "back")[1] == pytest.approx(losses(tmp_path / "one")[1], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_folder_of_other_shapes_is_one_line_before_spawn(tmp_path: Path) -> None:
     folder = hf_folder(tmp_path / "wide", intermediate_size=128)
     result = run_cli("train", *tiny_args(tmp_path / "cache"), "tp=2", f"init.from={folder}", cwd=tmp_path)
@@ -187,6 +192,7 @@ def test_damaged_or_rescaled_folders_are_one_line(tmp_path: Path) -> None:
         check_folder(tiny_config(tmp_path, f"init.from={scaled}"))
 
 
+@pytest.mark.slow
 def test_export_format_hf_refuses_a_non_llama_model(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "steps=1", "checkpoint.every=1", "model.mlp=gelu")
     train(cfg, tmp_path / "r")
