@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 ARGS    ?=
 LINTED  := launcher tests bench $(wildcard hydra_plugins scripts/*.py)
 
-.PHONY: setup train test test-compat bench gpu-check wheelhouse lint clean
+.PHONY: setup train test test-fast test-compat bench gpu-check wheelhouse lint clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,11 @@ train: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+
+# the fast tier, under 3 minutes on 2 cores: unit and single-process tests, none marked `slow` (a test that
+# starts processes - gloo workers, the CLI, SLURM - or trains in-process for more than ~2 s); CI runs `test`
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARGS)
 
 # the compat, parallel-equivalence, checkpoint and CUDA-path tests under the oldest and newest supported
 # torch, each in its own cached venv (scripts/test_compat.sh; ARGS: other versions, e.g. 2.12.1)

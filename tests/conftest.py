@@ -1,4 +1,10 @@
-"""Shared fixtures: compose the real Hydra config in-process, and run the CLI as a user would."""
+"""Shared fixtures: compose the real Hydra config in-process, and run the CLI as a user would.
+
+Two tiers: `make test` runs every test, `make test-fast` those not marked `slow`. A test is marked
+`slow` (by hand: `@pytest.mark.slow`, or `pytestmark` for a file that is all slow) when it starts
+processes - gloo workers (tests/dist.py, `start_local_workers`), the CLI (`run_cli`, `run_shell`), SLURM -
+or trains in-process for more than ~2 s.
+"""
 
 from __future__ import annotations
 

@@ -75,6 +75,7 @@ def test_out_of_range_is_one_line_naming_key_value_and_range(key: str, bad: Any,
     assert not (tmp_path / "run").exists(), "nothing may start on bad input"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -92,10 +93,12 @@ def test_out_of_range_through_the_cli(args: list[str], expected: str, tmp_path: 
     assert_bad_input(run_cli("train", *args, "steps=1", cwd=tmp_path), expected, tmp_path)
 
 
+@pytest.mark.slow
 def test_plan_refuses_the_same_ranges(tmp_path: Path) -> None:
     assert_bad_input(run_cli("plan", "nodes=0", cwd=tmp_path), "nodes=0 is out of range", tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -130,6 +133,7 @@ def wandb_env(home: Path, **extra: str) -> dict[str, str]:
     return {**env, "XDG_CACHE_HOME": cache_home, **extra}
 
 
+@pytest.mark.slow
 def test_wandb_online_without_a_key_is_one_line(tmp_path: Path) -> None:
     args = [*tiny_args(tmp_path / "cache", steps=1), "metrics.wandb.mode=online"]
     result = run_cli("train", *args, env=wandb_env(tmp_path), cwd=tmp_path)
@@ -137,6 +141,7 @@ def test_wandb_online_without_a_key_is_one_line(tmp_path: Path) -> None:
     assert "`wandb login`" in result.stderr and "metrics.wandb.mode=offline" in result.stderr
 
 
+@pytest.mark.slow
 def test_wandb_server_out_of_reach_costs_the_run_nothing(tmp_path: Path) -> None:
     """A key, but the server (a closed loopback port) never answers: the run logs offline and says so once."""
     env = wandb_env(tmp_path, WANDB_API_KEY="0" * 40, WANDB_BASE_URL="http://127.0.0.1:9")
@@ -149,6 +154,7 @@ def test_wandb_server_out_of_reach_costs_the_run_nothing(tmp_path: Path) -> None
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, expected",
     [

@@ -1,4 +1,4 @@
-"""Bad input that used to reach a traceback or a silent success, through the real CLI: the launching
+"""Bad input met outside the config checks, through the real CLI: the launching
 environment's rank variables, Hugging Face folders and exports, infinities, a degree of 0 met before
 its own check, a planner-only profile, pipeline keys without a pipeline. Each: exit 2, one line."""
 
@@ -12,6 +12,8 @@ import pytest
 from launcher.train.export import export
 from launcher.train.loop import train
 from tests.conftest import assert_bad_input, run_cli, run_for, tiny_args, tiny_config
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

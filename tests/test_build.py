@@ -3,7 +3,7 @@
 The memory test counts, in each worker, the bytes of the storages that ops create on a real device
 and are still alive, with a dispatch mode that checks every factory call (torch.empty, randn, ...)
 *before* it allocates: a build that would hold more than the rank's shards plus one full parameter
-fails by this test's assertion long before it could exhaust the machine (the old build, the full
+fails by this test's assertion long before it could exhaust the machine (a naive build, the full
 fp32 model on every rank, is stopped within its first gigabytes).
 """
 
@@ -95,6 +95,7 @@ def build_within_budget(rank: int, world: int, overrides: list[str]) -> dict[str
     return {"peak": budget.peak, "held": held, "shards": shards, "largest": largest}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [["+model=1b"], ["+model=8b", "model.n_layers=2"]], ids=["1b", "8b-width-2-layers"])
 def test_no_rank_allocates_more_than_its_shards_and_one_parameter(model: list[str]) -> None:
     for rank, r in enumerate(run(build_within_budget, 4, [*model, "tp=4"], timeout=600)):
@@ -106,7 +107,7 @@ def test_no_rank_allocates_more_than_its_shards_and_one_parameter(model: list[st
 
 
 def test_the_budget_stops_a_full_model_build_before_it_allocates() -> None:
-    """What the old build did on every rank (the whole model, fp32, on the device) is caught early."""
+    """A naive build on every rank (the whole model, fp32, on the device) is caught early."""
     cfg = compose_config("+model=8b", "model.n_layers=2").model
     budget = AllocationBudget(256 * MIB)
     with pytest.raises(OverBudget), budget:
@@ -147,6 +148,7 @@ def test_steps_0_on_a_layout_that_does_not_fit_is_refused_unless_forced(tmp_path
     assert not prediction.fits
 
 
+@pytest.mark.slow
 def test_train_steps_0_prints_each_ranks_memory_beside_the_prediction(tmp_path: Any) -> None:
     args = [a for a in tiny_args(tmp_path / "cache", steps=0) if not a.startswith("metrics.console")]
     result = run_cli("train", *args, "tp=2", "smoke=true", "metrics.console=plain", f"run_dir={tmp_path / 'r'}")

@@ -44,8 +44,10 @@ def test_corrupt_newest_falls_back_to_previous_and_keeps_it(tmp_path: Path, caps
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     summary = train(run_for(tiny_config(tmp_path, "steps=10", "checkpoint.every=0")), run)
     assert "unreadable" in capsys.readouterr().out
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert summary["steps"] == 10 and steps[8:] == [5, 6, 7, 8, 9, 10]  # resumed from step 4, not 8
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 10 and [r["step"] for r in rows[8:]] == [5, 6, 7, 8, 9, 10]  # from step 4, not 8
+    # step 4's weights and data position came back: step 5 has the loss it had (later steps follow steps=10's schedule)
+    assert rows[8]["loss"] == rows[4]["loss"]
     assert (run / "checkpoints" / "step_00000004" / "complete.json").exists()
     assert newest.exists(), "a checkpoint is never deleted on load"
 
@@ -57,6 +59,7 @@ def test_partial_checkpoint_is_never_loaded(tmp_path: Path) -> None:
     assert complete_checkpoints(root) == []
 
 
+@pytest.mark.slow
 def test_bad_resume_paths_are_one_line_errors(tmp_path: Path) -> None:
     with pytest.raises(LauncherError, match="no such path"):
         resolve_resume(str(tmp_path / "missing"), tmp_path)
@@ -93,6 +96,7 @@ def test_full_disk_keeps_previous_checkpoint_and_training_goes_on(tmp_path: Path
     assert names == ["step_00000006"], names  # step 2 kept until step 6 completed; no partial folder left
 
 
+@pytest.mark.slow
 def test_sigterm_saves_current_step_exits_preempted_and_resumes(tmp_path: Path) -> None:
     run = tmp_path / "r"
     common = [
@@ -126,6 +130,7 @@ def test_sigterm_saves_current_step_exits_preempted_and_resumes(tmp_path: Path) 
     assert max(losses(run)) == last + 2
 
 
+@pytest.mark.slow
 def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "steps=3", "checkpoint.every=3")
     train(run_for(cfg), tmp_path / "r")

@@ -17,6 +17,8 @@ from launcher.train.untrusted import read_metadata
 from tests.conftest import run_cli, run_for, tiny_args, tiny_config
 from tests.test_checkpoint import losses
 
+pytestmark = pytest.mark.slow
+
 
 class CreatesFile:
     """Unpickling this creates `path`: what a crafted checkpoint file would do."""

@@ -74,6 +74,7 @@ def test_stop_or_a_failed_final_save_ends_the_run(tmp_path: Path, monkeypatch, s
     assert not list((run / "checkpoints").glob("*.partial"))
 
 
+@pytest.mark.slow
 def test_final_save_failing_on_one_rank_exits_non_zero_in_one_line(tmp_path: Path) -> None:
     """Through the CLI, two ranks (FSDP): rank 1's disk is full at the last step; both ranks agree, the
     run exits 1 with one line, the previous checkpoint is intact; the saves' bytes match the planner's."""

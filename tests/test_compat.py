@@ -42,6 +42,7 @@ def _groups_left_running(rank: int, world: int) -> tuple[int, int]:
     return running, _threads()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
 def test_leaving_joins_every_groups_worker_threads() -> None:
     """The gloo groups a DTensor op used are freed, their worker threads joined, before Python exits

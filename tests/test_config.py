@@ -60,6 +60,7 @@ def test_validate_names_key_and_fix(overrides: list[str], message: str) -> None:
         resolve(make_config(*overrides))  # the config checks and the layout rules `train` applies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -80,6 +81,7 @@ def test_bad_input_is_one_line_exit_2(args: list[str], expected: str, tmp_path: 
     assert_bad_input(run_cli("train", *args, "steps=1", cwd=tmp_path), expected, tmp_path)
 
 
+@pytest.mark.slow
 def test_help_and_cfg_job(tmp_path: Path) -> None:
     result = run_cli("train", "--cfg", "job", "+model=8b", "tp=8", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -96,6 +98,7 @@ HELP_MUST_NAME = {  # what a newcomer needs from each command's --help
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", sorted(HELP_MUST_NAME))
 def test_help_teaches_in_under_40_lines(app: str, tmp_path: Path) -> None:
     """--help: the app's name, the keys people set, examples and the docs, in < 40 lines at 100 columns."""
@@ -107,6 +110,7 @@ def test_help_teaches_in_under_40_lines(app: str, tmp_path: Path) -> None:
     assert f"{app} " in result.stdout.split("xamples:")[1]  # the examples run this command
 
 
+@pytest.mark.slow
 def test_plan_writes_nothing(tmp_path: Path) -> None:
     result = run_cli("plan", "+model=8b", "nodes=1", "plan.top=1", cwd=tmp_path)
     assert result.returncode == 0 and "tp" in result.stdout, result.stderr

@@ -75,6 +75,7 @@ def references(request: pytest.FixtureRequest) -> dict:
     return {v: train_case(make_cfg(v), 1) for v in VARIANTS if v in wanted}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", CASES)
 def test_matches_single_process(results: dict, references: dict, variant: str, case: str) -> None:
@@ -146,6 +147,7 @@ def attention_calls() -> dict:
     return dict(zip(cases, run_many([(_attend_recorded, 2, case) for case in cases])))
 
 
+@pytest.mark.slow
 def test_gqa_attention_on_gpus_passes_sdpa_no_tensor_mask(attention_calls: dict) -> None:
     """On CUDA the flash kernel takes no attn_mask and the memory-efficient kernel no GQA (before recent
     torch), so a call with both leaves SDPA the math kernel, which materializes every score (aten's
@@ -160,6 +162,7 @@ def test_gqa_attention_on_gpus_passes_sdpa_no_tensor_mask(attention_calls: dict)
             assert call["mask"] is not None or (call["causal"] and call["q"] == call["k"]), call
 
 
+@pytest.mark.slow
 def test_gqa_attention_reaches_the_flash_kernel_with_kv_heads_unexpanded(attention_calls: dict) -> None:
     """Where torch can run flash (stood in for on CPU), each lower-right chunk is a call of its flash
     op, with 2 KV heads for 4 query heads and the causal flag; results unchanged. On CPU the additive
@@ -189,10 +192,10 @@ def test_cp_in_the_405b_search_on_16384_gpus_under_a_second() -> None:
 
     plan_405b(8192)  # warm imports
     times = []
-    for _ in range(2):  # the better of two: this machine is shared
-        t0 = time.perf_counter()
+    for _ in range(2):  # this process's CPU time (the search is single-threaded): others' load does not count
+        t0 = time.process_time()
         res = plan_405b(8192)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     assert min(times) < 1.0 and {p.layout.cp for p in res.ranked} == {1, 2}  # 4096 tokens per rank at least
     long = plan_405b(131072, tp=8, pp=16)  # Llama 3's long-context stage: 128K tokens per sequence
     assert long.ranked[0].layout.cp > 1, "a 128K sequence does not fit without context parallelism"

@@ -151,6 +151,7 @@ def reference() -> dict[str, object]:
     return train_losses(0, 1, make_cfg(dtype="bf16"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("keys", "world"), [({}, 2), ({"tp": 2, "dp": 2}, 4), ({"pp": 2, "dp": 2}, 4)], ids=["dp2", "tp2-dp2", "pp2-dp2"]
 )

@@ -91,6 +91,7 @@ def test_docs_show_commands() -> None:
     assert len(COMMANDS) >= 15
 
 
+@pytest.mark.slow
 def test_documented_command_names_are_the_projects_scripts() -> None:
     """`export` was the shell's builtin: every name the docs type must reach our console script, and no
     script may share its name with a bash builtin, keyword or another command on PATH."""
@@ -100,6 +101,7 @@ def test_documented_command_names_are_the_projects_scripts() -> None:
         assert found == ["file", str(Path(sys.executable).parent / name)], (name, found)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("doc", "command"), COMMANDS, ids=[f"{d}:{c[:60]}" for d, c in COMMANDS])
 def test_documented_command_runs(doc: str, command: str, tmp_path: Path) -> None:
     line = runnable(command, tmp_path)

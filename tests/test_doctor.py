@@ -25,6 +25,7 @@ def by_name(s: Setting) -> dict[str, Finding]:
     return {f.name: f for f in findings(s)}
 
 
+@pytest.mark.slow
 def test_doctor_on_this_machine_exits_0_one_line_per_check(tmp_path: Path) -> None:
     result = run_cli("doctor", f"run_dir={tmp_path / 'runs'}", f"cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -87,6 +88,7 @@ def test_torch_range(version: str, spec: str, inside: bool) -> None:
     assert in_range(version, spec) is inside
 
 
+@pytest.mark.slow
 def test_unknown_option_is_one_line(tmp_path: Path) -> None:
     result = run_cli("doctor", "hardwre=h200", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [

@@ -18,6 +18,7 @@ from launcher.hardware import profile_for_device
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow
 def test_without_cuda_one_line_and_nonzero_exit() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "gpu_check"], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -54,6 +55,7 @@ def test_expert_paths_compared_on_uneven_unaligned_groups() -> None:
     assert r["loop_ms"] > 0 and r["grouped_ms"] > 0
 
 
+@pytest.mark.slow
 def test_rehearsal_runs_every_check_on_this_cpu(tmp_path: Path) -> None:
     """`make gpu-check ARGS=--rehearse`: the whole orchestration, every row ok (about a minute on 2 idle cores)."""
     proc = subprocess.run(

@@ -17,6 +17,8 @@ from launcher.train.loop import train
 from launcher.train.untrusted import verify
 from tests.conftest import losses, run_cli, run_for, tiny_args, tiny_config
 
+pytestmark = pytest.mark.slow
+
 
 def assert_stopped(result, step: int, rank: int, run: Path, last: int) -> None:
     assert result.returncode == NON_FINITE, result.stdout + result.stderr

@@ -77,6 +77,7 @@ def test_shard_groups_bound_each_shard() -> None:
 
 # tied embeddings; a head_dim apart from dim // n_heads (Qwen3-style: 4 heads of 32 in a 64-wide model),
 # which config.json must carry for transformers to build projections of our widths
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "keys", [(), ("model.tied_embeddings=true",), ("model.head_dim=32",)], ids=["untied", "tied", "head_dim"]
 )
@@ -108,6 +109,7 @@ def read_on_every_layout(rank: int, world_size: int, folder: Path, cases: list[d
     return out
 
 
+@pytest.mark.slow
 def test_every_layout_reads_exactly_the_folders_tensors(tmp_path: Path) -> None:
     """tp=2 (rows and columns), FSDP (rows of row-sharded tensors), pp=2 (each stage its layers): each
     rank reads its own box, and the boxes together are the folder's tensors, bit for bit."""
@@ -126,6 +128,7 @@ def test_every_layout_reads_exactly_the_folders_tensors(tmp_path: Path) -> None:
             assert torch.equal(tensor, theirs[hf_name(name)]), (case, name)
 
 
+@pytest.mark.slow
 def test_import_gives_transformers_logits_then_trains_under_tp2_as_one_process(tmp_path: Path) -> None:
     """The folder's weights load unchanged (step 0 logits = HF's), and training from them under tp=2
     (local workers, each rank reading its own shards) matches one process; the tp=2 result exported
@@ -150,6 +153,7 @@ def test_import_gives_transformers_logits_then_trains_under_tp2_as_one_process(t
     torch.testing.assert_close(hf_logits(out), expected_logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pp2_checkpoint_exports_and_imports_back(tmp_path: Path) -> None:
     """Trained under pp=2, exported as HF (same logits in transformers), imported under pp=2: the first
     step's loss is the loss of the exported model."""
@@ -170,6 +174,7 @@ def test_pp2_checkpoint_exports_and_imports_back(tmp_path: Path) -> None:
     assert losses(tmp_path / "back")[1] == pytest.approx(losses(tmp_path / "one")[1], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_folder_of_other_shapes_is_one_line_before_spawn(tmp_path: Path) -> None:
     folder = hf_folder(tmp_path / "wide", intermediate_size=128)
     result = run_cli("train", *tiny_args(tmp_path / "cache"), "tp=2", f"init.from={folder}", cwd=tmp_path)
@@ -195,6 +200,7 @@ def test_damaged_or_rescaled_folders_are_one_line(tmp_path: Path) -> None:
         check_folder(tiny_config(tmp_path).model, str(scaled))
 
 
+@pytest.mark.slow
 def test_export_format_hf_refuses_a_non_llama_model(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "steps=1", "checkpoint.every=1", "model.mlp=gelu")
     train(run_for(cfg), tmp_path / "r")

@@ -17,6 +17,8 @@ import pytest
 from launcher.config import CONF_DIR
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow
+
 MY_MODEL = """name: mine
 dim: 64
 n_layers: 2

@@ -139,6 +139,7 @@ def test_valid_layouts_pass() -> None:
             check_environment(cfg, layout, local=True)
 
 
+@pytest.mark.slow
 def test_cli_rejects_a_bad_layout_before_any_worker_starts(tmp_path) -> None:
     result = run_cli("train", "tp=3", "dp=2", f"run_dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 2
@@ -146,6 +147,7 @@ def test_cli_rejects_a_bad_layout_before_any_worker_starts(tmp_path) -> None:
     assert not list(tmp_path.glob("rank*.log"))
 
 
+@pytest.mark.slow
 def test_dry_run_8b_tp8_from_the_cli(tmp_path) -> None:
     result = run_cli("train", "+model=8b", "tp=8", "dry_run=true", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -132,11 +132,13 @@ def test_bad_moe_input_is_refused_before_any_process(overrides: list[str], expec
         resolve(cfg)
 
 
+@pytest.mark.slow
 def test_ep_on_a_dense_model_is_one_line_from_the_cli(tmp_path: Path) -> None:
     result = run_cli("train", *tiny_args(tmp_path / "cache"), "ep=2", cwd=tmp_path)
     assert_bad_input(result, "ep=2 needs a mixture-of-experts model", tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("saved", "resumed"),
     [
@@ -165,6 +167,7 @@ def test_expert_parallel_checkpoint_resumes_at_another_ep_identically(
             assert after[row["step"]][key] == pytest.approx(row[key], rel=1e-4, abs=1e-7), (row["step"], key)
 
 
+@pytest.mark.slow
 def test_bias_balancing_beats_none_and_matches_aux(tmp_path: Path) -> None:
     """On the byte corpus, 100 steps of a small MoE: `bias` ends far better balanced than `none`
     and no worse in validation loss than `aux` (loose bounds: the benchmark has the figures)."""

@@ -20,6 +20,8 @@ from tests.conftest import selected_cases
 from tests.dist import run_many
 from tests.test_parallel import train_case as parallel_case
 
+pytestmark = pytest.mark.slow
+
 STEPS, SEQ, GLOBAL_BATCH = 5, 16, 8
 MICRO2 = {"batch": {"micro": 2, "global": 8}}
 DENSE_FIRST = {"first_dense_layers": 1}  # moe_tiny's 2 layers at pp=2: stage 0 dense only

@@ -42,6 +42,7 @@ def no_pp_ratio(hardware: str) -> float:
     return no_pp.tokens_per_s / best.tokens_per_s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("hardware", "claim"),
     [

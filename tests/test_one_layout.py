@@ -95,7 +95,7 @@ def test_the_searched_step_is_the_step_that_runs(world: int) -> None:
     assert prediction.as_dict()["microbatches"] == count
 
 
-def test_the_issues_two_examples() -> None:
+def test_microbatches_follow_micro_and_global_batch_under_pp() -> None:
     """pp=2 batch.micro=8: 4 microbatches of 8; pp=2 batch.micro=4 batch.global=32: 8 of 4."""
     for overrides, expected in ((("batch.micro=8",), (32, 8, 4)), (("batch.micro=4", "batch.global=32"), (32, 4, 8))):
         cfg = compose_config(*MODEL, "pp=2", *overrides)

@@ -1,5 +1,5 @@
 """Parallel runs match the single-process run: the initial weights bit for bit, the loss of each of
-5 steps and the gradients after step 1 (fp32, rtol 1e-4), for every layout of the issue, with
+5 steps and the gradients after step 1 (fp32, rtol 1e-4), for every layout in CASES, with
 pre-norm + RMSNorm and post-norm + LayerNorm models. And under tensor parallelism the full logits
 never exist on one rank.
 
@@ -30,6 +30,8 @@ from launcher.planner import build_options
 from launcher.train.optim import build_optimizer
 from tests.conftest import selected_cases
 from tests.dist import run_many
+
+pytestmark = pytest.mark.slow
 
 STEPS, SEQ, GLOBAL_BATCH, VOCAB = 5, 16, 8, 256
 

@@ -15,6 +15,7 @@ from launcher.train.loop import train
 from tests.conftest import run_for, tiny_config
 
 
+@pytest.mark.slow
 def test_train_tp2_pp2_matches_one_process(tmp_path: Path) -> None:
     overrides = ("hardware.peak_tflops=1.0", "steps=3", "batch.global=8", "eval.every=3", "eval.batches=1")
     single = tiny_config(tmp_path, *overrides, f"run_dir={tmp_path / 'single'}")
@@ -45,6 +46,7 @@ def test_the_cause_is_the_first_failure_never_a_peers_lost_connection() -> None:
     assert first_cause({1: failure("ValueError: x", 99), 0: failure("ValueError: y", 100)})[0] == 1
 
 
+@pytest.mark.slow
 def test_a_dying_worker_takes_the_job_down_with_its_rank_and_error(tmp_path: Path) -> None:
     """Rank 0 (the output owner) cannot open its metrics file; rank 1 is already waiting in a
     tensor-parallel collective: the agent must stop it, and the error must name rank 0."""

@@ -16,6 +16,7 @@ from launcher.hardware_config import HardwareConfig
 CPU_YAML = Path(CONF_DIR) / "hardware" / "cpu.yaml"
 
 
+@pytest.mark.slow
 def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     cpu = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(CPU_YAML)))
     assert cpu.peak_tflops is None and cpu.host_overhead_us is None and cpu.block_overhead_us is None

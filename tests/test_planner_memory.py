@@ -87,6 +87,7 @@ print(rss() - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_cpu_workers_return_freed_tensors_to_the_system():
     """Blocks of 4 MiB and more are mmapped, and freeing one returns it (bench memory: a 125m FSDP rank
@@ -113,6 +114,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_the_fast_allocator_reuses_freed_blocks_without_faulting_their_pages_in():
     """glibc mmaps a 64 MiB block and unmaps it when freed: each new one faults its 16K pages in again

@@ -30,6 +30,7 @@ def test_published_layout_is_not_refused(run):
     assert (lay.tp, lay.pp, lay.dp) == (run.tp, run.pp, run.dp) and prediction.fits
 
 
+@pytest.mark.slow
 def test_published_throughput_median_10_max_25_percent():
     errors = {}
     for run in RUNS:

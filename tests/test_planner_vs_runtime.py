@@ -18,6 +18,7 @@ forward that are still alive after it; with recompute=none that count equals the
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.planner_accuracy import (
@@ -57,6 +58,7 @@ def test_block_activation_bytes_within_15_percent():
     assert saved == predicted, detail
 
 
+@pytest.mark.slow
 def test_tp2_parameters_and_activations_exact():
     ranks = run(two_rank_worker, 2, SEQ, timeout=120)
     for r in ranks:
@@ -67,6 +69,7 @@ def test_tp2_parameters_and_activations_exact():
         assert act["measured"] == act["predicted"], act["detail"]
 
 
+@pytest.mark.slow
 def test_held_bytes_equal_saved_tensor_hooks_without_recompute():
     cfg = resolved_config(1, 1, 1, SEQ, 1)
     m = cfg.model
@@ -80,12 +83,14 @@ def test_held_bytes_equal_saved_tensor_hooks_without_recompute():
     assert counts[0] == counts[1]
 
 
+@pytest.mark.slow
 def test_recompute_modes_saved_bytes_exact():
     """none, selective, full, and recompute_layers=1 of a 2-block stage under none and selective."""
     for row in memory_rows(SEQ):
         assert row["predicted"] == row["held"], row
 
 
+@pytest.mark.slow
 def test_tp2_recompute_modes_saved_bytes_exact():
     """Under tp=2 the selective policy saves each row-parallel matmul's all-reduced result, not its
     partial sum: 3 h replicated, the rest sharded."""
@@ -115,6 +120,7 @@ def zero_worker(rank: int, world: int) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 def test_zero2_holds_the_stage_gathered_after_forward():
     """The planner's ZeRO-2 term: every parameter of the stage gathered at the end of forward (ZeRO-3:
     none left gathered)."""
@@ -122,6 +128,7 @@ def test_zero2_holds_the_stage_gathered_after_forward():
         assert held["never"] == held["stage"] and held["always"] == 0, held
 
 
+@pytest.mark.slow
 def test_context_parallel_activations_exact():
     """cp=2: the all-gathered K and V (cp x the local ones) replace the local ones; the rest per token."""
     from bench.context import block_memory_worker
@@ -130,6 +137,7 @@ def test_context_parallel_activations_exact():
         assert r["measured"] == r["predicted"], (r["cp"], r["detail"])
 
 
+@pytest.mark.slow
 def test_fsdp_holds_sharded_gradients_between_microbatches():
     """dp_shard=2, 4 micro-batches (gloo, fp32): the bytes held at the start of micro-batches 2-4 over
     those at the first are the planner's gradients, the sharded ones, within the loss scalars. FSDP's

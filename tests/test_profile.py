@@ -15,6 +15,7 @@ from launcher.validate import validate
 from tests.conftest import run_cli, run_for, tiny_args, tiny_config
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace_of_the_asked_steps_and_a_top_ops_line(tmp_path: Path) -> None:
     run = tmp_path / "r"
     summary = train(run_for(tiny_config(tmp_path, "steps=4", "profile.start=2", "profile.steps=2")), run)
@@ -26,6 +27,7 @@ def test_profile_writes_a_trace_of_the_asked_steps_and_a_top_ops_line(tmp_path: 
     assert line.startswith("rank 0: top ops by self CPU time: ") and line.count("%") == 5
 
 
+@pytest.mark.slow
 def test_every_rank_traces_and_reports_one_line(tmp_path: Path) -> None:
     run = tmp_path / "r"
     args = [*tiny_args(tmp_path / "cache", steps=2), "tp=2", "profile.start=2", "metrics.console=plain"]

@@ -49,6 +49,7 @@ def test_cpu_recipes_compose_and_validate(name: str) -> None:
     assert cfg.hardware.kind == "cpu"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama3_8b_h100x8", "llama3_405b_gb200nvl72", "megatron_gpt2_8.3b_v100x512"])
 def test_recipe_dry_run_builds(name: str, tmp_path: Path) -> None:
     result = run_cli("train", f"+recipe={name}", "dry_run=true", cwd=tmp_path)

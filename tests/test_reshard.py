@@ -18,6 +18,8 @@ from launcher.spawn import start_local_workers
 from launcher.train.loop import train
 from tests.conftest import losses, run_for, tiny_config, worker_pids
 
+pytestmark = pytest.mark.slow
+
 COMMON = ("hardware.peak_tflops=1.0", "steps=6", "batch.global=8", "threads=1")
 
 

@@ -41,6 +41,7 @@ def reference() -> dict[str, Any]:
     return train_case(make_cfg(VARIANT, {"batch": BATCH}), 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "tp2-pp2"])
 def test_zero_bubble_schedules_match_single_process(reference: dict[str, Any], tp: int) -> None:
     per_rank = run(run_schedules, 2 * tp, tp, timeout=600)
@@ -57,6 +58,7 @@ def test_zero_bubble_schedules_match_single_process(reference: dict[str, Any], t
             torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-4, atol=1e-6, msg=f"{schedule} {name}")
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_across_schedules(tmp_path: Path) -> None:
     """Saved under zbv (V placement: rank 0 holds stages 0 and 3), resumed under interleaved_zb
     (looped: rank 0 holds 0 and 2): parameter names are global, so the checkpoint does not care."""
@@ -131,6 +133,7 @@ def grid() -> list[tuple[str, int, int, int]]:
     return out
 
 
+@pytest.mark.slow
 def test_planner_bubble_and_in_flight_match_torchs_action_orders() -> None:
     """The planner's closed forms against the timeline of the orders torch runs (forward, input and
     weight gradient equally long): the busiest rank's idle time, and each rank's peak of microbatch
@@ -184,6 +187,7 @@ def test_timeline_of_a_hand_written_1f1b_order() -> None:
         simulate({0: [("B", 0, 0), ("F", 0, 0)]})
 
 
+@pytest.mark.slow
 def test_planner_activations_per_rank_equal_the_runtimes_for_every_schedule() -> None:
     """Peak bytes autograd holds saved for each rank's blocks over one step (saved-tensor hooks, pp=2,
     the `small` model, 4 microbatches of 2 x 256) equal the planner's activations for that rank."""

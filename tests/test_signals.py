@@ -63,6 +63,7 @@ def uninterrupted(shared: Path) -> Callable[[int], dict[int, float]]:
     return losses_of
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "tp"),
     [(signal.SIGINT, 2), (signal.SIGTERM, 2), (signal.SIGUSR1, 2), (signal.SIGINT, 1)],
@@ -96,6 +97,7 @@ def test_a_signal_saves_every_rank_at_one_step_exits_75_and_the_rerun_resumes_ex
     assert [got[s] for s in range(step + 1, STEPS + 1)] == [whole[s] for s in range(step + 1, STEPS + 1)]
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_terminal_while_the_workers_start_saves_at_the_first_step(tmp_path: Path, shared: Path) -> None:
     """A terminal sends Ctrl-C to its whole foreground group, workers included, here before they have
     even imported torch: they ignore it, the launcher forwards it, and it waits for the first step."""
@@ -113,6 +115,7 @@ def test_ctrl_c_in_a_terminal_while_the_workers_start_saves_at_the_first_step(tm
     assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000001"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signals", [(signal.SIGINT, signal.SIGINT), (signal.SIGHUP,)], ids=["second-ctrl-c", "sighup"])
 def test_a_second_ctrl_c_kills_the_workers_at_once(tmp_path: Path, shared: Path, signals: tuple[int, ...]) -> None:
     """The workers are stopped (SIGSTOP), as if stuck in a long step, so a first Ctrl-C cannot be

@@ -57,6 +57,7 @@ def test_resources_from_layout_and_hardware() -> None:
     assert (gpu.nodes, gpu.tasks_per_node, gpu.gpus_per_node) == (2, 8, 8)
 
 
+@pytest.mark.slow
 def test_too_many_tasks_per_node_is_one_line(tmp_path: Path, cache: str) -> None:
     cfg = make_config("+model=8b", "hardware=h100_sxm", "tp=16")
     with pytest.raises(LauncherError, match="needs 16 tasks per node .* devices_per_node=8"):
@@ -69,6 +70,7 @@ def test_too_many_tasks_per_node_is_one_line(tmp_path: Path, cache: str) -> None
     assert not list(tmp_path.glob("*/*/.submitit"))
 
 
+@pytest.mark.slow
 def test_no_sbatch_on_path_is_one_line(tmp_path: Path, cache: str) -> None:
     env = {"PATH": str(Path(sys.executable).parent)}
     out = run_cli("train", "-m", "hydra/launcher=slurm", *tiny_args(cache), env=env, cwd=tmp_path)
@@ -90,6 +92,7 @@ def test_emitted_script(tmp_path: Path) -> None:
 
 
 # --- on the cluster -------------------------------------------------------------------------------------
+@pytest.mark.slow
 @on_cluster
 def test_partition_that_does_not_exist(tmp_path: Path, cache: str) -> None:
     before = slurm("squeue", "-h", "-o", "%i")
@@ -101,6 +104,7 @@ def test_partition_that_does_not_exist(tmp_path: Path, cache: str) -> None:
     assert slurm("squeue", "-h", "-o", "%i") == before
 
 
+@pytest.mark.slow
 @on_cluster
 def test_dry_run_submits_nothing(tmp_path: Path, cache: str) -> None:
     out = run_cli(
@@ -112,6 +116,7 @@ def test_dry_run_submits_nothing(tmp_path: Path, cache: str) -> None:
     assert not list(tmp_path.glob("*/*/.submitit"))
 
 
+@pytest.mark.slow
 @on_cluster
 def test_two_task_job_trains(tmp_path: Path, cache: str) -> None:
     out = run_cli(
@@ -127,6 +132,7 @@ def test_two_task_job_trains(tmp_path: Path, cache: str) -> None:
     wait_for(lambda: job_state(job) == "COMPLETED", 30, f"job {job} to be COMPLETED in accounting")
 
 
+@pytest.mark.slow
 @on_cluster
 def test_layout_sweep_as_job_array(tmp_path: Path, cache: str) -> None:
     out = run_cli(
@@ -169,6 +175,7 @@ def assert_resumed(run: Path, job: str, steps: int) -> None:
     assert json.loads((run / "summary.json").read_text())["steps"] == steps
 
 
+@pytest.mark.slow
 @on_cluster
 def test_signalled_job_is_requeued_and_resumes(tmp_path: Path, cache: str) -> None:
     """USR1 mid-run (what SLURM sends before the time limit): checkpoint, submitit requeues, the rerun resumes."""
@@ -188,6 +195,7 @@ def test_signalled_job_is_requeued_and_resumes(tmp_path: Path, cache: str) -> No
     assert_resumed(run, job, 150)
 
 
+@pytest.mark.slow
 @on_cluster
 def test_emitted_script_runs_under_sbatch(tmp_path: Path, cache: str) -> None:
     run = tmp_path / "run"
@@ -204,6 +212,7 @@ def test_emitted_script_runs_under_sbatch(tmp_path: Path, cache: str) -> None:
     assert json.loads((run / "summary.json").read_text())["layout"]["tp"] == 2
 
 
+@pytest.mark.slow
 @on_cluster
 def test_emitted_script_requeues_on_signal_and_resumes(tmp_path: Path, cache: str) -> None:
     """The plain sbatch path: rank 0 runs `scontrol requeue`, the other rank waits to be stopped

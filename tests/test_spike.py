@@ -47,6 +47,7 @@ def spikes(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in rows(run_dir) if "spike" in r]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_rollback_trains_on_as_a_run_that_never_saw_those_batches(
     tmp_path: Path, tp: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
@@ -65,6 +66,7 @@ def test_rollback_trains_on_as_a_run_that_never_saw_those_batches(
     assert [r["step"] for r in rows(rolled)] == [*range(1, 9), *range(7, 13)]
 
 
+@pytest.mark.slow
 def test_skip_drops_the_update_as_skip_nonfinite_drops_a_nan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TEST_SPIKE_ENV, "8")
     skipped = run(tmp_path, "skip", "guard.spike=skip")
@@ -77,6 +79,7 @@ def test_skip_drops_the_update_as_skip_nonfinite_drops_a_nan(tmp_path: Path, mon
     assert [got[s] for s in range(1, 13) if s != 8] == [nan[s] for s in range(1, 13) if s != 8]
 
 
+@pytest.mark.slow
 def test_off_lets_the_spike_into_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TEST_SPIKE_ENV, "8")
     off, skipped = run(tmp_path, "off"), run(tmp_path, "skip", "guard.spike=skip")
@@ -85,6 +88,7 @@ def test_off_lets_the_spike_into_the_weights(tmp_path: Path, monkeypatch: pytest
     assert losses(off)[9] != losses(skipped)[9]  # its update applied
 
 
+@pytest.mark.slow
 def test_past_max_rollbacks_the_run_stops_with_exit_3(tmp_path: Path) -> None:
     run_dir = tmp_path / "r"
     args = [*tiny_args(tmp_path / "cache", steps=12), *GUARD, "guard.spike=rollback", "guard.max_rollbacks=1"]
@@ -99,6 +103,7 @@ def test_past_max_rollbacks_the_run_stops_with_exit_3(tmp_path: Path) -> None:
     assert [e["step"] for e in spikes(run_dir)] == [8]
 
 
+@pytest.mark.slow
 def test_skipped_batches_and_the_detector_survive_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TEST_SPIKE_ENV, "8")
     keys = ("guard.spike=rollback", "guard.snapshot_every=5")  # and one at the checkpoint of step 6

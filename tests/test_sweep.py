@@ -26,6 +26,7 @@ def sweep_dir(out: Path) -> Path:
     return found
 
 
+@pytest.mark.slow
 def test_failed_point_is_listed_and_the_sweep_goes_on(tmp_path: Path, cache: str) -> None:
     out = run_cli("train", "-m", *tiny(cache), "batch.micro=4,0", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -43,6 +44,7 @@ def test_failed_point_is_listed_and_the_sweep_goes_on(tmp_path: Path, cache: str
     assert (sweep / "sweep_losses.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_layout_sweep_tp_pp(tmp_path: Path, cache: str) -> None:
     """`train -m tp=1,2 pp=1,2`: every layout runs (local workers), one summary at the end."""
     out = run_cli("train", "-m", *tiny(cache, steps=2), "tp=1,2", "pp=1,2", cwd=tmp_path)
@@ -53,6 +55,7 @@ def test_layout_sweep_tp_pp(tmp_path: Path, cache: str) -> None:
     assert [r["world_size"] for r in rows] == [1, 2, 2, 4]
 
 
+@pytest.mark.slow
 def test_layouts_sweeper_runs_the_planners_best(tmp_path: Path, cache: str) -> None:
     out = run_cli("train", "-m", "hydra/sweeper=layouts", "sweep.top=2", "sweep.world=2", *tiny(cache), cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -64,12 +67,14 @@ def test_layouts_sweeper_runs_the_planners_best(tmp_path: Path, cache: str) -> N
     assert all("tp=" in r["overrides"] and "dp_shard=" in r["overrides"] for r in rows)
 
 
+@pytest.mark.slow
 def test_layouts_sweeper_bad_top_is_one_line(tmp_path: Path, cache: str) -> None:
     out = run_cli("train", "-m", "hydra/sweeper=layouts", "sweep.top=0", *tiny(cache), cwd=tmp_path)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["error: sweep.top=0 is out of range: use an integer >= 1"]
 
 
+@pytest.mark.slow
 def test_summary_with_prediction_and_a_job_that_never_finished(tmp_path: Path) -> None:
     for num, summary in enumerate(
         [

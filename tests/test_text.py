@@ -45,6 +45,7 @@ def text_args(root: Path, cache: Path, pattern: str = "corpus/*", *more: str) ->
     ]
 
 
+@pytest.mark.slow
 def test_cache_holds_whole_documents_and_is_the_same_for_any_worker_count(corpus: Path, tmp_path: Path) -> None:
     caches = []
     for workers in (1, 2):
@@ -67,6 +68,7 @@ def test_cache_holds_whole_documents_and_is_the_same_for_any_worker_count(corpus
     assert splits.vocab_size == tok.get_vocab_size()
 
 
+@pytest.mark.slow
 def test_cache_is_keyed_by_content_and_built_once_by_concurrent_processes(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -120,6 +122,7 @@ def test_bos_and_eos_come_from_the_model_folder(tmp_path: Path) -> None:
     assert tokens[: len(ids) + 2].tolist() == [loaded.bos_id, *ids, loaded.eos_id] and lengths[0] == len(ids) + 2
 
 
+@pytest.mark.slow
 def test_trains_from_a_fresh_cache_reuses_it_and_resumes_exactly(corpus: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     first = run_cli(
@@ -138,6 +141,7 @@ def test_trains_from_a_fresh_cache_reuses_it_and_resumes_exactly(corpus: Path, t
     assert losses(tmp_path / "resumed") == {s: expected[s] for s in range(4, 7)}
 
 
+@pytest.mark.slow
 def test_two_data_parallel_ranks_match_one_process(corpus: Path, tmp_path: Path) -> None:
     """The text corpus goes through the same sharded loader: dp=2 sees the same global batches."""
     runs = {}
@@ -152,6 +156,7 @@ def test_two_data_parallel_ranks_match_one_process(corpus: Path, tmp_path: Path)
     assert all(abs(runs[1][s] - runs[2][s]) < 1e-4 for s in runs[1]), runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

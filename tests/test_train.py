@@ -21,6 +21,7 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_other_seed_other_losses(tmp_path: Path) -> None:
     runs = {}
     for name, seed in [("a", 7), ("b", 7), ("c", 8)]:
@@ -42,6 +43,7 @@ def test_loss_falls(tmp_path: Path) -> None:
     assert summary["final_loss"] < curve[0] - 1.0, curve
 
 
+@pytest.mark.slow
 def test_outputs_jsonl_summary_and_wandb_offline_without_api_key(tmp_path: Path, monkeypatch) -> None:
     secret = "0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setenv("WANDB_API_KEY", secret)
@@ -80,6 +82,7 @@ def test_auto_dp_takes_the_remaining_ranks(tmp_path: Path) -> None:
     assert (layout.tp, layout.dp, layout.dp_shard, layout.world_size) == (2, 4, 4, 8)
 
 
+@pytest.mark.slow
 def test_train_cli_end_to_end(tmp_path: Path) -> None:
     result = run_cli(
         "train",

@@ -24,7 +24,7 @@ from launcher.train.watchdog import TEST_HANG_ENV, Beat, describe, timeout_for
 from tests.conftest import losses, tiny_args
 
 TIMEOUT_S = 5.0
-LATENCY_S = TIMEOUT_S + 10  # the issue's bound: from the stop to the line
+LATENCY_S = TIMEOUT_S + 10  # the promised bound: from the stop to the line
 
 
 def args(cache: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -62,6 +62,7 @@ def error_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_is_named_with_its_phase_and_the_run_exits_hung(cwd: Path) -> None:
     run_dir = cwd / "run"
     proc = train(cwd, args(cwd / "cache", run_dir, "checkpoint.every=0"), **{TEST_HANG_ENV: "3:1:stop"})
@@ -79,6 +80,7 @@ def test_a_stopped_worker_is_named_with_its_phase_and_the_run_exits_hung(cwd: Pa
     assert "in forward_backward" in stacks and "_functional_collectives" in stacks, stacks
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_restarts_the_group_from_the_last_checkpoint(cwd: Path) -> None:
     run_dir = cwd / "run"
     argv = args(cwd / "cache", run_dir, "checkpoint.every=2", "max_restarts=1")
@@ -92,6 +94,7 @@ def test_a_stopped_worker_restarts_the_group_from_the_last_checkpoint(cwd: Path)
     assert sorted(losses(run_dir)) == list(range(1, 11))
 
 
+@pytest.mark.slow
 def test_a_slow_rank_is_named_and_its_peer_waits_in_its_collective(cwd: Path) -> None:
     run_dir = cwd / "run"
     proc = train(cwd, args(cwd / "cache", run_dir, "checkpoint.every=0"), **{TEST_HANG_ENV: "3:1:sleep"})
@@ -109,6 +112,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_rank_run_here_finds_its_stopped_peer_and_exits_hung(cwd: Path) -> None:
     """As under torchrun or SLURM: each rank is its own `train` (RANK, WORLD_SIZE), no local agent."""
     run_dir, port = cwd / "run", str(free_port())
