@@ -3,9 +3,11 @@ reader never sees half a file and concurrent writers (processes, or threads of o
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 
 def temp_beside(path: Path) -> Path:
@@ -24,3 +26,9 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """`data` as indented JSON, atomically (several processes may write the same file at once: the
+    calibration cache, a run's summary)."""
+    write_atomic(path, json.dumps(data, indent=2) + "\n")

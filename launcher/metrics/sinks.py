@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from launcher.config import LauncherError, WandbConfig
-from launcher.files import write_atomic
 from launcher.metrics.moe_load import LayerLoad, load_histograms
 
 
@@ -91,8 +90,3 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically (several processes may write the same file at once, e.g. the calibration cache)."""
-    write_atomic(path, json.dumps(data, indent=2) + "\n")

@@ -18,9 +18,10 @@ from __future__ import annotations
 from launcher.config import LauncherError, TrainConfig, validate
 from launcher.flops import GIB
 from launcher.layout import Layout, from_config, launch_world_size, plan_world_size
+from launcher.planner.predict import Prediction, Problem, predict
 from launcher.planner.report import to_json, to_table
 from launcher.planner.request import problem, space
-from launcher.planner.search import Prediction, Problem, Result, predict, search
+from launcher.planner.search import Result, search
 
 __all__ = ["resolve", "run_plan", "plan", "Prediction", "Layout"]
 

@@ -19,7 +19,8 @@ from launcher.layout import (
 )
 from launcher.planner.device import Machine
 from launcher.planner.machine import machine
-from launcher.planner.search import Problem, Space
+from launcher.planner.predict import Problem
+from launcher.planner.search import Space
 
 
 def resolve_machine(cfg: TrainConfig, world: int) -> Machine:

@@ -14,12 +14,13 @@ import torch
 from launcher import flops
 from launcher.config import TrainConfig, compile_enabled
 from launcher.data import BatchLoader, Splits, load_splits
+from launcher.files import write_json
 from launcher.hardware import peak_flops
 from launcher.layout import Layout, from_config, owner_rank, worker_threads, workers_per_node
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter, memory_gib, memory_measure
 from launcher.metrics.profile import StepProfiler
-from launcher.metrics.sinks import JsonlSink, WandbSink, write_json
+from launcher.metrics.sinks import JsonlSink, WandbSink
 from launcher.model.init import AllocationFailed, meta_model
 from launcher.parallel import Runner, parallelize
 from launcher.precision import autocast_for, precision_mode
