@@ -31,6 +31,8 @@ class Problem:
 
 @dataclass(frozen=True)
 class Prediction:
+    """What the planner predicts for one layout: the value `plan` ranks and `train` runs beside."""
+
     layout: Layout
     memory: Memory
     time: StepTime
@@ -85,6 +87,7 @@ class Prediction:
 
 
 def bottleneck(t: StepTime, efficiency: float) -> str:
+    """The component that takes the largest share of the step, if 10% or more; else compute."""
     parts = {
         f"TP communication over {t.tp_level}": t.tp_comm,
         f"CP communication over {t.cp_level}": t.cp_comm,
