@@ -11,6 +11,7 @@ BENCHES = [
     "checkpoint",
     "planner_accuracy",
     "published_runs",
+    "plan_speed",
     "memory",
     "tokenize",
     "schedules",

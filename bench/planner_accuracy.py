@@ -23,6 +23,8 @@ import time
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from bench.parallel import LAYOUTS, SavedTensorMeter, train_step
 from launcher.config import TrainConfig, compose_config
@@ -212,62 +214,52 @@ def memory_rows(seq_len: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def main(argv: list[str]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+def step_time_report(console: Console, seq_len: int, batch: int, steps: int) -> None:
+    """The step-time table (planner vs runtime, every layout) and the GEMM peak it was predicted with."""
     from launcher.calibration import measure_gemm_flops
     from launcher.hardware import peak_flops
 
-    parser = argparse.ArgumentParser(prog="python -m bench planner_accuracy", description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per layout (median)")
-    parser.add_argument("--skip-time", action="store_true", help="memory comparison only")
-    args = parser.parse_args(argv)
-    console = Console()
-    if not console.is_terminal:  # piped to a file: wide enough for the step-time table
-        console = Console(width=170)
     cores = os.cpu_count() or 1
+    base = resolved_config(1, 1, 1, seq_len, batch)
+    threads = sorted({max(cores // w, 1) for w in (1, 2, 4, 8)})
+    cached = {t: peak_flops(base.hardware, t, base.cache_dir) for t in threads}
+    t0 = time.perf_counter()
+    rows = step_time_rows(seq_len, batch, steps)
+    elapsed = time.perf_counter() - t0
+    now = {t: measure_gemm_flops(t, seconds=1.0) for t in threads}  # after the runs: the cache is kept
+    table = Table(
+        title=f"planner vs runtime: small, fp32, global batch {batch} x {seq_len}, {steps} steps "
+        f"(median), {cores} cores",
+    )
+    for col in ("tp", "pp", "dp", "ranks", "thr", "micro x mb", "predicted s", "measured s", "pred/meas", "±25%"):
+        table.add_column(col, justify="right")
+    for col in ("compute", "tp comm", "tp host", "pp p2p", "bubble", "dp exposed"):
+        table.add_column(col, justify="right", style="dim")
+    for r in sorted(rows, key=lambda r: (r["world"], r["pp"], r["dp"], r["tp"])):
+        ok = abs(r["ratio"] - 1) <= TOLERANCE
+        ts = r["time_s"]
+        table.add_row(
+            str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["world"]), str(r["threads"]),
+            f"{r['micro']} x {r['mb']}", f"{r['predicted']:.3f}", f"{r['measured']:.3f}", f"{r['ratio']:.2f}",
+            "[green]yes[/]" if ok else "[red]no[/]",
+            *(f"{ts[k]:.3f}" for k in ("compute", "tp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed")),
+        )  # fmt: skip
+    console.print(table)
+    inside = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in rows)
+    console.print(f"{inside}/{len(rows)} layouts within ±25% ({elapsed:.0f} s)")
+    console.print(
+        "calibrated fp32 GEMM peak (cache the planner reads) vs measured now: "
+        + ", ".join(f"{t} thr {cached[t] / 1e9:.0f} vs {now[t] / 1e9:.0f} GFLOP/s" for t in threads)
+    )
+    worst = max(now[t] / cached[t] for t in threads)
+    if worst > 1.1 or min(now[t] / cached[t] for t in threads) < 0.9:
+        console.print("[yellow]the cached peak differs from now by >10%: it may come from a noisy run[/]")
 
-    if not args.skip_time:
-        base = resolved_config(1, 1, 1, args.seq_len, args.batch)
-        threads = sorted({max(cores // w, 1) for w in (1, 2, 4, 8)})
-        cached = {t: peak_flops(base.hardware, t, base.cache_dir) for t in threads}
-        t0 = time.perf_counter()
-        rows = step_time_rows(args.seq_len, args.batch, args.steps)
-        elapsed = time.perf_counter() - t0
-        now = {t: measure_gemm_flops(t, seconds=1.0) for t in threads}  # after the runs: the cache is kept
-        table = Table(
-            title=f"planner vs runtime: small, fp32, global batch {args.batch} x {args.seq_len}, {args.steps} steps "
-            f"(median), {cores} cores",
-        )
-        for col in ("tp", "pp", "dp", "ranks", "thr", "micro x mb", "predicted s", "measured s", "pred/meas", "±25%"):
-            table.add_column(col, justify="right")
-        for col in ("compute", "tp comm", "tp host", "pp p2p", "bubble", "dp exposed"):
-            table.add_column(col, justify="right", style="dim")
-        for r in sorted(rows, key=lambda r: (r["world"], r["pp"], r["dp"], r["tp"])):
-            ok = abs(r["ratio"] - 1) <= TOLERANCE
-            ts = r["time_s"]
-            table.add_row(
-                str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["world"]), str(r["threads"]),
-                f"{r['micro']} x {r['mb']}", f"{r['predicted']:.3f}", f"{r['measured']:.3f}", f"{r['ratio']:.2f}",
-                "[green]yes[/]" if ok else "[red]no[/]",
-                *(f"{ts[k]:.3f}" for k in ("compute", "tp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed")),
-            )  # fmt: skip
-        console.print(table)
-        inside = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in rows)
-        console.print(f"{inside}/{len(rows)} layouts within ±25% ({elapsed:.0f} s)")
-        console.print(
-            "calibrated fp32 GEMM peak (cache the planner reads) vs measured now: "
-            + ", ".join(f"{t} thr {cached[t] / 1e9:.0f} vs {now[t] / 1e9:.0f} GFLOP/s" for t in threads)
-        )
-        worst = max(now[t] / cached[t] for t in threads)
-        if worst > 1.1 or min(now[t] / cached[t] for t in threads) < 0.9:
-            console.print("[yellow]the cached peak differs from now by >10%: it may come from a noisy run[/]")
 
-    mem = memory_rows(args.seq_len)
-    act = Table(title=f"activation bytes of one layer: small (SwiGLU, GQA 8/4 heads), 1 x {args.seq_len}, fp32")
+def memory_report(console: Console, seq_len: int) -> None:
+    """Activation bytes of one layer and parameters per rank: planner vs the parallel model."""
+    mem = memory_rows(seq_len)
+    act = Table(title=f"activation bytes of one layer: small (SwiGLU, GQA 8/4 heads), 1 x {seq_len}, fp32")
     for col in ("tp", "predicted MiB", "saved (hook) MiB", "pred/meas", "±15%"):
         act.add_column(col, justify="right")
     for a in mem["act"]:
@@ -289,6 +281,21 @@ def main(argv: list[str]) -> None:
             p["case"], str(p["rank"]), f"{p['predicted']:,.0f}", f"{p['held']:,}", "yes" if eq else "[red]no[/]"
         )
     console.print(par)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench planner_accuracy", description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per layout (median)")
+    parser.add_argument("--skip-time", action="store_true", help="memory comparison only")
+    args = parser.parse_args(argv)
+    console = Console()
+    if not console.is_terminal:  # piped to a file: wide enough for the step-time table
+        console = Console(width=170)
+    if not args.skip_time:
+        step_time_report(console, args.seq_len, args.batch, args.steps)
+    memory_report(console, args.seq_len)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ said in docs/planner.md (`FITTED` here: the sources the efficiency constants wer
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,12 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from launcher import planner
 from launcher.config import CONF_DIR, TrainConfig
 from launcher.errors import LauncherError
-from launcher.planner import memory
+from launcher.planner import Prediction
+from launcher.planner.request import problem, space
+from launcher.planner.search import search
+from launcher.validate import validate
 
 CONF = Path(CONF_DIR)
 
@@ -189,16 +191,17 @@ def achieved(run: Run, cfg: Any, prediction: Any) -> float:
     return utilisation * cfg.hardware.peak_tflops
 
 
-def predict(run: Run) -> tuple[float, planner.Prediction]:
-    """(predicted / published - 1, the prediction) for the run's layout; LauncherError if refused. The
-    attention implementation is the run's (memory.FUSED_ATTENTION), restored afterwards."""
-    fused, memory.FUSED_ATTENTION = memory.FUSED_ATTENTION, run.fused_attention
-    try:
-        cfg = config(run)
-        prediction = planner.resolve(cfg, run.gpus)[1]
-        return achieved(run, cfg, prediction) / run.published - 1, prediction
-    finally:
-        memory.FUSED_ATTENTION = fused
+def predict(run: Run) -> tuple[float, Prediction]:
+    """(predicted / published - 1, the prediction) for the run's layout, with the run's attention (fused
+    or not): the planner's search over what the source leaves `auto`, as `plan` runs it; LauncherError
+    if refused."""
+    cfg = config(run)
+    validate(cfg)
+    prob = replace(problem(cfg, run.gpus), fused_attention=run.fused_attention)
+    res = search(prob, space(cfg, run.gpus, explore=False))
+    if not res.ranked:
+        raise LauncherError(res.broken or f"nothing fits {run.gpus} x {run.hardware}")
+    return achieved(run, cfg, res.ranked[0]) / run.published - 1, res.ranked[0]
 
 
 def short(source: str) -> str:

@@ -2,7 +2,7 @@
 
 torch's stage_backward_input (gradients of the stage input only) then stage_backward_weight, against one
 backward, on the `small` model's 2-block stage (micro 2 x 256, 1 thread), best of `trials`, side by side.
-Their ratio is the planner's SPLIT_BACKWARD_CPU (launcher/planner/cost.py).
+Their ratio is the planner's SPLIT_BACKWARD_CPU (launcher/planner/compute.py).
 """
 
 from __future__ import annotations

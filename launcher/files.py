@@ -4,9 +4,11 @@ and the directories a run writes into, created or refused in one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 from launcher.errors import LauncherError
 
@@ -39,3 +41,9 @@ def make_dir(path: Path, key: str) -> None:
         ) from None
     if not os.access(path, os.W_OK):
         raise LauncherError(f"{key}: the directory {path} is not writable: choose another {key}")
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """`data` as indented JSON, atomically (several processes may write the same file at once: the
+    calibration cache, a run's summary)."""
+    write_atomic(path, json.dumps(data, indent=2) + "\n")

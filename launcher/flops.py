@@ -152,7 +152,7 @@ def hardware_flops_per_token(m: ModelShape, seq_len: int, recomputed_layers: flo
     A fully recomputed block re-runs its forward: 1/3 of its FLOPs again. Selective recompute
     (launcher/parallel/recompute.py) keeps the outputs of the matmuls and of attention and re-runs only
     norms and elementwise ops, which are not matmul FLOPs: it adds nothing here (its time is the
-    planner's, launcher/planner/cost.py).
+    planner's, launcher/planner/compute.py).
     """
     base = flops_per_token(m, seq_len)
     if not recomputed_layers:
@@ -167,7 +167,7 @@ def mfu(tokens_per_s_per_device: float, model_flops_per_token: float, peak_flops
 
 
 # FLOP per byte the chunk rule assumes where a profile gives no memory bandwidth. Accelerators:
-# planner/cost.py's H0 for them (1024) over NONMATMUL (4). cpu, chosen by measurement: it gives 410
+# planner/efficiency.py's H0 for them (1024) over NONMATMUL (4). cpu, chosen by measurement: it gives 410
 # rows for 125m's 50304 x 768 output at 8 x 256 tokens, whose loss took 6.5-6.9 s of CPU time on one
 # thread against 7.3-8.0 s in 16 MiB chunks (83 rows) and 6.4-6.8 s in 1024 rows (two runs).
 FLOP_PER_BYTE = {"cuda": 256.0, "tpu": 256.0, "cpu": 45.0}

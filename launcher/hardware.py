@@ -1,7 +1,7 @@
 """Hardware profiles: peak FLOP/s, memory and link levels (launcher/conf/hardware/*.yaml), resolved into numbers.
 
 GPU numbers come from the YAML files (datasheets). The `cpu` profile leaves its peak, link and host
-overhead null: `resolve_hardware` fills them in from this machine's calibration (launcher/calibration.py).
+overhead null: `resolve_hardware` fills them in from this machine's calibration (launcher/calibration/).
 """
 
 from __future__ import annotations

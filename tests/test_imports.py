@@ -85,8 +85,8 @@ def test_the_cycle_finder_finds_one() -> None:
 
 
 def test_entry_points_and_submission_side_do_not_import_torch() -> None:
-    """`plan` and SLURM submission stay light: the CLI, compat*.py, slurm*.py and the metrics sinks (which
-    the calibration cache uses) import torch only when used."""
+    """`plan` and SLURM submission stay light: the CLI, compat*.py, slurm*.py and the metrics sinks
+    import torch only when used."""
     code = (
         "import sys, launcher.cli, launcher.compat, launcher.hydra_compat, launcher.slurm, launcher.slurm_job\n"
         "import launcher.metrics.sinks\n"

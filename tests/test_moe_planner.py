@@ -20,8 +20,8 @@ from launcher.layout import Layout
 from launcher.planner import comm, plan
 from launcher.planner.memory import memory
 from launcher.planner.moe import ROW_PASSES, expert_fsdp_comm, extra_routed_flops, host_copies
+from launcher.planner.predict import predict
 from launcher.planner.request import problem
-from launcher.planner.search import predict
 
 DEVICES_PER_NODE = {"h100_sxm": 8, "gb200_nvl72": 4, "tpu_v5p": 4}
 

@@ -23,7 +23,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert cpu.links[0].bandwidth_gbs is None and cpu.links[0].latency_us is None
     assert cpu.links[0].all_gather_gbs is None and cpu.links[0].reduce_scatter_gbs is None
     assert cpu.links[0].by_size is None and cpu.host_copy_ns_per_byte is None
-    monkeypatch.setattr(calibration, "measure_gemm_flops", lambda threads: 1e10)  # the GEMM has its own test
+    monkeypatch.setattr(calibration.gemm, "measure_gemm_flops", lambda threads: 1e10)  # the GEMM has its own test
     resolved = hardware.resolve_hardware(cpu, 1, str(tmp_path))
     assert resolved.peak_tflops == pytest.approx(0.01)
     link = resolved.links[0]
@@ -49,16 +49,16 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("measured again")
 
-    for name in (
-        "measure_gemm_flops",
-        "measure_gloo_link",
-        "measure_tp_overhead",
-        "measure_block_overhead",
-        "measure_optimizer_step",
-        "measure_gemm_sustained",
-        "measure_host_copy",
+    for module, name in (
+        (calibration.gemm, "measure_gemm_flops"),
+        (calibration.gemm, "measure_gemm_sustained"),
+        (calibration.link, "measure_gloo_link"),
+        (calibration.host, "measure_tp_overhead"),
+        (calibration.host, "measure_block_overhead"),
+        (calibration.host, "measure_optimizer_step"),
+        (calibration.host, "measure_host_copy"),
     ):
-        monkeypatch.setattr(calibration, name, fail)
+        monkeypatch.setattr(module, name, fail)
     again = hardware.resolve_hardware(cpu, 1, str(tmp_path))
     assert again.links[0] == link and again.host_overhead_us == resolved.host_overhead_us
     assert again.block_overhead_us == resolved.block_overhead_us
@@ -68,7 +68,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
 
 
 def test_gemm_peak_is_recorded_with_when_and_how_and_raised_only_by_a_clear_margin(tmp_path, monkeypatch):
-    monkeypatch.setattr(calibration, "measure_gemm_flops", lambda threads: 100e9)
+    monkeypatch.setattr(calibration.gemm, "measure_gemm_flops", lambda threads: 100e9)
     assert calibration.gemm_flops(2, str(tmp_path)) == 100e9
     entry = next(iter(json.loads((tmp_path / "calibration.json").read_text()).values()))
     assert entry["flops"] == 100e9 and "best of" in entry["how"] and entry["measured_at"].endswith("Z")
@@ -81,7 +81,7 @@ def test_gemm_peak_is_recorded_with_when_and_how_and_raised_only_by_a_clear_marg
 
 
 def test_a_cache_of_bare_numbers_still_reads(tmp_path, monkeypatch):
-    monkeypatch.setattr(calibration, "measure_gemm_flops", lambda threads: 100e9)
+    monkeypatch.setattr(calibration.gemm, "measure_gemm_flops", lambda threads: 100e9)
     calibration.gemm_flops(1, str(tmp_path))
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({k: 42e9 for k in json.loads(path.read_text())}))  # the old format

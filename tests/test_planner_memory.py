@@ -13,8 +13,8 @@ from launcher.config import compose_config
 from launcher.flops import FLOP_PER_BYTE, GIB, device_flop_per_byte, loss_chunk_rows, loss_weight_bytes
 from launcher.layout import Layout
 from launcher.planner import memory
+from launcher.planner.predict import predict
 from launcher.planner.request import problem
-from launcher.planner.search import predict
 from launcher.train.fit import allocator_mode
 from tests.test_planner import make_cfg
 

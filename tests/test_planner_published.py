@@ -4,6 +4,7 @@ the parts of the time model those runs exercise: GEMM shapes under TP, async TP,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -14,9 +15,9 @@ from bench.published_runs import predict as resolve
 from launcher import planner
 from launcher.errors import LauncherError
 from launcher.layout import Layout
-from launcher.planner import cost, memory
+from launcher.planner import compute, efficiency
+from launcher.planner.predict import predict
 from launcher.planner.request import problem
-from launcher.planner.search import predict
 from tests.test_planner import make_cfg
 
 
@@ -48,10 +49,10 @@ def test_published_throughput_median_10_max_25_percent():
 def test_tensor_parallel_gemms_of_a_narrow_model_run_slower_per_flop():
     """tp=8 cuts h 4096's output projection to K = 512: each FLOP costs more than on h 16384."""
     narrow, wide = make_cfg("8b").model, make_cfg("405b").model
-    g0 = cost.G0["cuda"]
+    g0 = efficiency.G0["cuda"]
 
     def loss(m) -> float:
-        return cost.gemm_efficiency(m, 8, 8192, g0) / cost.gemm_efficiency(m, 1, 8192, g0)
+        return efficiency.gemm_efficiency(m, 8, 8192, g0) / efficiency.gemm_efficiency(m, 1, 8192, g0)
 
     assert loss(narrow) < loss(make_cfg("70b").model) < loss(wide) < 1.0
     assert loss(narrow) < 0.985  # ~2% per FLOP at tp=8 for an 8B model, <0.5% for 405B (G0 fitted)
@@ -100,23 +101,23 @@ def test_async_tp_off_cuda_or_without_compile_is_one_line_before_spawn():
         assert "\n" not in str(err.value)
 
 
-def test_unfused_attention_streams_the_score_matrix(monkeypatch):
+def test_unfused_attention_streams_the_score_matrix():
     """Megatron before FlashAttention: softmax (+ dropout) over a x s scores per token and layer."""
     cfg = make_cfg("gpt2-8.3b", "a100", seq_len=1024)
     cfg.model.dropout = 0.1
     lay = Layout(tp=8)
-    fused = predict(problem(cfg, 8), lay).time.compute
-    monkeypatch.setattr(memory, "FUSED_ATTENTION", False)
+    prob = problem(cfg, 8)
+    fused = predict(prob, lay).time.compute
     m = cfg.model
-    per_token = cost.unfused_attention_seconds(m, 1024, lay, problem(cfg, 8).machine, 2)
+    per_token = compute.unfused_attention_seconds(m, 1024, lay, prob.machine, 2)
     passes = 2 * 2 + 1 + 2 * 2 + 3 * 2 + 2 * 2 + 1  # softmax + dropout forward, backward; fp16; 1-byte masks
     assert per_token == pytest.approx(m.n_heads / 8 * 1024 * passes / 2039e9)
-    unfused = predict(problem(cfg, 8), lay).time.compute
+    unfused = predict(dataclasses.replace(prob, fused_attention=False), lay).time.compute
     assert unfused == pytest.approx(fused + 1024 * m.n_layers * per_token)
 
 
 def test_nonmatmul_work_weighs_more_on_a_device_with_less_bandwidth_per_flop():
     a100, h100 = (problem(make_cfg("8b", hw), 8).machine for hw in ("a100", "h100_sxm"))
-    assert cost.nonmatmul_width(h100) == pytest.approx(cost.NONMATMUL * 989e12 / 3350e9)
-    assert cost.nonmatmul_width(h100) > 1.9 * cost.nonmatmul_width(a100)
-    assert math.isclose(cost.nonmatmul_width(a100), cost.NONMATMUL * 312e12 / 2039e9)
+    assert efficiency.nonmatmul_width(h100) == pytest.approx(efficiency.NONMATMUL * 989e12 / 3350e9)
+    assert efficiency.nonmatmul_width(h100) > 1.9 * efficiency.nonmatmul_width(a100)
+    assert math.isclose(efficiency.nonmatmul_width(a100), efficiency.NONMATMUL * 312e12 / 2039e9)

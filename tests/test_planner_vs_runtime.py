@@ -140,8 +140,8 @@ def test_context_parallel_activations_exact():
 @pytest.mark.slow
 def test_fsdp_holds_sharded_gradients_between_microbatches():
     """dp_shard=2, 4 micro-batches (gloo, fp32): the bytes held at the start of micro-batches 2-4 over
-    those at the first are the planner's gradients, the sharded ones, within the loss scalars. FSDP's
-    no-sync accumulation (the runtime before issue 23) held the unsharded ones: twice that."""
+    those at the first are the planner's gradients, the sharded ones, within the loss scalars (FSDP's
+    no-sync accumulation would hold the unsharded ones: twice that)."""
     from bench.fsdp_accumulation import config, held_between_microbatches
 
     for ranks in run(held_between_microbatches, 2, config("tiny", 32, 4), ("reduce-scatter",), 1, timeout=180):

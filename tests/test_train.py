@@ -106,7 +106,7 @@ def test_train_cli_end_to_end(tmp_path: Path) -> None:
 
 
 def _write_many(path: str) -> None:
-    from launcher.metrics.sinks import write_json
+    from launcher.files import write_json
 
     for i in range(300):
         write_json(Path(path), {"i": i})

@@ -5,7 +5,7 @@
 ranks; `layer_rows` lays this stage's layers out at their global index in a table of every layer,
 zeros elsewhere, and that table rides in the tensor `balance_step` sums over pipeline stages anyway:
 no extra collective. `layer_loads` reads the summed table back as plain numbers. torch and rich are
-imported where used: the sinks import this module, and `plan` (calibration's cache) imports the sinks.
+imported where used: the sinks import this module.
 """
 
 from __future__ import annotations

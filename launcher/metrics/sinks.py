@@ -11,7 +11,6 @@ from typing import Any
 
 from launcher.config import WandbConfig
 from launcher.errors import LauncherError
-from launcher.files import write_atomic
 from launcher.metrics.moe_load import LayerLoad, load_histograms
 
 
@@ -92,8 +91,3 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically (several processes may write the same file at once, e.g. the calibration cache)."""
-    write_atomic(path, json.dumps(data, indent=2) + "\n")

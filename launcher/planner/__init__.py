@@ -23,9 +23,10 @@ from launcher.hardware import peak_flops
 from launcher.layout import Layout, async_tp_applies, worker_threads, workers_per_node
 from launcher.layout_config import from_config, launch_world_size, plan_world_size
 from launcher.options import BuildOptions
+from launcher.planner.predict import Prediction, Problem, predict
 from launcher.planner.report import to_json, to_table
 from launcher.planner.request import problem, space
-from launcher.planner.search import Prediction, Problem, Result, predict, search
+from launcher.planner.search import Result, search
 from launcher.precision import precision_mode
 from launcher.validate import validate
 

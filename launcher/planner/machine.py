@@ -2,7 +2,7 @@
 
 Datasheet link bandwidths are scaled by LINK_EFFICIENCY (what collectives reach in practice);
 measured ones (the cpu profile's gloo calibration) are used as they are. Null numbers (cpu) are
-calibrated by `launcher.hardware.resolve_hardware` (launcher/calibration.py), the only path on which
+calibrated by `launcher.hardware.resolve_hardware` (launcher/calibration/), the only path on which
 torch is imported.
 """
 

@@ -75,7 +75,6 @@ GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
 OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.35}  # context, collective buffers, workspaces; cpu: the process
-FUSED_ATTENTION = True  # the runtime calls scaled_dot_product_attention
 
 
 @dataclass(frozen=True)
@@ -148,9 +147,11 @@ def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
     return total
 
 
-# torch's eager norms save statistics besides their input (Korthikanti et al. count the input only);
-# measured against saved-tensor hooks in tests/test_planner_vs_runtime.py
-EAGER_NORM_STATS = True
+def norm_stats_bytes(m: ModelConfig, elem: int) -> int:
+    """Bytes per token that torch's eager norms save besides their input (Korthikanti et al. count the
+    input only; measured against saved-tensor hooks in tests/test_planner_vs_runtime.py): two norms per
+    layer; RMSNorm saves x*rstd (h) and rstd, LayerNorm mean and rstd."""
+    return 2 * elem * (m.dim + 1) if m.norm == "rmsnorm" else 2 * elem * 2
 
 
 def selective_bytes(m: ModelConfig, layout: Layout, elem: int) -> float:
@@ -162,9 +163,12 @@ def selective_bytes(m: ModelConfig, layout: Layout, elem: int) -> float:
     return (replicated / t if layout.sequence_parallel else replicated) + sharded / t
 
 
-def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) -> tuple[float, float]:
+def layer_activation_bytes(
+    m: ModelConfig, seq: int, layout: Layout, elem: int, fused_attention: bool = True
+) -> tuple[float, float]:
     """(saved bytes per token of one layer under `layout.recompute`, bytes per token of one layer's
-    full working set)."""
+    full working set); `fused_attention`: SDPA's kernels, which the runtime calls (False: the score
+    matrix stored, Megatron before FlashAttention)."""
     h, t, f = m.dim, layout.tp, m.ffn_dim
     routed = 0.0
     if m.moe.experts:  # a token's MLP: top_k routed + shared experts; its k dispatched copies, there and back
@@ -172,15 +176,12 @@ def layer_activation_bytes(m: ModelConfig, seq: int, layout: Layout, elem: int) 
         routed = 2 * elem * m.moe.top_k * h * t  # not split by tp: the MoE layer runs whole on each tp rank
     hq, hkv, a = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m), m.n_heads
     mask = 1 if m.dropout > 0 else 0
-    norm_stats = 0
-    if EAGER_NORM_STATS:  # two norms per layer; RMSNorm saves x*rstd (h) and rstd, LayerNorm mean and rstd
-        norm_stats = 2 * elem * (h + 1) if m.norm == "rmsnorm" else 2 * elem * 2
-    replicated = 4 * elem * h + 2 * mask * h + norm_stats
+    replicated = 4 * elem * h + 2 * mask * h + norm_stats_bytes(m, elem)
     # attention saves K and V as its core reads them: all-gathered over the cp ranks (cp x the local ones);
     # under cp each local chunk's output is saved, and their concatenation (the output projection's input)
     cp_out = hq if layout.cp > 1 else 0
     sharded = elem * (2 * hq + cp_out + 2 * hkv * layout.cp) + (4 if m.mlp == "swiglu" else 2) * elem * f + routed
-    if FUSED_ATTENTION:
+    if fused_attention:
         core = 4.0 * a
     else:
         core = elem * a * seq + mask * (1 + elem) * a * seq
@@ -248,17 +249,41 @@ def logits_in_flight(layout: Layout) -> int:
     return {"gpipe": layout.microbatches, "interleaved_zb": layout.pp}.get(layout.schedule, 1)
 
 
+def loss_bytes(m: ModelConfig, layout: Layout, elem: int, kind: str, tokens: int, flop_per_byte: float | None) -> float:
+    """The last rank's loss working set for `tokens` per microbatch: with the chunked loss d loss / d h
+    and one chunk's logits; else the logits of the microbatches in flight, with their fp32 upcast and
+    log-softmax."""
+    if chunked_loss(layout):
+        ratio = FLOP_PER_BYTE.get(kind, FLOP_PER_BYTE["cuda"]) if flop_per_byte is None else flop_per_byte
+        return tokens * m.dim * elem + loss_chunk_bytes(m, tokens, elem, ratio)
+    return tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * logits_in_flight(layout)
+
+
 def memory(
-    m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, flop_per_byte: float | None = None
+    m: ModelConfig,
+    seq: int,
+    layout: Layout,
+    elem: int,
+    kind: str,
+    flop_per_byte: float | None = None,
+    fused_attention: bool = True,
 ) -> Memory:
     """Memory of the busiest device (the first or the last pipeline rank); `flop_per_byte`: the
     device's (`Machine.flop_per_byte`, which sizes the chunked loss), by default its kind's."""
     ranks = {0, layout.pp - 1}
-    return max((rank_memory(m, seq, layout, elem, kind, r, flop_per_byte) for r in ranks), key=lambda x: x.total)
+    per_rank = (rank_memory(m, seq, layout, elem, kind, r, flop_per_byte, fused_attention) for r in ranks)
+    return max(per_rank, key=lambda x: x.total)
 
 
 def rank_memory(
-    m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int, flop_per_byte: float | None = None
+    m: ModelConfig,
+    seq: int,
+    layout: Layout,
+    elem: int,
+    kind: str,
+    rank: int,
+    flop_per_byte: float | None = None,
+    fused_attention: bool = True,
 ) -> Memory:
     params = rank_params(m, layout, rank)
     s = layout.fsdp_shard
@@ -279,10 +304,10 @@ def rank_memory(
         buffers = elem * held + elem * max(pc.output_matmul // layout.tp, block) + GRAD_BYTES * block
     else:
         grads, buffers = GRAD_BYTES * params, (elem * params if elem < MASTER_BYTES else 0)
-    saved, working = layer_activation_bytes(m, seq, layout, elem)
+    saved, working = layer_activation_bytes(m, seq, layout, elem, fused_attention)
     full = full_layers(m.n_layers, layout, rank)
     if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
-        saved_full = layer_activation_bytes(m, seq, replace(layout, recompute="full"), elem)[0]
+        saved_full = layer_activation_bytes(m, seq, replace(layout, recompute="full"), elem, fused_attention)[0]
         saved = (saved * (layers - full) + saved_full * full) / layers
     tokens = layout.micro * seq // layout.cp  # this rank's share of each sequence
     if layout.cp > 1 and kind == "cpu":  # the local chunks' causal masks, built once (flash needs none)
@@ -291,13 +316,7 @@ def rank_memory(
     acts = saved * tokens * layers * in_flight(layout, rank)
     if full:
         acts += working * tokens
-    logits = 0.0
-    if rank == layout.last_rank and chunked_loss(layout):  # d loss / d h, and one chunk's logits
-        ratio = FLOP_PER_BYTE.get(kind, FLOP_PER_BYTE["cuda"]) if flop_per_byte is None else flop_per_byte
-        logits = tokens * m.dim * elem + loss_chunk_bytes(m, tokens, elem, ratio)
-    elif rank == layout.last_rank:
-        held = logits_in_flight(layout)
-        logits = tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * held
+    logits = loss_bytes(m, layout, elem, kind, tokens, flop_per_byte) if rank == layout.last_rank else 0.0
     if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, last in backward (docstring)
         table = GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
         grads += max(0.0, table - (acts + logits))  # the activations are freed by then

@@ -7,7 +7,7 @@ import sys
 from typing import TextIO
 
 from launcher.flops import GIB
-from launcher.planner.search import Prediction
+from launcher.planner.predict import Prediction
 
 
 def to_json(preds: list[Prediction], out: TextIO | None = None) -> None:

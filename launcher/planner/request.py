@@ -9,11 +9,12 @@ import dataclasses
 import os
 
 from launcher.config import TrainConfig
-from launcher.layout import check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
+from launcher.layout import INTERLEAVED, check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
 from launcher.layout_config import given_degrees
 from launcher.planner.device import Machine
 from launcher.planner.machine import machine
-from launcher.planner.search import Problem, Space
+from launcher.planner.predict import Problem
+from launcher.planner.search import Space
 
 
 def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
@@ -60,7 +61,7 @@ def space(cfg: TrainConfig, world: int, explore: bool) -> Space:
     degrees = given_degrees(cfg)
     check_world(world, degrees)
     schedule = None if cfg.pp_schedule == "auto" else cfg.pp_schedule
-    interleaved = schedule in ("interleaved_1f1b", "interleaved_zb")
+    interleaved = schedule in INTERLEAVED
     virtual = int_or_auto("virtual_stages", cfg.virtual_stages, auto=None) or 1
     searched_v = virtual == 1 and (schedule is None or (explore and interleaved))
     return Space(

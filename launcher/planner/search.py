@@ -27,12 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
 
 from launcher.config import ModelConfig
 from launcher.errors import LauncherError
-from launcher.flops import GIB, flops_per_token, hardware_flops_per_token, mfu
 from launcher.layout import (
+    INTERLEAVED,
     V_SHAPED,
     ZERO_BUBBLE,
     Layout,
@@ -42,9 +41,8 @@ from launcher.layout import (
     stage_layers,
     violations,
 )
-from launcher.planner.cost import StepTime, compute_efficiency, step_time
-from launcher.planner.device import Machine
-from launcher.planner.memory import Memory, memory, recomputed_layers
+from launcher.planner.memory import Memory
+from launcher.planner.predict import Prediction, Problem, predict, problem_memory
 
 MAX_MICRO = 32
 # Context parallelism is for long sequences: Llama 3's 128K stage ran cp=16, 8K tokens per rank.
@@ -53,73 +51,6 @@ MAX_MICRO = 32
 MIN_CP_TOKENS = 4096
 MAX_AUTO_CP = 32
 AUTO_VIRTUAL = (2, 4, 8)
-
-
-@dataclass(frozen=True)
-class Prediction:
-    layout: Layout
-    memory: Memory
-    time: StepTime
-    tokens_per_s: float
-    mfu: float
-    hfu: float  # hardware FLOPs utilisation: recomputation counted
-    fits: bool
-    bottleneck: str
-    machine: str
-    seq_len: int
-
-    @property
-    def step_time_s(self) -> float:
-        return self.time.total
-
-    @property
-    def tokens_per_microbatch(self) -> int:
-        return self.layout.micro * self.seq_len
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.layout.global_batch * self.seq_len
-
-    def as_dict(self) -> dict[str, Any]:
-        lay = self.layout
-        return {
-            "hardware": self.machine,
-            "world": lay.world_size,
-            **{key: getattr(lay, key) for key in ("tp", "pp", "cp", "dp", "dp_shard", "dp_replicate", "sharding")},
-            "microbatch": lay.micro,
-            "microbatches": lay.microbatches,
-            "global_batch": lay.global_batch,
-            "tokens_per_step": self.tokens_per_step,
-            "schedule": lay.schedule if lay.pp > 1 else "none",
-            "virtual_stages": lay.chunks,
-            "recompute": lay.recompute,
-            "recompute_layers": lay.recompute_layers,
-            "sequence_parallel": lay.sequence_parallel,
-            "zero": (3 if lay.reshard_after_forward else 2) if lay.dp_shard > 1 else 0,
-            "ep": lay.ep,
-            "memory_gib": round(self.memory.total / GIB, 3),
-            "memory": self.memory.as_gib(),
-            "checkpoint_bytes_per_rank": round(self.memory.checkpoint),  # the busiest device's
-            "fits": self.fits,
-            "step_time_s": self.time.total,
-            "time_s": self.time.as_dict(),
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
-            "hfu": self.hfu,
-            "bottleneck": self.bottleneck,
-        }
-
-
-@dataclass(frozen=True)
-class Problem:
-    """What is planned: a model and sequence length on `world` devices of one machine type."""
-
-    model: ModelConfig
-    seq: int
-    world: int
-    machine: Machine
-    elem: int  # bytes per activation element (compute dtype)
-    async_tp: bool = False  # TP collectives overlapped with their matmuls (config async_tp)
 
 
 @dataclass
@@ -136,44 +67,6 @@ class Space:
     sequence_parallel: bool | None  # None: on whenever tp > 1
     recompute_layers: int | None = 0
     reshard: str | None = "auto"  # None: always and never where FSDP runs without pipelining
-
-
-def bottleneck(t: StepTime, efficiency: float) -> str:
-    parts = {
-        f"TP communication over {t.tp_level}": t.tp_comm,
-        f"CP communication over {t.cp_level}": t.cp_comm,
-        "tensor-parallel dispatch on the host": t.tp_host,
-        "pipeline bubble": t.pp_bubble,
-        f"DP communication over {t.dp_level}": t.dp_exposed,
-        f"pipeline sends over {t.pp_level}": t.pp_p2p,
-        f"MoE all-to-all over {t.ep_level}": t.ep_comm,
-        "the chunked loss's weight traffic": t.loss,
-    }
-    name, share = max(((k, v / t.total) for k, v in parts.items()), key=lambda kv: kv[1])
-    if share >= 0.1:
-        return f"{name} ({share:.0%} of step)"
-    return f"compute ({t.compute / t.total:.0%} of step at {efficiency:.0%} of peak)"
-
-
-def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Prediction:
-    m, mach = problem.model, problem.machine
-    mem = mem or memory(m, problem.seq, layout, problem.elem, mach.kind, mach.flop_per_byte)
-    t = step_time(m, problem.seq, layout, mach, problem.elem, problem.async_tp)
-    tokens_per_s = layout.global_batch * problem.seq / t.total
-    peak = mach.peak_flops
-    per_device = tokens_per_s / layout.world_size
-    return Prediction(
-        layout=layout,
-        memory=mem,
-        time=t,
-        tokens_per_s=tokens_per_s,
-        mfu=mfu(per_device, flops_per_token(m, problem.seq), peak),
-        hfu=mfu(per_device, hardware_flops_per_token(m, problem.seq, recomputed_layers(m.n_layers, layout)), peak),
-        fits=mem.total <= mach.memory_bytes,
-        bottleneck=bottleneck(t, compute_efficiency(mach, m, layout, layout.micro * problem.seq)),
-        machine=mach.name,
-        seq_len=problem.seq,
-    )
 
 
 def candidates(problem: Problem, space: Space) -> Iterator[Layout | str]:
@@ -266,7 +159,7 @@ def _schedules(space: Space, pp: int) -> Iterator[tuple[str, int]]:
     for name in [space.schedule] if space.schedule else ["1f1b", "interleaved_1f1b", *ZERO_BUBBLE]:
         if name in V_SHAPED:
             yield name, 2
-        elif name in ("interleaved_1f1b", "interleaved_zb") and not space.virtual_stages:
+        elif name in INTERLEAVED and not space.virtual_stages:
             yield from ((name, v) for v in ((1,) if name == "interleaved_zb" else ()) + AUTO_VIRTUAL)
         else:
             yield name, space.virtual_stages or 1
@@ -315,7 +208,7 @@ def _fitting(problem: Problem, space: Space, lay: Layout) -> tuple[list[Predicti
 
     def mem(recompute: str, layers: int) -> tuple[Layout, Memory]:
         cand = replace(lay, recompute=recompute, recompute_layers=layers)
-        return cand, memory(m, problem.seq, cand, problem.elem, problem.machine.kind, problem.machine.flop_per_byte)
+        return cand, problem_memory(problem, cand)
 
     for policy in [space.recompute] if space.recompute else ["none", "selective", "full"]:
         if policy == "full" and (fits or fixed):  # full only when nothing else fits

@@ -14,9 +14,9 @@ import torch
 
 from launcher import flops
 from launcher.data import BatchLoader
+from launcher.files import write_json
 from launcher.metrics.meter import memory_gib, memory_measure
 from launcher.metrics.profile import StepProfiler
-from launcher.metrics.sinks import write_json
 from launcher.options import Run
 from launcher.parallel.runner import Runner
 from launcher.train.checkpoint import Stateful

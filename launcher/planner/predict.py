@@ -1,0 +1,134 @@
+"""A layout's prediction: memory, step time by component, tokens/s, MFU and HFU, whether it fits,
+and what bounds it (`bottleneck`), for one `Problem` (the model, sequence length, world and machine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from launcher.config import ModelConfig
+from launcher.flops import GIB, flops_per_token, hardware_flops_per_token, mfu
+from launcher.layout import Layout
+from launcher.planner.cost import StepTime, step_time
+from launcher.planner.device import Machine
+from launcher.planner.efficiency import compute_efficiency
+from launcher.planner.memory import Memory, memory, recomputed_layers
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is planned: a model and sequence length on `world` devices of one machine type."""
+
+    model: ModelConfig
+    seq: int
+    world: int
+    machine: Machine
+    elem: int  # bytes per activation element (compute dtype)
+    async_tp: bool = False  # TP collectives overlapped with their matmuls (config async_tp)
+    fused_attention: bool = True  # SDPA's kernels, as the runtime calls them (False: Megatron before FlashAttention)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the planner predicts for one layout: the value `plan` ranks and `train` runs beside."""
+
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    tokens_per_s: float
+    mfu: float
+    hfu: float  # hardware FLOPs utilisation: recomputation counted
+    fits: bool
+    bottleneck: str
+    machine: str
+    seq_len: int
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.layout.micro * self.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout.global_batch * self.seq_len
+
+    def as_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "hardware": self.machine,
+            "world": lay.world_size,
+            **{key: getattr(lay, key) for key in ("tp", "pp", "cp", "dp", "dp_shard", "dp_replicate", "sharding")},
+            "microbatch": lay.micro,
+            "microbatches": lay.microbatches,
+            "global_batch": lay.global_batch,
+            "tokens_per_step": self.tokens_per_step,
+            "schedule": lay.schedule if lay.pp > 1 else "none",
+            "virtual_stages": lay.chunks,
+            "recompute": lay.recompute,
+            "recompute_layers": lay.recompute_layers,
+            "sequence_parallel": lay.sequence_parallel,
+            "zero": (3 if lay.reshard_after_forward else 2) if lay.dp_shard > 1 else 0,
+            "ep": lay.ep,
+            "memory_gib": round(self.memory.total / GIB, 3),
+            "memory": self.memory.as_gib(),
+            "checkpoint_bytes_per_rank": round(self.memory.checkpoint),  # the busiest device's
+            "fits": self.fits,
+            "step_time_s": self.time.total,
+            "time_s": self.time.as_dict(),
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "bottleneck": self.bottleneck,
+        }
+
+
+def bottleneck(t: StepTime, efficiency: float) -> str:
+    """The component that takes the largest share of the step, if 10% or more; else compute."""
+    parts = {
+        f"TP communication over {t.tp_level}": t.tp_comm,
+        f"CP communication over {t.cp_level}": t.cp_comm,
+        "tensor-parallel dispatch on the host": t.tp_host,
+        "pipeline bubble": t.pp_bubble,
+        f"DP communication over {t.dp_level}": t.dp_exposed,
+        f"pipeline sends over {t.pp_level}": t.pp_p2p,
+        f"MoE all-to-all over {t.ep_level}": t.ep_comm,
+        "the chunked loss's weight traffic": t.loss,
+    }
+    name, share = max(((k, v / t.total) for k, v in parts.items()), key=lambda kv: kv[1])
+    if share >= 0.1:
+        return f"{name} ({share:.0%} of step)"
+    return f"compute ({t.compute / t.total:.0%} of step at {efficiency:.0%} of peak)"
+
+
+def problem_memory(problem: Problem, layout: Layout) -> Memory:
+    """Memory of the busiest device of `layout` for `problem`."""
+    mach = problem.machine
+    return memory(
+        problem.model, problem.seq, layout, problem.elem, mach.kind, mach.flop_per_byte, problem.fused_attention
+    )
+
+
+def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Prediction:
+    """Memory, step time and utilisation of `layout` (`mem`: its memory, when already known)."""
+    m, mach = problem.model, problem.machine
+    mem = mem or problem_memory(problem, layout)
+    t = step_time(m, problem.seq, layout, mach, problem.elem, problem.async_tp, problem.fused_attention)
+    tokens_per_s = layout.global_batch * problem.seq / t.total
+    peak = mach.peak_flops
+    per_device = tokens_per_s / layout.world_size
+    return Prediction(
+        layout=layout,
+        memory=mem,
+        time=t,
+        tokens_per_s=tokens_per_s,
+        mfu=mfu(per_device, flops_per_token(m, problem.seq), peak),
+        hfu=mfu(per_device, hardware_flops_per_token(m, problem.seq, recomputed_layers(m.n_layers, layout)), peak),
+        fits=mem.total <= mach.memory_bytes,
+        bottleneck=bottleneck(t, compute_efficiency(mach, m, layout, layout.micro * problem.seq)),
+        machine=mach.name,
+        seq_len=problem.seq,
+    )
