@@ -21,7 +21,8 @@ from launcher.extras import install_hint, installed, require
 from launcher.files import make_dir
 from launcher.hydra_compat import hydra_errors_raised, hydra_full_error
 from launcher.layout import Layout
-from launcher.options import BuildOptions, Run
+from launcher.options import BuildOptions
+from launcher.run import Run
 
 if TYPE_CHECKING:
     from launcher.planner import Prediction

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from launcher.compat import bound_device, failure_line, leave_process_groups
 from launcher.errors import CROSSING, Hung, LauncherError, WorkerFailed
 from launcher.layout import owner_rank
-from launcher.options import Run
+from launcher.run import Run
 from launcher.train.preemption import LOCAL_WORKER_ENV, STOP_SIGNALS, PreemptionFlag, local_worker_signals
 from launcher.train.watchdog import LocalMonitor, timeout_for, watching
 

@@ -21,8 +21,8 @@ import pytest
 from launcher.cli import run_of
 from launcher.config import TrainConfig, compose_config
 from launcher.layout_config import from_config
-from launcher.options import Run
 from launcher.planner import Prediction, build_options
+from launcher.run import Run
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,7 +29,11 @@ MAY_READ_TRAIN_CONFIG = {
     "launcher.planner",
     "launcher.planner.request",
 }
-CONFIG_HOMES = ("launcher.config", "launcher.validate")
+CONFIG_HOMES = (
+    "launcher.config",
+    "launcher.validate",
+    "launcher.layout_config",
+)  # schema, checks, the keys read into a Layout
 
 
 @cache
@@ -118,7 +122,8 @@ def test_only_the_entry_points_read_train_config() -> None:
     below = [name for name in below if not config_home(name, readers[name])]
     assert not below, (
         "only cli, spawn, slurm, sweep, the planner's resolve (launcher.planner, launcher.planner.request) and "
-        "the config/validation modules may import TrainConfig; everything below them takes a Layout, a "
+        "the config/validation modules (and layout_config, which reads the layout keys) may import TrainConfig; "
+        "everything below them takes a Layout, a "
         "Prediction and a BuildOptions. Reading it here:\n" + "\n".join(below)
     )
 

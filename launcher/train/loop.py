@@ -17,8 +17,8 @@ from launcher.data import BatchLoader
 from launcher.files import write_json
 from launcher.metrics.meter import memory_gib, memory_measure
 from launcher.metrics.profile import StepProfiler
-from launcher.options import Run
 from launcher.parallel.runner import Runner
+from launcher.run import Run
 from launcher.train.checkpoint import Stateful
 from launcher.train.fit import gather_ranks, gather_rows, memory_lines, memory_summary, smoke_step
 from launcher.train.guard import injected_nan, injected_nan_step

@@ -18,9 +18,10 @@ from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter
 from launcher.metrics.sinks import JsonlSink, WandbSink
 from launcher.model.init import AllocationFailed, meta_model
-from launcher.options import BuildOptions, Run
+from launcher.options import BuildOptions
 from launcher.parallel import parallelize
 from launcher.parallel.runner import Runner
+from launcher.run import Run
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
 from launcher.train.fit import allocator_mode, out_of_memory, set_cpu_allocator
 from launcher.train.guard import Guard
