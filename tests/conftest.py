@@ -8,6 +8,7 @@ or trains in-process for more than ~2 s.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -21,7 +22,8 @@ import pytest
 from launcher.cli import run_of
 from launcher.config import TrainConfig, compose_config
 from launcher.layout_config import from_config
-from launcher.planner import Prediction, build_options
+from launcher.planner import Prediction, build_options, resolve
+from launcher.planner.memory import Memory
 from launcher.run import Run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +58,15 @@ def run_for(cfg: TrainConfig, world: int | None = 1, prediction: Prediction | No
     `prediction` as the planner's (None: none, so that nothing here depends on the calibration)."""
     layout = from_config(cfg, world)
     return run_of(cfg, layout, prediction, build_options(cfg, layout))
+
+
+def predicted_at(cfg: TrainConfig, gib: float) -> Prediction:
+    """The planner's prediction for `cfg` on one rank with its memory total set to `gib` GiB (what a
+    test compares the measured or the refused memory with). `cfg` must give hardware.peak_tflops, so
+    that nothing is calibrated."""
+    prediction = resolve(cfg, 1)[1]
+    zero = {key: 0.0 for key in ("grads", "optimizer", "buffers", "activations", "logits", "overhead")}
+    return dataclasses.replace(prediction, memory=Memory(params=gib * 2**30, **zero))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

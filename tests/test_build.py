@@ -29,7 +29,7 @@ from launcher.model.init import BLOCK, meta_model
 from launcher.parallel import parallelize, shard_model
 from launcher.planner import build_options, resolve
 from launcher.train.loop import train
-from tests.conftest import run_cli, run_for, tiny_args, tiny_config
+from tests.conftest import predicted_at, run_cli, run_for, tiny_args, tiny_config
 from tests.dist import run
 
 MIB = 2**20
@@ -116,8 +116,8 @@ def test_the_budget_stops_a_full_model_build_before_it_allocates() -> None:
 
 
 def test_steps_0_builds_reports_memory_and_stops(tmp_path: Any) -> None:
-    cfg = tiny_config(tmp_path, "steps=0", "smoke=true")
-    summary = train(run_for(cfg, prediction={"memory_gib": 1.5}), tmp_path / "r")
+    cfg = tiny_config(tmp_path, "steps=0", "smoke=true", "hardware.peak_tflops=1.0")
+    summary = train(run_for(cfg, prediction=predicted_at(cfg, 1.5)), tmp_path / "r")
     assert summary["steps"] == 0 and summary["smoke_loss"] > 0
     assert summary["peak_mem_gib_per_rank"] == [summary["peak_mem_gib"]] and summary["peak_mem_gib"] > 0
     assert summary["cpu_allocator"] == "lean", "a memory check measures the run, not glibc's cache"
@@ -134,7 +134,8 @@ def test_out_of_memory_while_building_is_one_line(tmp_path: Any, monkeypatch: py
 
     monkeypatch.setattr("launcher.model.init.torch.randn", no_memory)
     with pytest.raises(OutOfMemory) as err:
-        train(run_for(tiny_config(tmp_path, "steps=0"), prediction={"memory_gib": 1.5}), tmp_path / "r")
+        cfg = tiny_config(tmp_path, "steps=0", "hardware.peak_tflops=1.0")
+        train(run_for(cfg, prediction=predicted_at(cfg, 1.5)), tmp_path / "r")
     line = str(err.value)
     assert "\n" not in line and err.value.exit_code == 1
     assert "rank 0" in line and "123456 bytes" in line and "planner estimated 1.50 GiB" in line

@@ -24,7 +24,7 @@ from tests.test_planner import make_cfg
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
 def test_published_layout_is_not_refused(run):
     try:
-        _, prediction, _ = resolve(run)
+        _, prediction = resolve(run)
     except LauncherError as err:
         pytest.fail(f"{run.name} ({run.source}) refused: {err}")
     lay = prediction.layout
