@@ -28,6 +28,7 @@ from rich.table import Table
 
 from bench.parallel import LAYOUTS, SavedTensorMeter, train_step
 from launcher.config import TrainConfig, compose_config
+from launcher.flops import head_dim
 from launcher.layout import build_mesh, worker_threads
 from launcher.layout_config import from_config
 from launcher.model.init import meta_model
@@ -151,7 +152,7 @@ def single_process_memory(seq_len: int) -> dict[str, Any]:
     m = cfg.model
     torch.manual_seed(0)
     block = Block(m)
-    rope = rope_tables(m.dim // m.n_heads, m.max_seq_len, m.rope_theta, torch.device("cpu"))
+    rope = rope_tables(head_dim(m), m.max_seq_len, m.rope_theta, torch.device("cpu"))
     x = torch.randn(1, seq_len, m.dim, requires_grad=True)
     saved, detail = block_saved_bytes(block, rope, x)
     lay = from_config(cfg, 1)
