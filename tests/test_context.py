@@ -187,16 +187,11 @@ def plan_405b(seq_len: int, **keys: object):
     return planner.plan(cfg, 16384, explore=True)[1]
 
 
-def test_cp_in_the_405b_search_on_16384_gpus_under_a_second() -> None:
-    import time
-
-    plan_405b(8192)  # warm imports
-    times = []
-    for _ in range(2):  # this process's CPU time (the search is single-threaded): others' load does not count
-        t0 = time.process_time()
-        res = plan_405b(8192)
-        times.append(time.process_time() - t0)
-    assert min(times) < 1.0 and {p.layout.cp for p in res.ranked} == {1, 2}  # 4096 tokens per rank at least
+def test_cp_in_the_405b_search_on_16384_gpus() -> None:
+    """cp joins the search at powers of two that leave each rank 4096 tokens at least (what keeps it
+    fast: `python -m bench plan_speed` times it), and a 128K sequence is planned only with cp."""
+    res = plan_405b(8192)
+    assert {p.layout.cp for p in res.ranked} == {1, 2}
     long = plan_405b(131072, tp=8, pp=16)  # Llama 3's long-context stage: 128K tokens per sequence
     assert long.ranked[0].layout.cp > 1, "a 128K sequence does not fit without context parallelism"
     assert all(p.layout.cp > 1 for p in long.ranked)
