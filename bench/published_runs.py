@@ -60,6 +60,7 @@ class Run:
     schedule: str = "auto"
     dp_shard: int | str = 1  # 1: DDP; the dp degree: FSDP / ZeRO (optimizer and gradients sharded)
     fused_attention: bool = True  # False: the score matrix materialized (Megatron before FlashAttention)
+    compiled: bool = True  # pointwise ops fused (torch.compile, Megatron's fused kernels, XLA); False: eager
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -73,6 +74,10 @@ KORTHIKANTI = "Korthikanti et al. 2022, tables 3 and 5 (A100 80GB, sequence para
 LLAMA3 = "Llama 3 herd of models 2024, table 4 (H100 80GB, 405B, 8K sequences)"
 BLOOM = "BigScience BLOOM 2022 (A100 80GB, Megatron-DeepSpeed, ZeRO-1, full recompute)"
 MPT = "MosaicML llm-foundry MPT benchmarks (scripts/train/benchmarking/README.md: FSDP FULL_SHARD, bf16)"
+TORCHTITAN = (
+    "torchtitan docs/performance.md, tables 1 and 3 (2025-01, torch 2024-12-23; H100 96GB HBM2e at 500 W, "
+    "FSDP2, local batch 2 x 8192, selective op recompute)"
+)
 
 # MPT (llm-foundry yamls): GPT shape without biases, LayerNorm, GELU 4x, tied embeddings, 50368 vocabulary;
 # the benchmark runs use learned positions (their parameter counts grow with the sequence length)
@@ -96,7 +101,16 @@ def _mpt(
     model = dict(gpt(f"mpt-{size}", dim, layers, heads, seq, 1, vocab=50368), bias=False, dropout=0.0)
     return Run(
         f"MPT {size} {gpus}x{hw} seq {seq}", MPT, model, hw, gpus, 1, 1, seq, micro * accum * gpus, tokens_per_gpu,
-        metric="tokens", recompute="full" if recompute else "none", micro=micro, dp_shard="dp",
+        metric="tokens", recompute="full" if recompute else "none", micro=micro, dp_shard="dp", compiled=False,
+    )  # fmt: skip
+
+
+def _torchtitan(gpus: int, compiled: bool, tokens_per_gpu: float) -> Run:
+    """Llama 3.1 8B, FSDP over every GPU, with and without torch.compile (per block; the loss eager)."""
+    name = f"Llama 3.1 8B {gpus}xH100 FSDP {'compiled' if compiled else 'eager'}"
+    return Run(
+        name, TORCHTITAN, "8b", "h100_sxm", gpus, 1, 1, 8192, 2 * gpus, tokens_per_gpu, metric="tokens",
+        recompute="selective", micro=2, dp_shard="dp", compiled=compiled,
     )  # fmt: skip
 
 
@@ -159,6 +173,8 @@ RUNS: tuple[Run, ...] = (
     _mpt("13b", "a100", 8, 2048, 2, 3, False, 2262),
     _mpt("30b", "a100", 8, 2048, 3, 21, True, 916),
     _mpt("70b", "a100", 64, 2048, 8, 4, True, 410),
+    _torchtitan(8, False, 5762), _torchtitan(8, True, 6667),
+    _torchtitan(128, False, 5605), _torchtitan(128, True, 6514),
 )  # fmt: skip
 
 
@@ -197,7 +213,7 @@ def predict(run: Run) -> tuple[float, Prediction]:
     if refused."""
     cfg = config(run)
     validate(cfg)
-    prob = replace(problem(cfg, run.gpus), fused_attention=run.fused_attention)
+    prob = replace(problem(cfg, run.gpus), fused_attention=run.fused_attention, compiled=run.compiled)
     res = search(prob, space(cfg, run.gpus, explore=False))
     if not res.ranked:
         raise LauncherError(res.broken or f"nothing fits {run.gpus} x {run.hardware}")

@@ -15,7 +15,7 @@ from bench.published_runs import predict as resolve
 from launcher import planner
 from launcher.errors import LauncherError
 from launcher.layout import Layout
-from launcher.planner import compute, efficiency
+from launcher.planner import compute, eager, efficiency
 from launcher.planner.predict import predict
 from launcher.planner.request import problem
 from tests.test_planner import make_cfg
@@ -121,3 +121,56 @@ def test_nonmatmul_work_weighs_more_on_a_device_with_less_bandwidth_per_flop():
     assert efficiency.nonmatmul_width(h100) == pytest.approx(efficiency.NONMATMUL * 989e12 / 3350e9)
     assert efficiency.nonmatmul_width(h100) > 1.9 * efficiency.nonmatmul_width(a100)
     assert math.isclose(efficiency.nonmatmul_width(a100), efficiency.NONMATMUL * 312e12 / 2039e9)
+
+
+def test_eager_blocks_pay_their_unfused_pointwise_bytes():
+    """compile=false: every block and microbatch moves the bytes of its unfused norms, RoPE, SwiGLU and
+    residual adds at EAGER_BANDWIDTH of HBM; compiled (the default on CUDA) pays none of them."""
+    cfg = make_cfg("8b", seq_len=4096)
+    compiled = problem(cfg, 8)
+    cfg.compile = False
+    eager_prob = problem(cfg, 8)
+    assert compiled.compiled and not eager_prob.compiled
+    lay = Layout(tp=1, dp_shard=8, micro=1, microbatches=2)
+    fast, slow = (predict(p, lay).time for p in (compiled, eager_prob))
+    # 8B, tp 1, no recompute, bf16: 2 norms x 4096 x (16 + 27) + 2 adds x 4096 x 4 + SwiGLU 14336 x 6
+    # + RoPE (32 + 8) x 128 x 19 element passes
+    assert eager.eager_bytes(cfg.model, lay, 2) == 2 * (2 * 4096 * 43 + 2 * 4096 * 4 + 14336 * 6 + 5120 * 19)
+    per_token = eager.eager_bytes(cfg.model, lay, 2) / (eager.EAGER_BANDWIDTH * 3350e9)
+    assert slow.compute - fast.compute == pytest.approx(2 * 4096 * 32 * per_token)
+    assert 1.05 < slow.total / fast.total < 1.25
+
+
+def test_compile_is_resolved_as_the_runtime_does():
+    """compile=auto is on for CUDA and off on a CPU; XLA compiles every TPU step whatever compile says."""
+    assert problem(make_cfg("8b"), 8).compiled
+    assert not problem(make_cfg("8b", compile=False), 8).compiled
+    assert not problem(make_cfg("small", "cpu"), 1).compiled
+    assert problem(make_cfg("8b", "tpu_v5p", compile=False), 8).compiled
+
+
+def test_zero_bubble_blocks_run_eager_even_when_compiled():
+    cfg = make_cfg("8b", seq_len=4096)
+    prob = problem(cfg, 16)
+    base = Layout(tp=8, pp=2, microbatches=8, sequence_parallel=True)
+    zb = dataclasses.replace(base, schedule="interleaved_zb")
+    zb_eager = predict(dataclasses.replace(prob, compiled=False), zb).time.compute
+    assert predict(prob, zb).time.compute == pytest.approx(zb_eager)
+    assert predict(prob, base).time.compute < predict(dataclasses.replace(prob, compiled=False), base).time.compute
+
+
+def test_a_layernorm_gelu_block_gains_little_from_compile():
+    """Its norm and activation are one kernel each eager too: only the residual adds and the norms'
+    weight gradients fuse (MPT's eager runs)."""
+    llama, gpt = make_cfg("8b").model, make_cfg("gpt2-8.3b").model
+    lay = Layout(tp=1)
+    assert eager.eager_bytes(gpt, lay, 2) < 0.15 * eager.eager_bytes(llama, lay, 2)
+
+
+@pytest.mark.slow
+def test_torchtitan_eager_and_compiled_pairs_err_alike():
+    """The fit of EAGER_BANDWIDTH: each pair's eager and compiled errors within 2 points of each other."""
+    runs = {run.name: run for run in RUNS if "FSDP" in run.name and "Llama 3.1" in run.name}
+    for gpus in (8, 128):
+        err = {c: resolve(runs[f"Llama 3.1 8B {gpus}xH100 FSDP {c}"])[0] for c in ("eager", "compiled")}
+        assert abs(err["eager"] - err["compiled"]) < 0.02, err

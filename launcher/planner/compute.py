@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from launcher.config import ModelConfig
 from launcher.flops import flops_per_token, hardware_flops_per_token
 from launcher.layout import Layout
-from launcher.planner import moe
+from launcher.planner import eager, moe
 from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency, non_matmul_share
 from launcher.planner.memory import counts, full_layers, rank_layers, rank_params, recomputed_layers
@@ -98,9 +98,13 @@ def rank_work(m: ModelConfig, seq: int, layout: Layout, machine: Machine) -> lis
     return [w + sel[r] * f_layer / (1.0 + share) for r, w in enumerate(work)]
 
 
-def pace(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int, fused_attention: bool) -> Pace:
+def pace(
+    m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int, fused_attention: bool, compiled: bool = True
+) -> Pace:
     """The slowest pipeline rank at its compute and, with MoE, its all-to-alls (a rank holding the
-    dense layers or the output may compute most yet exchange least): it sets the pipeline's pace."""
+    dense layers or the output may compute most yet exchange least): it sets the pipeline's pace.
+    An eager block (not `compiled`, or under a zero-bubble schedule, which the runtime leaves eager)
+    also pays its unfused pointwise passes (launcher/planner/eager.py)."""
     t, p = layout.tp, layout.pp
     tokens = layout.micro * seq // layout.cp
     work = rank_work(m, seq, layout, machine)
@@ -111,6 +115,10 @@ def pace(m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int, 
     compute = tokens * work[busiest] / (t * flop_rate)
     if not fused_attention:
         compute += tokens * layers * unfused_attention_seconds(m, seq, layout, machine, elem)
+    compiled = compiled and not layout.zero_bubble
+    compute += tokens * layers * eager.pointwise_seconds(m, layout, machine.memory_bandwidth, elem, compiled)
+    if machine.kind != "cpu":  # the host launches every kernel; the cpu's host time is calibrated apart
+        compute = max(compute, layers * eager.launch_seconds(m, layout, compiled))
     f_model = flops_per_token(m, seq)
     f_hw = hardware_flops_per_token(m, seq, recomputed_layers(m.n_layers, layout))
     if layout.zero_bubble and machine.kind == "cpu":  # the host is the device: torch's split costs show

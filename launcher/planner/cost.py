@@ -222,9 +222,10 @@ def step_time(
     elem: int,
     async_tp: bool = False,
     fused_attention: bool = True,
+    compiled: bool = True,
 ) -> StepTime:
     """Seconds per optimizer step on the busiest rank, by component (the module docstring)."""
-    busy = pace(m, seq, layout, machine, elem, fused_attention)
+    busy = pace(m, seq, layout, machine, elem, fused_attention, compiled)
     mb = layout.microbatches
     t_block = host_time(m, layout, machine, busy, elem)
     t_tp, t_host = tp_time(m, layout, machine, busy, async_tp)

@@ -27,6 +27,7 @@ class Problem:
     elem: int  # bytes per activation element (compute dtype)
     async_tp: bool = False  # TP collectives overlapped with their matmuls (config async_tp)
     fused_attention: bool = True  # SDPA's kernels, as the runtime calls them (False: Megatron before FlashAttention)
+    compiled: bool = True  # blocks compiled (config compile; XLA on a TPU): eager pays unfused pointwise passes
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,9 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
     """Memory, step time and utilisation of `layout` (`mem`: its memory, when already known)."""
     m, mach = problem.model, problem.machine
     mem = mem or problem_memory(problem, layout)
-    t = step_time(m, problem.seq, layout, mach, problem.elem, problem.async_tp, problem.fused_attention)
+    t = step_time(
+        m, problem.seq, layout, mach, problem.elem, problem.async_tp, problem.fused_attention, problem.compiled
+    )
     tokens_per_s = layout.global_batch * problem.seq / t.total
     peak = mach.peak_flops
     per_device = tokens_per_s / layout.world_size

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from launcher.config import TrainConfig
+from launcher.config import TrainConfig, compile_enabled
 from launcher.layout import INTERLEAVED, check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
 from launcher.layout_config import given_degrees
 from launcher.planner.device import Machine
@@ -53,6 +53,7 @@ def problem(cfg: TrainConfig, world: int) -> Problem:
         machine=resolve_machine(cfg, world),
         elem=elem_bytes(cfg),
         async_tp=cfg.async_tp,
+        compiled=cfg.hardware.kind == "tpu" or compile_enabled(cfg),  # XLA compiles every step on a TPU
     )
 
 
