@@ -166,12 +166,12 @@ def single_process_memory(seq_len: int) -> dict[str, Any]:
             "held": local_numel(meta_model(cfg.model)),
         }
     ]
-    pcfg = resolved_config(1, 2, 1, seq_len, 4)  # (tied embeddings are refused with pp > 1)
-    model = meta_model(pcfg.model)
-    play = from_config(pcfg, 2)
-    for stage in range(2):
-        held = local_numel(stage_module(model, stage, 2))
-        params.append({"case": "pp=2", "rank": stage, "predicted": rank_params(pcfg.model, play, stage), "held": held})
+    for tied in (False, True):  # tied: the last stage holds a copy of the embedding (parallel/tied.py)
+        pcfg = resolved_config(1, 2, 1, seq_len, 4, f"model.tied_embeddings={str(tied).lower()}")
+        model, play, case = meta_model(pcfg.model), from_config(pcfg, 2), "pp=2 tied" if tied else "pp=2"
+        for stage in range(2):
+            predicted, held = rank_params(pcfg.model, play, stage), local_numel(stage_module(model, stage, 2))
+            params.append({"case": case, "rank": stage, "predicted": predicted, "held": held})
     out["params"] = params
     return out
 

@@ -30,15 +30,15 @@ from launcher.validate import validate
 CONF = Path(CONF_DIR)
 
 # Megatron's GPT: 51200 vocabulary (50257 padded), learned positions, GELU, LayerNorm, biases, dropout;
-# the input embedding is shared with the output layer. Across pipeline stages Megatron keeps a copy on
-# the last stage: an untied model holds the same bytes (the runtime refuses tied weights across stages).
+# the input embedding is shared with the output layer, across pipeline stages as a copy on the last
+# stage whose gradient is all-reduced with the first's once per step (launcher/parallel/tied.py).
 GPT = dict(vocab_size=51200, norm="layernorm", mlp="gelu", positions="learned", bias=True, dropout=0.1, n_kv_heads=None)
 
 
-def gpt(name: str, dim: int, layers: int, heads: int, seq: int, pp: int, vocab: int = 51200) -> dict[str, Any]:
+def gpt(name: str, dim: int, layers: int, heads: int, seq: int, vocab: int = 51200) -> dict[str, Any]:
     return dict(
         GPT, name=name, dim=dim, n_layers=layers, n_heads=heads, ffn_dim=4 * dim, max_seq_len=seq,
-        vocab_size=vocab, tied_embeddings=pp == 1,
+        vocab_size=vocab, tied_embeddings=True,
     )  # fmt: skip
 
 
@@ -98,7 +98,7 @@ def _mpt(
     tokens_per_gpu: float,
 ) -> Run:
     dim, heads, layers = MPT_SHAPES[size]
-    model = dict(gpt(f"mpt-{size}", dim, layers, heads, seq, 1, vocab=50368), bias=False, dropout=0.0)
+    model = dict(gpt(f"mpt-{size}", dim, layers, heads, seq, vocab=50368), bias=False, dropout=0.0)
     return Run(
         f"MPT {size} {gpus}x{hw} seq {seq}", MPT, model, hw, gpus, 1, 1, seq, micro * accum * gpus, tokens_per_gpu,
         metric="tokens", recompute="full" if recompute else "none", micro=micro, dp_shard="dp", compiled=False,
@@ -116,7 +116,7 @@ def _torchtitan(gpus: int, compiled: bool, tokens_per_gpu: float) -> Run:
 
 def _narayanan(params: str, heads: int, dim: int, layers: int, tp: int, pp: int, gpus: int, batch: int, tf: float):
     return Run(
-        f"GPT {params} {gpus}xA100 tp={tp} pp={pp}", NARAYANAN, gpt(params, dim, layers, heads, 2048, pp), "a100",
+        f"GPT {params} {gpus}xA100 tp={tp} pp={pp}", NARAYANAN, gpt(params, dim, layers, heads, 2048), "a100",
         gpus, tp, pp, 2048, batch, tf, recompute="full", schedule="1f1b" if pp > 1 else "auto", fused_attention=False,
     )  # fmt: skip
 
@@ -124,14 +124,14 @@ def _narayanan(params: str, heads: int, dim: int, layers: int, tp: int, pp: int,
 def _korthikanti(params: str, heads: int, dim: int, layers: int, pp: int, gpus: int, batch: int, mfu: float):
     # unfused attention, whose score matrix their selective recompute drops: the planner's `selective`
     return Run(
-        f"GPT {params} {gpus}xA100 tp=8 pp={pp} sp", KORTHIKANTI, gpt(params, dim, layers, heads, 2048, pp), "a100",
+        f"GPT {params} {gpus}xA100 tp=8 pp={pp} sp", KORTHIKANTI, gpt(params, dim, layers, heads, 2048), "a100",
         gpus, 8, pp, 2048, batch, mfu * 312.0, metric="mfu", recompute="selective", micro=1,
         schedule="1f1b" if pp > 1 else "auto", fused_attention=False, extra={"sequence_parallel": True},
     )  # fmt: skip
 
 
 RUNS: tuple[Run, ...] = (
-    Run("GPT 1.2B 1xV100", SHOEYBI, gpt("1.2b", 1536, 40, 16, 1024, 1), "v100_dgx2", 1, 1, 1, 1024, 8, 39.0,
+    Run("GPT 1.2B 1xV100", SHOEYBI, gpt("1.2b", 1536, 40, 16, 1024), "v100_dgx2", 1, 1, 1, 1024, 8, 39.0,
         recompute="full", micro=8, fused_attention=False),
     Run("GPT 8.3B 512xV100 tp=8", SHOEYBI, "gpt2-8.3b", "v100_dgx2", 512, 8, 1, 1024, 512, 15.1e3 / 512,
         recompute="full", micro=8, fused_attention=False),
@@ -154,7 +154,7 @@ RUNS: tuple[Run, ...] = (
     Run("Llama 3 405B 16384xH100 tp=8 pp=16", LLAMA3, "405b", "h100_sxm", 16384, 8, 16, 8192, 2048, 400.0,
         metric="mfu", dp_shard="dp", micro=1, extra={"sequence_parallel": True}),
     Run("BLOOM 176B 384xA100 tp=4 pp=12", BLOOM,
-        dict(gpt("176b", 14336, 70, 112, 2048, 12, vocab=250880), positions="rope", dropout=0.0), "a100",
+        dict(gpt("176b", 14336, 70, 112, 2048, vocab=250880), positions="rope", dropout=0.0), "a100",
         384, 4, 12, 2048, 2048, 150.0, recompute="full", micro=2, schedule="1f1b", dp_shard="dp",
         fused_attention=False),
     _mpt("760m", "h100_sxm", 8, 2048, 24, 2, False, 63147),

@@ -103,8 +103,8 @@ def error(*overrides: str, world_size: int | None = None) -> str:
         (("pp=2", "microbatches=3", "batch.global=32"), r"microbatches=3 but batch.global / \(batch.micro x dp\)"),
         (("pp=2", "pp_schedule=interleaved_1f1b", "microbatches=3"), r"microbatches=3 is not a multiple of pp=2"),
         (
-            ("pp=2", "model.tied_embeddings=true"),
-            r"model.tied_embeddings=true shares the embedding .*: set pp=1 or model.tied_embeddings=false",
+            ("pp=2", "pp_schedule=zbv", "virtual_stages=2", "model.tied_embeddings=true"),
+            r"model.tied_embeddings=true with pp_schedule=zbv: .* use pp_schedule=interleaved_zb or 1f1b",
         ),
         (("sequence_parallel=true",), r"sequence_parallel=true needs tensor parallelism"),
         (("tp=2", "sequence_parallel=true", "seq_len=33"), r"seq_len=33 must be a multiple of tp=2"),

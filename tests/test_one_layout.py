@@ -109,7 +109,11 @@ BAD = [  # (tp, pp, dp), further overrides, the one line both print
     ((3, 1, 1), (), "tp=3 does not divide model.n_heads=8"),
     ((2, 1, 1), ("model.vocab_size=257",), "tp=2 does not divide model.vocab_size=257"),
     ((1, 8, 1), (), "8 stages exceed model.n_layers=4"),
-    ((1, 2, 1), ("model.tied_embeddings=true",), "model.tied_embeddings=true shares the embedding"),
+    (
+        (1, 2, 1),
+        ("model.tied_embeddings=true", "pp_schedule=dualpipev", "virtual_stages=2", "microbatches=4"),
+        "model.tied_embeddings=true with pp_schedule=dualpipev",
+    ),  # fmt: skip
     ((1, 1, 1), ("virtual_stages=2",), "virtual_stages=2 schedules pipeline stages, and pp=1 has none"),
     ((1, 1, 1), ("sequence_parallel=true",), "sequence_parallel=true needs tensor parallelism"),
     ((2, 1, 1), ("sequence_parallel=true", "seq_len=33"), "seq_len=33 must be a multiple of tp=2"),

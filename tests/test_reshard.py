@@ -61,6 +61,22 @@ def test_checkpoint_reshards_across_layouts(
     assert [got[s] for s in (4, 5, 6)] == pytest.approx([reference[s] for s in (4, 5, 6)], rel=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("saved_under", "resumed_under"), [(("pp=2", "pp_schedule=1f1b"), ()), ((), ("pp=2", "pp_schedule=1f1b"))]
+)
+def test_tied_embeddings_reshard_between_pipeline_and_one_process(
+    tmp_path: Path, saved_under: tuple[str, ...], resumed_under: tuple[str, ...]
+) -> None:
+    """The last stage's copy of a tied embedding is saved and loaded under the one-process names
+    (launcher/train/model_view.py): its values and optimizer state come back either way."""
+    tied = "model.tied_embeddings=true"
+    reference = losses(run(tmp_path, "single", "checkpoint.every=0", tied))
+    saved = run(tmp_path, "saved", "checkpoint.every=3", tied, *saved_under)
+    checkpoint = saved / "checkpoints" / "step_00000003"
+    got = losses(run(tmp_path, "resumed", f"resume={checkpoint}", "checkpoint.every=0", tied, *resumed_under))
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([reference[s] for s in (4, 5, 6)], rel=1e-4)
+
+
 def test_sigkilled_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
     steps, every = 10, 2
     args = [

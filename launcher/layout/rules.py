@@ -71,10 +71,11 @@ def _stages(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
             f"pp x virtual_stages = {lay.pp} x {lay.virtual_stages} = {stages} stages exceed "
             f"model.n_layers={m.n_layers}: use at most {m.n_layers} stages (uneven splits are fine)"
         )
-    if lay.pp > 1 and m.tied_embeddings:
+    if lay.v_shape and m.tied_embeddings:
         return (
-            "model.tied_embeddings=true shares the embedding of the first pipeline stage with the output "
-            "projection of the last: set pp=1 or model.tied_embeddings=false"
+            f"model.tied_embeddings=true with pp_schedule={lay.schedule}: rank 0 would hold the embedding and its "
+            "last-stage copy as two parameters a checkpoint cannot name as one; use pp_schedule=interleaved_zb "
+            "or 1f1b, or model.tied_embeddings=false"
         )
     return None
 

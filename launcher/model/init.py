@@ -125,6 +125,12 @@ def tied_output(part: nn.Module) -> Iterator[None]:
         part.output.weight = part.tok_embeddings.weight
 
 
+def init_name(cfg: ModelConfig, name: str) -> str:
+    """The name a parameter's values are drawn under: a pipeline stage's copy of a tied embedding (the
+    last stage's output weight) starts as the embedding (launcher/parallel/tied.py)."""
+    return "tok_embeddings.weight" if cfg.tied_embeddings and name == "output.weight" else name
+
+
 def local_bytes(p: torch.Tensor) -> int:
     local = p.to_local() if isinstance(p, DTensor) else p
     return local.numel() * local.element_size()
@@ -149,7 +155,7 @@ def materialize(parts: list[nn.Module], seed: int, device: torch.device, source:
             if source is not None:
                 source.fill_(local, name, offset)
             else:
-                fill_(local, part.cfg, seed, name, tuple(p.shape), offset)
+                fill_(local, part.cfg, seed, init_name(part.cfg, name), tuple(p.shape), offset)
         part.reset_buffers()
         for module in part.modules():  # MoE routing biases and counters start at zero
             if isinstance(module, MoE):

@@ -24,6 +24,7 @@ from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_la
 from launcher.parallel.data import set_gradient_sync
 from launcher.parallel.pipeline import build_schedule
 from launcher.parallel.tensor import loss_context
+from launcher.parallel.tied import output_copies, sum_tied_grads, tie_group, tied_copies
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -118,6 +119,7 @@ class DistributedRunner(Runner):
         self.layout = layout
         self.device = next(p for part in parts for p in part.parameters()).device
         self.chunked_loss = layout.tp == 1
+        self.norm_skips: set[int] = set()  # ids of copies whose gradient another parameter counts
 
     def _all_reduce(self, value: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:
         for dim in dims:
@@ -151,14 +153,15 @@ class DistributedRunner(Runner):
         stage holding that same shard), and one sum over the mesh gives every rank the total: no
         gathering of gradients, and a replicated gradient is counted once."""
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
+        counted = [p for p in params if id(p) not in self.norm_skips]  # a tied copy: the embedding's
         for p in params:  # e.g. norm weights under sequence parallelism: sum the partial gradients once
             if isinstance(p.grad, DTensor) and any(q.is_partial() for q in p.grad.placements):
                 placements = [Replicate() if q.is_partial() else q for q in p.grad.placements]
                 p.grad = p.grad.redistribute(p.grad.device_mesh, placements)
         grads = [p.grad for p in params]
-        shards = [local(g) for g in grads]
+        shards = [local(p.grad) for p in counted]
         holders = self.layout.dp * self.layout.cp * self.layout.tp  # ranks of one stage
-        weights = [_distinct_shards(g) / holders for g in grads]
+        weights = [_distinct_shards(p.grad) / holders for p in counted]
         norms = foreach_norm(shards) if shards else []
         squared = sum((n.double() ** 2 * w for n, w in zip(norms, weights)), torch.zeros((), dtype=torch.float64))
         total = math.sqrt(self._all_reduce(squared.reshape(1).to(self.device), self.mesh.mesh_dim_names).item())
@@ -224,6 +227,9 @@ class PipelineRunner(DistributedRunner):
             layout.microbatches,  # the rank's batch (micro x microbatches) splits into these
             loss_fn,
         )
+        self.tied = tied_copies(parts)  # tied embeddings: the first stage's and the last's copy
+        self.tie_group = tie_group(layout, self.mesh) if parts[0].cfg.tied_embeddings else None
+        self.norm_skips = output_copies(parts)
 
     def _run(self, run: Any, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         losses: list[torch.Tensor] = []
@@ -253,6 +259,7 @@ class PipelineRunner(DistributedRunner):
         for layers, seen in zip(self.stage_moe, calls):
             if len(seen) > self.layout.microbatches:
                 discount(layers, seen[0], seen[1])
+        sum_tied_grads(self.tied, self.tie_group)  # once per step, before clipping (parallel/tied.py)
         return loss
 
     @torch.no_grad()

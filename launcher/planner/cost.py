@@ -75,15 +75,17 @@ class StepTime:
     host: float = 0.0  # every block's framework dispatch the device does not hide, MoE routing's copies (cpu)
     optimizer: float = 0.0  # the optimizer step over the rank's parameters (cpu)
     loss: float = 0.0  # the chunked loss's output-weight traffic (`loss_traffic`)
+    tied_comm: float = 0.0  # tied embeddings, pp > 1: the embedding gradient's all-reduce (`tied_time`)
 
     @property
     def total(self) -> float:
         comm = self.tp_comm + self.cp_comm + self.tp_host + self.pp_p2p + self.dp_exposed + self.ep_comm
+        comm += self.tied_comm
         return self.compute + self.host + comm + self.pp_bubble + self.optimizer + self.loss
 
     def as_dict(self) -> dict[str, float]:
         keys = ("compute", "host", "tp_comm", "cp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
-        keys += ("ep_comm", "optimizer", "loss")
+        keys += ("ep_comm", "optimizer", "loss", "tied_comm")
         out = {k: getattr(self, k) for k in keys}
         out["total"] = self.total
         return out
@@ -197,6 +199,16 @@ def dp_time(m: ModelConfig, layout: Layout, machine: Machine, busy: Pace, elem: 
     return total, _exposed(total, busy.backward, max(1, busy.layers), contention(machine))
 
 
+def tied_time(m: ModelConfig, layout: Layout, lv: tuple[Level, ...]) -> float:
+    """Seconds per step of tied embeddings across pipeline stages: the first and the last stage
+    all-reduce their copies' fp32 gradients (each rank its tp x FSDP shard) once, after the backward,
+    with nothing to hide behind (launcher/parallel/tied.py): 2 ranks, (pp - 1) pipeline strides apart."""
+    if layout.pp == 1 or not m.tied_embeddings:
+        return 0.0
+    shard = GRAD_BYTES * m.vocab_size * m.dim / (layout.tp * layout.fsdp_shard)
+    return comm.all_reduce(lv, shard, (layout.pp - 1) * layout.tp * layout.cp * layout.dp, 2)
+
+
 def optimizer_time(layout: Layout, machine: Machine, busy: Pace) -> float:
     """The optimizer updates the rank's FSDP shard, and its shard of its experts' own units (over edp)."""
     return machine.optimizer_time * (busy.params / layout.fsdp_shard + busy.experts / layout.edp)
@@ -246,6 +258,7 @@ def step_time(
         dp_total=dp_total,
         ep_comm=mb * busy.all_to_all,
         loss=mb * loss_traffic(m, layout, machine, busy.tokens),
+        tied_comm=tied_time(m, layout, machine.levels),
         **level_names(machine, layout),
     )
 

@@ -129,8 +129,9 @@ def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
     routed experts excepted when ep > 1 (`moe.rank_expert_params`: their own FSDP units over edp).
 
     TP shards every projection and the vocabulary dimension of the embedding and output by t; norms
-    and biases are counted as replicated. Learned positions live on the first rank (tied embeddings
-    need pp = 1: `layout.violations`).
+    and biases are counted as replicated. Learned positions live on the first rank. Tied embeddings
+    with pp > 1: the last rank holds a copy of the embedding as its output weight (parallel/tied.py),
+    counted as an untied output (with its gradient and optimizer state, which follow the parameters).
     """
     pc, t = counts(m), layout.tp
     n = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
@@ -142,8 +143,8 @@ def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
         total += (pc.embedding - positions) // t + positions
     if rank == layout.last_rank:
         total += pc.final_norm
-        if not m.tied_embeddings:
-            total += pc.output // t
+        if not m.tied_embeddings or layout.pp > 1:
+            total += pc.output_matmul // t
     return total
 
 

@@ -98,6 +98,7 @@ def bottleneck(t: StepTime, efficiency: float) -> str:
         f"pipeline sends over {t.pp_level}": t.pp_p2p,
         f"MoE all-to-all over {t.ep_level}": t.ep_comm,
         "the chunked loss's weight traffic": t.loss,
+        f"the tied embedding's gradient all-reduce over {t.pp_level}": t.tied_comm,
     }
     name, share = max(((k, v / t.total) for k, v in parts.items()), key=lambda kv: kv[1])
     if share >= 0.1:

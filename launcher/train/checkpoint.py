@@ -58,6 +58,7 @@ from launcher.train.ckpt_write import (
     storage_writer,
 )
 from launcher.train.fit import gather_ranks
+from launcher.train.model_view import model_view
 from launcher.train.untrusted import (
     EXTRAS,
     UnreadableCheckpoint,
@@ -136,22 +137,6 @@ class Stateful:
 
     step: int
     extras: dict[str, Any]  # JSON-able: data position, LR schedule
-
-
-def model_view(parts: list[nn.Module]) -> nn.Module:
-    """One module over a rank's pipeline stages with the full model's parameter names, so state
-    dicts (and optimizer state) look the same whatever the pipeline split."""
-    if len(parts) == 1:
-        return parts[0]
-    view, layers = nn.Module(), nn.ModuleDict()
-    for part in parts:
-        for name, child in part.named_children():
-            if name == "layers":
-                layers.update(child)
-            else:
-                setattr(view, name, child)
-    view.layers = layers
-    return view
 
 
 # each generator's state file, by name prefix: rank r's is PREFIX + f"rank{r}.pt"
