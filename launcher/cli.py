@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf, ValueNode
+from omegaconf import DictConfig, ListConfig, OmegaConf, ValueNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from launcher.config import CONF_DIR, TrainConfig
@@ -56,6 +56,8 @@ def compose_error(err: Exception) -> str:
     if isinstance(cause, ValidationError) and cause.full_key and isinstance(cause.child_node, ValueNode):
         expected = type(cause.child_node).__name__.removesuffix("Node")  # IntegerNode -> Integer
         return f"{cause.full_key}={cause.value}: expected a value of type {expected}"
+    if isinstance(cause, ValidationError) and cause.full_key and isinstance(cause.child_node, ListConfig):
+        return f"{cause.full_key}={cause.value}: expected a list, e.g. {cause.full_key}=[{cause.value}]"
     if isinstance(err, MissingConfigException) and "submitit" in str(err) and not installed(SUBMITIT_PLUGIN):
         return f"hydra/launcher=slurm needs the hydra_submitit_launcher package: {install_hint(SUBMITIT_PLUGIN)}"
     if isinstance(err, MissingConfigException):  # its first paragraph; then the options, or the search path

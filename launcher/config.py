@@ -189,6 +189,14 @@ class PlanConfig:
     # plan app: also choose sequence_parallel (on when tp > 1) and virtual_stages (interleaved) instead
     # of taking the top-level values; `train` (planner.resolve) only fills keys set to auto.
     explore: bool = False
+    # a token budget (e.g. 15e12): days, device-hours, cost and failures' toll for the best layout
+    # (launcher/planner/budget.py); None: off
+    tokens: float | None = ranged(None, gt=0)
+    # hardware profiles side by side for plan.tokens, each with its own best layout (e.g.
+    # [h100_sxm,b200,tpu_v5p]); compare_at: the same device count (devices), or the devices the
+    # run's own profile's hourly spend rents (budget)
+    compare: list[str] = field(default_factory=list)
+    compare_at: str = "devices"  # devices | budget
 
 
 @dataclass

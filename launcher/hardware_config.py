@@ -1,10 +1,15 @@
-"""The keys of a hardware profile (conf/hardware/*.yaml): the device, and each level of its interconnect."""
+"""The keys of a hardware profile (conf/hardware/*.yaml): the device, each level of its interconnect,
+and what a run on it costs and loses to failures (`plan.tokens`); `load_profile` reads a packaged one by name."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from launcher.errors import LauncherError
 from launcher.ranges import ranged
+
+PROFILE_DIR = Path(__file__).resolve().parent / "conf" / "hardware"
 
 
 @dataclass
@@ -51,6 +56,19 @@ class HardwareConfig:
     # buffers, page faults included); 0 on accelerators (device copies at HBM speed). None: calibrate
     host_copy_ns_per_byte: float | None = ranged(0.0, ge=0)
     links: list[LinkConfig] = field(default_factory=list)
+    # `plan.tokens` (launcher/planner/budget.py). USD per device-hour: each profile's YAML gives an
+    # approximate on-demand list price (they vary 2-3x by provider and commitment); None: no cost shown
+    price_per_hour: float | None = ranged(None, gt=0)
+    # mean hours between job-stopping failures per device: Llama 3 405B (Dubey et al. 2024, section
+    # 3.3.4) saw 419 unexpected interruptions in 54 days on 16,384 H100s, 16,384 x 54 x 24 / 419 =
+    # 50,677 GPU-hours each; no other accelerator has a published figure, so every profile takes it
+    device_mtbf_hours: float = ranged(50_700.0, gt=0)
+    # checkpoint write bandwidth per device, GB/s (the storage's aggregate over the devices writing):
+    # Llama 3's Tectonic sustains 2 TB/s for 16,384 GPUs (same section), 0.12 GB/s each
+    storage_gbs: float = ranged(0.12, gt=0)
+    # seconds from a failure to training again: detect, reschedule, start processes, join NCCL, load the
+    # checkpoint. Not a published figure: 10 minutes, measure yours (a resumed run's time to its first step)
+    restart_s: float = ranged(600.0, ge=0)
 
 
 # HardwareConfig's scalar numbers that None asks to calibrate on this machine (cpu: launcher/hardware.py)
@@ -62,3 +80,18 @@ CALIBRATED = (
     "optimizer_ns_per_param",
     "host_copy_ns_per_byte",
 )
+
+
+def profile_names() -> list[str]:
+    return sorted(path.stem for path in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name: str, key: str = "hardware") -> HardwareConfig:
+    """The packaged profile `name` (launcher/conf/hardware/NAME.yaml) over the schema's defaults;
+    `key` names the config key that asked for it in the error line."""
+    from omegaconf import OmegaConf
+
+    if name not in profile_names():
+        raise LauncherError(f"{key}: no hardware profile '{name}': choose from {', '.join(profile_names())}")
+    node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(PROFILE_DIR / f"{name}.yaml"))
+    return OmegaConf.to_object(node)  # type: ignore[return-value]

@@ -10,6 +10,7 @@ from typing import Any
 from launcher.config import ModelConfig, TrainConfig, compile_enabled
 from launcher.errors import LauncherError
 from launcher.flops import head_dim
+from launcher.hardware_config import HardwareConfig, load_profile
 from launcher.layout import RECOMPUTE, RESHARD, SCHEDULES, expert_split
 from launcher.ranges import check_ranges
 
@@ -33,6 +34,7 @@ CHOICES = {
     "checkpoint.on_error": ("continue", "stop"),
     "guard.spike": ("off", "skip", "rollback"),
     "guard.snapshot": ("host", "device"),
+    "plan.compare_at": ("devices", "budget"),
 }
 
 
@@ -81,6 +83,7 @@ def validate(cfg: TrainConfig) -> None:
             "data.val_path is a token file for data=tokens: data=text holds out whole documents (data.val_fraction)"
         )
     check_profile(cfg)
+    compared_profiles(cfg)
     check_moe(m, cfg.ep if isinstance(cfg.ep, int) and cfg.ep >= 1 else 1)  # a bad ep: the degree's own line
     if cfg.metrics.moe_table and not m.moe.experts:
         raise LauncherError(
@@ -128,3 +131,30 @@ def check_moe(m: ModelConfig, ep: int) -> None:
             f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of "
             f"model.n_layers={m.n_layers}: lower it or set model.moe.experts=0"
         )
+
+
+def compared_profiles(cfg: TrainConfig) -> list[HardwareConfig]:
+    """The profiles `plan.compare` names (the run's own as configured, the others as packaged), checked:
+    a token budget to cost, accelerators only, and prices wherever the same budget is asked for."""
+    plan = cfg.plan
+    if not plan.compare:
+        return []
+    if plan.tokens is None:
+        raise LauncherError("plan.compare costs a token budget on each profile: give plan.tokens=N (e.g. 15e12)")
+    own = cfg.hardware
+    profiles = [own if name == own.name else load_profile(name, "plan.compare") for name in plan.compare]
+    if any(hw.kind == "cpu" for hw in profiles):
+        raise LauncherError("plan.compare: the cpu profile is this machine, not one to rent: name accelerator profiles")
+    if plan.compare_at == "budget":
+        if cfg.hardware.price_per_hour is None:
+            raise LauncherError(
+                f"plan.compare_at=budget spends what {cfg.hardware.name} costs an hour, and it has no price: "
+                "give hardware.price_per_hour=USD, or use plan.compare_at=devices"
+            )
+        unpriced = [hw.name for hw in profiles if hw.price_per_hour is None]
+        if unpriced:
+            raise LauncherError(
+                f"plan.compare_at=budget rents devices by price, and {unpriced[0]} has none: drop it from "
+                "plan.compare, or use plan.compare_at=devices"
+            )
+    return profiles

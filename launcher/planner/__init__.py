@@ -6,15 +6,19 @@ cannot fit. Pure Python: nothing here imports torch unless a profile needs calib
   run use it once, and the runtime reads these, never the config.
 - `run_plan(cfg)`: the `plan` command (ranked table, or JSON with plan.format=json).
 - `plan(cfg, world)`: every valid layout of `world` devices, ranked (also the layout sweeper's).
+- `compare(cfg, world)`: `plan.compare`, each profile's best layout and its token budget (budget.py).
 
 `plan` and `train` accept the same configs: both run `validate.validate`, and every layout either
 considers passes the rules of launcher/layout/ (`layout.violations`).
 
 Modules: device (machine data), machine (profile -> numbers), comm (collectives on link levels),
-memory, cost (step time), search (enumerate + rank), request (config -> search space), report.
+memory, cost (step time), search (enumerate + rank), request (config -> search space), report,
+budget (what a token budget takes: days, device-hours, cost, goodput under failures).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from launcher.config import TrainConfig, compile_enabled
 from launcher.errors import LauncherError
@@ -23,12 +27,13 @@ from launcher.hardware import peak_flops
 from launcher.layout import Layout, async_tp_applies, worker_threads, workers_per_node
 from launcher.layout_config import from_config, launch_world_size, plan_world_size
 from launcher.options import BuildOptions
+from launcher.planner.budget import Row, budget, compared_nodes
 from launcher.planner.predict import Prediction, Problem, predict
-from launcher.planner.report import to_json, to_table
+from launcher.planner.report import budget_block, compare_table, to_json, to_table
 from launcher.planner.request import problem, space
 from launcher.planner.search import Result, search
 from launcher.precision import precision_mode
-from launcher.validate import validate
+from launcher.validate import compared_profiles, validate
 
 __all__ = ["resolve", "build_options", "run_plan", "plan", "Prediction", "Layout"]
 
@@ -52,8 +57,11 @@ def run_plan(cfg: TrainConfig) -> None:
     world = plan_world_size(cfg)
     prob, res = plan(cfg, world, explore=cfg.plan.explore)
     shown = res.ranked[: cfg.plan.top] if cfg.plan.top else res.ranked
+    tokens = cfg.plan.tokens
+    budgets = [budget(p, tokens, cfg.hardware) for p in shown] if tokens else None
+    rows = compare(cfg, world) if cfg.plan.compare else None
     if cfg.plan.format == "json":
-        to_json(shown)
+        to_json(shown, budgets, rows)
         return
     glob = cfg.batch.get("global")
     title = (
@@ -62,6 +70,32 @@ def run_plan(cfg: TrainConfig) -> None:
         f"(of {res.tried}), best {len(shown)} by tokens/s"
     )
     to_table(shown, title)
+    if budgets:
+        budget_block(budgets[0], prob.machine.name)
+    if rows:
+        at = f"{world} devices" if cfg.plan.compare_at == "devices" else f"the spend of {world} x {prob.machine.name}"
+        compare_table(rows, tokens, f"{cfg.model.name}, each profile's best layout at {at}")
+
+
+def compare(cfg: TrainConfig, world: int) -> list[Row]:
+    """`plan.compare`: each profile's own best layout, on `world` devices (plan.compare_at=devices) or
+    on the nodes the run's hourly spend rents (budget), and that layout's budget; a profile that no
+    layout fits gets the line that says why (for the first node count tried)."""
+    spend = world * cfg.hardware.price_per_hour if cfg.plan.compare_at == "budget" else None
+    rows = []
+    for hw in compared_profiles(cfg):
+        row = None
+        for nodes in compared_nodes(world, hw, spend):
+            other = dataclasses.replace(cfg, hardware=hw, nodes=nodes)
+            try:
+                best = plan(other, plan_world_size(other), explore=cfg.plan.explore)[1].ranked[0]
+            except LauncherError as e:
+                row = row or Row(hw, nodes, error=str(e))
+                continue
+            row = Row(hw, nodes, best, budget(best, cfg.plan.tokens, hw))
+            break
+        rows.append(row)
+    return rows
 
 
 def searched(cfg: TrainConfig) -> list[str]:

@@ -1,4 +1,6 @@
-"""Output of `plan`: a ranked rich table, or JSON (an array, one object per layout per line)."""
+"""Output of `plan`: a ranked rich table, or JSON (an array, one object per layout per line); with
+`plan.tokens` the best layout's budget below the table (each layout's `budget` in JSON), with
+`plan.compare` a table one row per profile (JSON: an object, `layouts` and `compare`)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,24 @@ import sys
 from typing import TextIO
 
 from launcher.flops import GIB
+from launcher.planner.budget import DAY, HOUR, Budget, Row
 from launcher.planner.predict import Prediction
 
 
-def to_json(preds: list[Prediction], out: TextIO | None = None) -> None:
+def to_json(
+    preds: list[Prediction],
+    budgets: list[Budget] | None = None,
+    compare: list[Row] | None = None,
+    out: TextIO | None = None,
+) -> None:
     out = out or sys.stdout
-    rows = [json.dumps(p.as_dict()) for p in preds]
-    out.write("[\n" + ",\n".join(rows) + "\n]\n")
+    layouts = [{**p.as_dict(), **({"budget": budgets[i].as_dict()} if budgets else {})} for i, p in enumerate(preds)]
+    rows = ",\n".join(json.dumps(layout) for layout in layouts)
+    if compare is None:
+        out.write("[\n" + rows + "\n]\n")
+        return
+    compared = ",\n".join(json.dumps(row.as_dict()) for row in compare)
+    out.write('{"layouts": [\n' + rows + '\n],\n"compare": [\n' + compared + "\n]}\n")
 
 
 def _dp(p: Prediction) -> str:
@@ -34,7 +47,7 @@ def _schedule(p: Prediction) -> str:
 
 
 def _fmt_rate(x: float) -> str:
-    for unit, scale in (("M", 1e6), ("k", 1e3)):
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if x >= scale:
             return f"{x / scale:.3g}{unit}"
     return f"{x:.3g}"
@@ -96,3 +109,63 @@ def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> 
             p.bottleneck,
         )
     console.print(table)
+
+
+def budget_block(b: Budget, machine: str, out: TextIO | None = None) -> None:
+    """The best layout's `plan.tokens` budget, each figure with what it follows from (planner/budget.py)."""
+    out = out or sys.stdout
+    gb = b.checkpoint_bytes / 1e9
+    finish = (
+        f"{b.days:.1f} days, {_fmt_rate(b.device_hours)} device-hours"
+        + (f", ${_fmt_rate(b.cost)} at ${b.price_per_hour:.2f} per device-hour" if b.cost is not None else "")
+        if b.goodput > 0
+        else "never: failures come faster than a restart and half an interval (raise hardware.device_mtbf_hours?)"
+    )
+    lines = (
+        f"Budget: {_fmt_rate(b.tokens)} tokens on layout #1 ({b.devices} x {machine})",
+        f"  steps       {b.steps:,} of {_fmt_rate(b.tokens_per_step)} tokens, {b.step_time_s:.3g} s each: "
+        f"{b.ideal_s / DAY:.1f} days without failures",
+        f"  failures    one every {b.mtbf_s / HOUR:.3g} h (hardware.device_mtbf_hours="
+        f"{b.mtbf_s * b.devices / HOUR:,.0f} / {b.devices} devices), restart {b.restart_s:.0f} s (hardware.restart_s)",
+        f"  checkpoint  {gb:.3g} GB per device, saved in {b.save_s:.3g} s "
+        f"(hardware.storage_gbs={gb / b.save_s:.3g} GB/s per device)",
+        f"  Young-Daly  sqrt(2 x {b.save_s:.3g} s x {b.mtbf_s:.4g} s) = {b.interval_s:.4g} s between saves: "
+        f"checkpoint.every={b.checkpoint_every}",
+        f"  goodput     {b.goodput:.1%}: {finish}",
+    )
+    out.write("\n".join(lines) + "\n")
+
+
+def compare_table(rows: list[Row], tokens: float, what: str, out: TextIO | None = None) -> None:
+    """`plan.compare`: one row per profile, its best layout and that layout's budget for `tokens` of `what`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = out or sys.stdout
+    table = Table(title=f"plan.compare: {_fmt_rate(tokens)} tokens of {what}", title_justify="left")
+    heads = ("hardware", "nodes", "devices", "layout", "step s", "tokens/s", "MFU", "ckpt every", "goodput")
+    for h in (*heads, "days", "device-h", "$/device-h", "cost $"):
+        table.add_column(h, justify="left" if h in ("hardware", "layout") else "right")
+    for row in rows:
+        p, b = row.prediction, row.budget
+        if p is None or b is None:
+            table.add_row(row.hardware.name, str(row.nodes), str(row.devices), row.error, *["-"] * 9)
+            continue
+        lay = p.layout
+        shape = f"tp {lay.tp} pp {lay.pp} cp {lay.cp} dp {_dp(p)}" + (f" {_schedule(p)}" if lay.pp > 1 else "")
+        table.add_row(
+            row.hardware.name,
+            str(row.nodes),
+            str(row.devices),
+            shape,
+            f"{p.step_time_s:.3g}",
+            _fmt_rate(p.tokens_per_s),
+            f"{p.mfu:.1%}",
+            str(b.checkpoint_every),
+            f"{b.goodput:.1%}",
+            f"{b.days:.1f}" if b.goodput > 0 else "never",
+            _fmt_rate(b.device_hours) if b.goodput > 0 else "-",
+            "-" if b.price_per_hour is None else f"{b.price_per_hour:.2f}",
+            "-" if b.cost is None or b.goodput <= 0 else _fmt_rate(b.cost),
+        )
+    Console(file=out, width=None if out.isatty() else 220).print(table)
