@@ -189,6 +189,10 @@ class PlanConfig:
     # plan app: also choose sequence_parallel (on when tp > 1) and virtual_stages (interleaved) instead
     # of taking the top-level values; `train` (planner.resolve) only fills keys set to auto.
     explore: bool = False
+    # a run or sweep directory, or a list of them ([DIR,DIR]), whose summary.json files the planner fits
+    # the hardware profile's constants to (launcher/planner/fit.py); None: plan as usual
+    calibrate: Any = None
+    calibrate_out: str = "calibrated"  # the calibrated profile goes to DIR/hardware/<profile>_calibrated.yaml
 
 
 @dataclass
