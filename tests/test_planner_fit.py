@@ -173,12 +173,13 @@ def test_runs_of_another_profile_are_refused(tmp_path: Path, configs: list[Train
 def test_a_calibrated_cpu_profile_predicts_a_held_out_layout_better(tmp_path: Path) -> None:
     """Real runs of four layouts on this CPU (three in-process, tp=2 through `train`); `plan.calibrate`
     against the cpu profile with its compute and host time set 4-8x off on purpose; the layout held
-    out of the fit (micro-batch 8) must be predicted better after than before, and well."""
+    out of the fit (micro-batch 4: labels sort "16x1", "2x1", "4x1", so the fit interpolates, as a
+    sweep's held-out point mostly does) must be predicted better after than before, and well."""
     from launcher.train.loop import train
     from tests.conftest import run_for
 
-    common = (*tiny_args(tmp_path / "cache", steps=6), "seq_len=64", "checkpoint.every=0")
-    for micro in (2, 4, 8):
+    common = (*tiny_args(tmp_path / "cache", steps=8), "seq_len=64", "checkpoint.every=0")
+    for micro in (2, 4, 16):
         cfg = make_config(*common, f"batch.micro={micro}")
         train(run_for(cfg), tmp_path / "runs" / f"micro{micro}")
     tp2 = run_cli("train", *common, "batch.micro=4", "tp=2", f"run_dir={tmp_path / 'runs' / 'tp2'}", cwd=tmp_path)
@@ -193,9 +194,9 @@ def test_a_calibrated_cpu_profile_predicts_a_held_out_layout_better(tmp_path: Pa
     result = json.loads(out.getvalue())
     rows = {Path(r["run"]).name: r for r in result["runs"]}
     print(json.dumps(result["error"]), {k: round(r["error_after"], 3) for k, r in rows.items()})
-    assert [name for name, r in rows.items() if r["held_out"]] == ["micro8"]
-    before, after = abs(rows["micro8"]["error_before"]), abs(rows["micro8"]["error_after"])
-    assert before > 0.5 and after < 0.35 and after < before / 2, rows["micro8"]
+    assert [name for name, r in rows.items() if r["held_out"]] == ["micro4"]
+    before, after = abs(rows["micro4"]["error_before"]), abs(rows["micro4"]["error_after"])
+    assert before > 0.5 and after < 0.35 and after < before / 2, rows["micro4"]
     assert result["error"]["fitted"]["after"] < result["error"]["fitted"]["before"]
     plan = run_cli("plan", f"--config-dir={path.parent.parent}", "hardware=cpu_calibrated", "+model=tiny", "tp=2")
     assert plan.returncode == 0 and "cpu_calibrated" in plan.stdout, plan.stderr[-2000:]
