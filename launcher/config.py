@@ -197,6 +197,10 @@ class PlanConfig:
     # run's own profile's hourly spend rents (budget)
     compare: list[str] = field(default_factory=list)
     compare_at: str = "devices"  # devices | budget
+    # a run or sweep directory, or a list of them ([DIR,DIR]), whose summary.json files the planner fits
+    # the hardware profile's constants to (launcher/planner/fit.py); None: plan as usual
+    calibrate: Any = None
+    calibrate_out: str = "calibrated"  # the calibrated profile goes to DIR/hardware/<profile>_calibrated.yaml
 
 
 @dataclass

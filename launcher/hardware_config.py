@@ -29,6 +29,9 @@ class LinkConfig:
     # all-gather, reduce-scatter, all-to-all GB/s]; between rows the planner interpolates in log size,
     # outside them it takes the nearest row. None: the single numbers above at every size
     by_size: list[list[float]] | None = ranged(None, gt=0)
+    # share of these bandwidths collectives reach; None: 0.8 of a datasheet number, all of a calibrated
+    # one (a profile fitted to runs, `plan.calibrate`, writes 1: its numbers are what the runs reached)
+    efficiency: float | None = ranged(None, gt=0, le=1)
 
 
 @dataclass

@@ -5,6 +5,7 @@ batch split, what divides what) are launcher/layout/'s; the expert-parallel line
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from launcher.config import ModelConfig, TrainConfig, compile_enabled
@@ -158,3 +159,22 @@ def compared_profiles(cfg: TrainConfig) -> list[HardwareConfig]:
                 "plan.compare, or use plan.compare_at=devices"
             )
     return profiles
+
+
+def check_calibrate(value: Any) -> list[str]:
+    """plan.calibrate's directories (one, or a list): each exists, and some run summary is under them."""
+    dirs = [value] if isinstance(value, str) else value
+    if not isinstance(dirs, list) or not dirs or not all(isinstance(d, str) for d in dirs):
+        raise LauncherError(f"plan.calibrate={value}: give a directory, or a list of them: plan.calibrate=[DIR,DIR]")
+    for name in dirs:
+        if not Path(name).is_dir():
+            raise LauncherError(
+                f"plan.calibrate: no directory {name!r}: give run or sweep directories (a run's run_dir, "
+                "a multirun's sweep directory)"
+            )
+    if not any(next(Path(name).rglob("summary.json"), None) for name in dirs):
+        raise LauncherError(
+            f"plan.calibrate={','.join(dirs)}: no summary.json under it: give the directories of finished "
+            "`train` runs (each writes run_dir/summary.json)"
+        )
+    return dirs

@@ -12,8 +12,9 @@ cannot fit. Pure Python: nothing here imports torch unless a profile needs calib
 considers passes the rules of launcher/layout/ (`layout.violations`).
 
 Modules: device (machine data), machine (profile -> numbers), comm (collectives on link levels),
-memory, cost (step time), search (enumerate + rank), request (config -> search space), report,
-budget (what a token budget takes: days, device-hours, cost, goodput under failures).
+memory, cost (step time), search (enumerate + rank), request (config -> search space), report;
+budget (what a token budget takes: days, device-hours, cost, goodput under failures); fit and
+calibrate (`plan.calibrate`: the profile's constants fitted to the user's runs).
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def run_plan(cfg: TrainConfig) -> None:
     if cfg.plan.format not in ("table", "json"):
         raise LauncherError(f"plan.format={cfg.plan.format!r} is unknown: use table or json")
     validate(cfg)  # the same checks, ranges first, that `train` applies (planner.resolve)
+    if cfg.plan.calibrate is not None:  # fit the profile to the user's runs instead (planner/calibrate.py)
+        from launcher.planner.calibrate import calibrate
+
+        calibrate(cfg.plan.calibrate, cfg.hardware, cfg.plan.calibrate_out, cfg.cache_dir, cfg.plan.format)
+        return
     world = plan_world_size(cfg)
     prob, res = plan(cfg, world, explore=cfg.plan.explore)
     shown = res.ranked[: cfg.plan.top] if cfg.plan.top else res.ranked

@@ -1,7 +1,8 @@
 """A hardware profile as numbers the planner computes with (FLOP/s, bytes, bytes/s, seconds).
 
 Datasheet link bandwidths are scaled by LINK_EFFICIENCY (what collectives reach in practice);
-measured ones (the cpu profile's gloo calibration) are used as they are. Null numbers (cpu) are
+measured ones (the cpu profile's gloo calibration) are used as they are; a link's own
+`efficiency` (a profile fitted to runs: 1) replaces either. Null numbers (cpu) are
 calibrated by `launcher.hardware.resolve_hardware` (launcher/calibration/), the only path on which
 torch is imported.
 """
@@ -47,7 +48,8 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
         hw = resolve_hardware(hw, threads, cache_dir)
 
     def rate(link: LinkConfig, gbs: float | None) -> float | None:
-        return None if gbs is None else float(gbs) * 1e9 * (1.0 if link.name in measured else LINK_EFFICIENCY)
+        share = link.efficiency or (1.0 if link.name in measured else LINK_EFFICIENCY)
+        return None if gbs is None else float(gbs) * 1e9 * share
 
     levels = tuple(
         Level(

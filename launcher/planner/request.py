@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from launcher.config import TrainConfig, compile_enabled
+from launcher.errors import LauncherError
+from launcher.hardware_config import HardwareConfig
 from launcher.layout import INTERLEAVED, check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
 from launcher.layout_config import given_degrees
 from launcher.planner.device import Machine
@@ -77,3 +83,17 @@ def space(cfg: TrainConfig, world: int, explore: bool) -> Space:
         recompute_layers=recompute_layers_of(cfg.recompute_layers),
         reshard=None if explore and cfg.fsdp.reshard_after_forward == "auto" else cfg.fsdp.reshard_after_forward,
     )
+
+
+def recorded_problem(record: dict[str, Any], hardware: HardwareConfig, world: int, source: str) -> Problem:
+    """The Problem of a finished run, from the config its summary.json records (`source`), on `hardware`
+    (the profile `plan.calibrate` fits) instead of the profile it ran with."""
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), record))
+    except OmegaConfBaseException as err:
+        msg = str(err).splitlines()[0]
+        raise LauncherError(
+            f"{source}: its config does not compose ({msg}): leave that run out of plan.calibrate"
+        ) from None
+    assert isinstance(cfg, TrainConfig)
+    return problem(dataclasses.replace(cfg, hardware=hardware), world)

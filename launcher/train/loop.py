@@ -190,6 +190,7 @@ def finish(w: Worker, summary: dict[str, Any]) -> dict[str, Any]:
         summary["expert_impl"] = w.runner.moe[0].experts.impl
     if run.prediction is not None:
         summary["prediction"] = run.prediction.as_dict()
+    summary["config"] = run.record  # the whole composed config: `plan.calibrate` re-predicts the run from it
     if w.owner:
         write_json(w.run_dir / "summary.json", summary)
         for sink in w.sinks:
