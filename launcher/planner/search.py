@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 from launcher.config import ModelConfig
 from launcher.errors import LauncherError
@@ -38,7 +39,6 @@ from launcher.layout import (
     divisors,
     microbatch_count,
     split_dp,
-    stage_layers,
     violations,
 )
 from launcher.planner.memory import Memory
@@ -51,6 +51,9 @@ MAX_MICRO = 32
 MIN_CP_TOKENS = 4096
 MAX_AUTO_CP = 32
 AUTO_VIRTUAL = (2, 4, 8)
+# a layout but for its batch split and recompute choice, which the memory of the state does not read
+_batchless = attrgetter("tp", "pp", "cp", "dp_replicate", "dp_shard", "ep", "schedule", "virtual_stages", "reshard")
+PRUNE_MARGIN = 1e-9  # relative: memory totals that differ by rounding alone are not pruned on
 
 
 @dataclass
@@ -174,21 +177,43 @@ class Result:
 
 
 def search(problem: Problem, space: Space) -> Result:
+    res = _search(problem, space, prune=True)
+    if res.ranked or not res.tried:
+        return res
+    # nothing fits: the layout needing the least memory (for the error) over every choice, as the
+    # unpruned search tries them
+    return _search(problem, space, prune=False)
+
+
+def _search(problem: Problem, space: Space, prune: bool) -> Result:
     ranked, tried, smallest, small_mem = [], 0, None, None
     broken = None
+    overflowing: set[tuple[object, ...]] = set()  # (prune) `_batchless` keys whose weights alone overflow
     for lay in candidates(problem, space):
         if isinstance(lay, str):
             broken = broken or lay
             continue
         tried += 1
         for reshard in _reshards(space, lay):
-            fits, least = _fitting(problem, space, replace(lay, reshard=reshard))
+            cand = replace(lay, reshard=reshard)
+            if prune and _batchless(cand) in overflowing:
+                continue
+            fits, least = _fitting(problem, space, cand, prune)
             ranked.extend(fits)
-            if not fits and (small_mem is None or least[1].total < small_mem.total):
+            if prune and not fits and _state(least[1]) > problem.machine.memory_bytes:
+                overflowing.add(_batchless(cand))
+            elif not prune and not fits and (small_mem is None or least[1].total < small_mem.total):
                 smallest, small_mem = least
     ranked.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     best_small = predict(problem, smallest, small_mem) if smallest is not None and not ranked else None
     return Result(ranked=ranked, tried=tried, smallest=best_small, broken=broken)
+
+
+def _state(mem: Memory) -> float:
+    """What a device holds whatever the batch and recompute: weights, optimizer state, working copies and
+    the fixed overhead (gradients apart: the embedding's whole-table gradient is sized against the
+    activations)."""
+    return mem.params + mem.optimizer + mem.buffers + mem.overhead
 
 
 def _reshards(space: Space, lay: Layout) -> list[str]:
@@ -197,20 +222,31 @@ def _reshards(space: Space, lay: Layout) -> list[str]:
     return ["always", "never"] if lay.dp_shard > 1 and lay.pp == 1 else ["auto"]
 
 
-def _fitting(problem: Problem, space: Space, lay: Layout) -> tuple[list[Prediction], tuple[Layout, Memory]]:
+def _fitting(
+    problem: Problem, space: Space, lay: Layout, prune: bool = False
+) -> tuple[list[Prediction], tuple[Layout, Memory]]:
     """`lay`'s recompute choice that fits, if any (as a one-item list), and the least-memory choice
-    tried (for the error when nothing fits). The order is none < selective < full; with
-    recompute_layers auto, each of none and selective takes the smallest N that fits, the faster wins."""
+    tried (for the error when nothing fits). The order is none <
+    selective < full; with recompute_layers auto, each of none and selective takes the smallest N that
+    fits, the faster wins. `prune`: where full recompute does not fit, no N >= 1 of any policy does
+    (`_hopeless`), so only selective with N = 0 is left to try."""
     m, cap, fixed = problem.model, problem.machine.memory_bytes, space.recompute_layers
-    most = min(len(s) for s in stage_layers(m.n_layers, lay.stages))
+    most = m.n_layers // lay.stages  # the smallest stage's blocks (layout.stage_layers)
     fits: list[Prediction] = []
     least: tuple[Layout, Memory] | None = None
+    tried: dict[tuple[str, int], tuple[Layout, Memory]] = {}
 
     def mem(recompute: str, layers: int) -> tuple[Layout, Memory]:
-        cand = replace(lay, recompute=recompute, recompute_layers=layers)
-        return cand, problem_memory(problem, cand)
+        if (recompute, layers) not in tried:
+            cand = replace(lay, recompute=recompute, recompute_layers=layers)
+            tried[recompute, layers] = cand, problem_memory(problem, cand)
+        return tried[recompute, layers]
 
-    for policy in [space.recompute] if space.recompute else ["none", "selective", "full"]:
+    policies = [space.recompute] if space.recompute else ["none", "selective", "full"]
+    if prune and not space.recompute and fixed is None and _hopeless(mem, cap):
+        policies = ["selective"]
+        fixed = 0
+    for policy in policies:
         if policy == "full" and (fits or fixed):  # full only when nothing else fits
             break
         searched = fixed is None and policy != "full"
@@ -224,6 +260,13 @@ def _fitting(problem: Problem, space: Space, lay: Layout) -> tuple[list[Predicti
                 break  # the first that fits in the order, or nothing recomputed: nothing is faster
     assert least is not None
     return ([max(fits, key=lambda p: p.tokens_per_s)] if fits else []), least
+
+
+def _hopeless(mem: Callable[[str, int], tuple[Layout, Memory]], cap: float) -> bool:
+    """Neither nothing recomputed nor full recompute fits (with a margin for rounding). Recomputing N >= 1
+    blocks of a stage in full keeps at least what full recompute keeps of every block and the working
+    set of the one rebuilt, as full recompute does: no policy with N >= 1 needs less memory."""
+    return mem("none", 0)[1].total > cap and mem("full", 0)[1].total > cap * (1 + PRUNE_MARGIN)
 
 
 def _smallest_fitting(fits: Callable[[int], bool], most: int) -> int | None:
