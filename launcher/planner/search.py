@@ -41,7 +41,7 @@ from launcher.layout import (
     split_dp,
     violations,
 )
-from launcher.planner.memory import Memory
+from launcher.planner.memory import Memory, chunked_loss
 from launcher.planner.predict import Prediction, Problem, predict, problem_memory
 
 MAX_MICRO = 32
@@ -188,20 +188,21 @@ def search(problem: Problem, space: Space) -> Result:
 def _search(problem: Problem, space: Space, prune: bool) -> Result:
     ranked, tried, smallest, small_mem = [], 0, None, None
     broken = None
-    overflowing: set[tuple[object, ...]] = set()  # (prune) `_batchless` keys whose weights alone overflow
+    exhausted: dict[tuple[object, ...], int] = {}  # (prune) `_batchless` key: the micro from which none fits
     for lay in candidates(problem, space):
         if isinstance(lay, str):
             broken = broken or lay
             continue
         tried += 1
         for reshard in _reshards(space, lay):
-            cand = replace(lay, reshard=reshard)
-            if prune and _batchless(cand) in overflowing:
+            cand = lay if lay.reshard == reshard else replace(lay, reshard=reshard)
+            key = _batchless(cand)
+            if prune and cand.micro >= exhausted.get(key, cand.micro + 1):
                 continue
             fits, least = _fitting(problem, space, cand, prune)
             ranked.extend(fits)
-            if prune and not fits and _state(least[1]) > problem.machine.memory_bytes:
-                overflowing.add(_batchless(cand))
+            if prune and not fits and (start := _none_fit_from(problem, cand, least[1])) is not None:
+                exhausted[key] = min(start, exhausted.get(key, start))
             elif not prune and not fits and (small_mem is None or least[1].total < small_mem.total):
                 smallest, small_mem = least
     ranked.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
@@ -209,10 +210,22 @@ def _search(problem: Problem, space: Space, prune: bool) -> Result:
     return Result(ranked=ranked, tried=tried, smallest=best_small, broken=broken)
 
 
+def _none_fit_from(problem: Problem, lay: Layout, least: Memory) -> int | None:
+    """The smallest micro-batch from which no layout like `lay` but for its batch split and recompute
+    choice fits, as far as `least` (the least memory `lay`'s choices need, none fitting) tells: any,
+    where the weights alone overflow; from lay's micro up, with a margin for rounding, where the logits
+    are whole (activations and logits grow with micro x the microbatches in flight, which no schedule
+    lets fall as micro grows; the chunked loss's chunk can shrink)."""
+    cap = problem.machine.memory_bytes
+    if _state(least) > cap:
+        return 0
+    return lay.micro if not chunked_loss(lay) and least.total > cap * (1 + PRUNE_MARGIN) else None
+
+
 def _state(mem: Memory) -> float:
-    """What a device holds whatever the batch and recompute: weights, optimizer state, working copies and
-    the fixed overhead (gradients apart: the embedding's whole-table gradient is sized against the
-    activations)."""
+    """What a device holds whatever the batch split and recompute: weights, optimizer state, working
+    copies, the fixed overhead (gradients apart: the embedding's whole-table gradient is sized against
+    the activations)."""
     return mem.params + mem.optimizer + mem.buffers + mem.overhead
 
 
@@ -226,10 +239,9 @@ def _fitting(
     problem: Problem, space: Space, lay: Layout, prune: bool = False
 ) -> tuple[list[Prediction], tuple[Layout, Memory]]:
     """`lay`'s recompute choice that fits, if any (as a one-item list), and the least-memory choice
-    tried (for the error when nothing fits). The order is none <
+    tried (for the error when nothing fits; `prune`: of every choice probed). The order is none <
     selective < full; with recompute_layers auto, each of none and selective takes the smallest N that
-    fits, the faster wins. `prune`: where full recompute does not fit, no N >= 1 of any policy does
-    (`_hopeless`), so only selective with N = 0 is left to try."""
+    fits, the faster wins. `prune`: skip the choices that cannot fit (`_left`)."""
     m, cap, fixed = problem.model, problem.machine.memory_bytes, space.recompute_layers
     most = m.n_layers // lay.stages  # the smallest stage's blocks (layout.stage_layers)
     fits: list[Prediction] = []
@@ -243,9 +255,8 @@ def _fitting(
         return tried[recompute, layers]
 
     policies = [space.recompute] if space.recompute else ["none", "selective", "full"]
-    if prune and not space.recompute and fixed is None and _hopeless(mem, cap):
-        policies = ["selective"]
-        fixed = 0
+    if prune and not space.recompute and fixed is None and (left := _left(mem, cap)) is not None:
+        policies, fixed = left, 0
     for policy in policies:
         if policy == "full" and (fits or fixed):  # full only when nothing else fits
             break
@@ -258,15 +269,23 @@ def _fitting(
             fits.append(predict(problem, cand, used))
             if not searched or n == 0:
                 break  # the first that fits in the order, or nothing recomputed: nothing is faster
+    if prune:  # the least of every probe: what `_none_fit_from` reads
+        least = min(tried.values(), key=lambda c: c[1].total)
     assert least is not None
     return ([max(fits, key=lambda p: p.tokens_per_s)] if fits else []), least
 
 
-def _hopeless(mem: Callable[[str, int], tuple[Layout, Memory]], cap: float) -> bool:
-    """Neither nothing recomputed nor full recompute fits (with a margin for rounding). Recomputing N >= 1
-    blocks of a stage in full keeps at least what full recompute keeps of every block and the working
-    set of the one rebuilt, as full recompute does: no policy with N >= 1 needs less memory."""
-    return mem("none", 0)[1].total > cap and mem("full", 0)[1].total > cap * (1 + PRUNE_MARGIN)
+def _left(mem: Callable[[str, int], tuple[Layout, Memory]], cap: float) -> list[str] | None:
+    """The policies left to try, with N = 0, where nothing recomputed does not fit: none where the weights
+    alone overflow; selective where full recompute does not fit either (with a margin for rounding), as
+    recomputing N >= 1 blocks of a stage in full keeps at least what full recompute keeps of every block
+    and the working set of the one rebuilt, as full recompute does; None (all) otherwise."""
+    nothing = mem("none", 0)[1]
+    if nothing.total <= cap:
+        return None
+    if _state(nothing) > cap:
+        return []
+    return ["selective"] if mem("full", 0)[1].total > cap * (1 + PRUNE_MARGIN) else None
 
 
 def _smallest_fitting(fits: Callable[[int], bool], most: int) -> int | None:
