@@ -19,12 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.config import ModelConfig
-from launcher.flops import flops_per_token, hardware_flops_per_token
 from launcher.layout import Layout
 from launcher.planner import moe
 from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency, non_matmul_share
-from launcher.planner.memo import on_fields
+from launcher.planner.memo import flops_per_token, hardware_flops_per_token, on_fields
 from launcher.planner.memory import counts, full_layers, rank_layers, rank_params, recomputed_layers
 
 # element passes over the score matrix: forward softmax (read, write), backward (read the gradient

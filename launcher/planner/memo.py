@@ -11,9 +11,15 @@ import operator
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from launcher import flops
+
 F = TypeVar("F", bound=Callable[..., Any])
 MAX_ENTRIES = 100_000  # per function: a long-lived process (a sweep, the tests) starts over past it
 MEMOISED: list[Callable[..., Any]] = []  # every function `on_fields` wraps (for the test)
+
+# flops.py's per-token counts for the model (hashable: launcher/config.py), asked for every prediction
+flops_per_token = functools.cache(flops.flops_per_token)
+hardware_flops_per_token = functools.cache(flops.hardware_flops_per_token)
 
 
 def on_fields(*fields: str) -> Callable[[F], F]:
