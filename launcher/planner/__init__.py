@@ -11,7 +11,8 @@ cannot fit. Pure Python: nothing here imports torch unless a profile needs calib
 considers passes the rules of launcher/layout/ (`layout.violations`).
 
 Modules: device (machine data), machine (profile -> numbers), comm (collectives on link levels),
-memory, cost (step time), search (enumerate + rank), request (config -> search space), report.
+memory, cost (step time), search (enumerate + rank), request (config -> search space), report,
+memo (per-stage terms memoised on the layout fields they read).
 """
 
 from __future__ import annotations
