@@ -11,7 +11,7 @@ BENCHES = [
     "checkpoint",
     "planner_accuracy",
     "published_runs",
-    "plan_speed",
+    "planner_speed",
     "memory",
     "tokenize",
     "schedules",

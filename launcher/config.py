@@ -18,7 +18,7 @@ from launcher.hardware_config import HardwareConfig
 from launcher.ranges import Range, ranged
 
 
-@dataclass
+@dataclass(unsafe_hash=True)  # hashed by its fields: the planner memoises on the model (planner/memo.py)
 class MoEConfig:
     """Mixture of experts (launcher/model/moe.py); `experts=0`: a dense model."""
 
@@ -38,7 +38,7 @@ class MoEConfig:
     rank_imbalance: float = ranged(1.1, ge=1)
 
 
-@dataclass
+@dataclass(unsafe_hash=True)  # hashed by its fields: the planner memoises on the model (planner/memo.py)
 class ModelConfig:
     """Architecture. Defaults are conf/model/small.yaml, field for field (tests/test_config.py), so `train`
     and `train +model=small` build the same model and load each other's checkpoints."""

@@ -189,7 +189,7 @@ def plan_405b(seq_len: int, **keys: object):
 
 def test_cp_in_the_405b_search_on_16384_gpus() -> None:
     """cp joins the search at powers of two that leave each rank 4096 tokens at least (what keeps it
-    fast: `python -m bench plan_speed` times it), and a 128K sequence is planned only with cp."""
+    fast: `python -m bench planner_speed` times it), and a 128K sequence is planned only with cp."""
     res = plan_405b(8192)
     assert {p.layout.cp for p in res.ranked} == {1, 2}
     long = plan_405b(131072, tp=8, pp=16)  # Llama 3's long-context stage: 128K tokens per sequence

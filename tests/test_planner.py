@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from bench.plan_speed import search_405b
+from bench.planner_speed import search_405b
 from bench.published_runs import make_cfg
 from launcher import planner
 from launcher.config import CONF_DIR
@@ -48,7 +48,7 @@ def test_405b_on_16k_devices_needs_pipelining_only_on_8_gpu_nodes(hardware, per_
 
 
 def test_full_405b_search_on_16384_gpus_stays_bounded():
-    """What keeps `plan` fast (`python -m bench plan_speed` times it): cp=auto tries only powers of two
+    """What keeps `plan` fast (`python -m bench planner_speed` times it): cp=auto tries only powers of two
     that leave each rank MIN_CP_TOKENS, so 16,384 GPUs enumerate a few hundred valid layouts, not the
     thousands every divisor would give; many of them fit."""
     res = search_405b("h100_sxm", 8)

@@ -13,8 +13,9 @@ considers passes the rules of launcher/layout/ (`layout.violations`).
 
 Modules: device (machine data), machine (profile -> numbers), comm (collectives on link levels),
 memory, cost (step time), search (enumerate + rank), request (config -> search space), report;
-budget (what a token budget takes: days, device-hours, cost, goodput under failures); fit and
-calibrate (`plan.calibrate`: the profile's constants fitted to the user's runs).
+memo (per-stage terms memoised on the layout fields they read); budget (what a token budget takes:
+days, device-hours, cost, goodput under failures); fit and calibrate (`plan.calibrate`: the
+profile's constants fitted to the user's runs).
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.config import ModelConfig
-from launcher.flops import flops_per_token, hardware_flops_per_token
 from launcher.layout import Layout
 from launcher.planner import eager, moe
 from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency, non_matmul_share
+from launcher.planner.memo import flops_per_token, hardware_flops_per_token, on_fields
 from launcher.planner.memory import counts, full_layers, rank_layers, rank_params, recomputed_layers
 
 # element passes over the score matrix: forward softmax (read, write), backward (read the gradient
@@ -77,6 +77,7 @@ def unfused_attention_seconds(m: ModelConfig, seq: int, layout: Layout, machine:
     return m.n_heads / layout.tp * seq * passes / machine.memory_bandwidth
 
 
+@on_fields("tp", "pp", "chunks", "v_shape", "last_rank", "ep", "sequence_parallel", "recompute", "recompute_layers")
 def rank_work(m: ModelConfig, seq: int, layout: Layout, machine: Machine) -> list[float]:
     """FLOPs per token of each pipeline rank: its blocks (a fully recomputed one repeats its forward:
     x 4/3), the output on the last rank, and selective recompute's repeated non-matmul work (a third of

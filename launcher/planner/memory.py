@@ -68,6 +68,7 @@ from launcher.flops import (
     param_counts,
 )
 from launcher.layout import Layout, rank_stages, stage_layers, stage_size
+from launcher.planner.memo import on_fields
 from launcher.planner.moe import mean_routed_per_layer, rank_expert_params, rank_moe_layers, routed_params
 
 MASTER_BYTES = 4  # fp32 parameters
@@ -106,15 +107,10 @@ class Memory:
         return out
 
 
-_COUNTS: dict[str, ParamCounts] = {}
-
-
+@cache
 def counts(m: ModelConfig) -> ParamCounts:
     """flops.param_counts, memoised on the model's fields (the search asks thousands of times)."""
-    key = repr(m)  # the fields, nested ones too, without astuple's deep copies (the search's hot path)
-    if key not in _COUNTS:
-        _COUNTS[key] = param_counts(m)
-    return _COUNTS[key]
+    return param_counts(m)
 
 
 @cache
@@ -124,6 +120,7 @@ def rank_layers(n_layers: int, pp: int, chunks: int, v_shape: bool = False) -> t
     return tuple(sum(len(split[s]) for s in rank_stages(r, pp, chunks, v_shape)) for r in range(pp))
 
 
+@on_fields("tp", "pp", "chunks", "v_shape", "ep", "last_rank")
 def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
     """Parameters held by one device of pipeline rank `rank` (before FSDP sharding over dp_shard),
     routed experts excepted when ep > 1 (`moe.rank_expert_params`: their own FSDP units over edp).
@@ -164,6 +161,7 @@ def selective_bytes(m: ModelConfig, layout: Layout, elem: int) -> float:
     return (replicated / t if layout.sequence_parallel else replicated) + sharded / t
 
 
+@on_fields("tp", "cp", "sequence_parallel", "recompute")
 def layer_activation_bytes(
     m: ModelConfig, seq: int, layout: Layout, elem: int, fused_attention: bool = True
 ) -> tuple[float, float]:
@@ -195,11 +193,13 @@ def layer_activation_bytes(
     return full, full
 
 
+@on_fields("pp", "chunks", "v_shape", "recompute", "recompute_layers")
 def full_layers(n_layers: int, layout: Layout, rank: int) -> int:
     """Blocks of pipeline rank `rank` recomputed in full (`recompute_layers` of each of its stages)."""
     return sum(layout.full_layers(stage_size(n_layers, layout.stages, s)) for s in layout.pp_stages(rank))
 
 
+@on_fields("pp", "chunks", "v_shape", "recompute", "recompute_layers")
 def recomputed_layers(n_layers: int, layout: Layout) -> int:
     """Blocks of the whole model recomputed in full (for flops.hardware_flops_per_token)."""
     return sum(full_layers(n_layers, layout, r) for r in range(layout.pp))

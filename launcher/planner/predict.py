@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.config import ModelConfig
-from launcher.flops import GIB, flops_per_token, hardware_flops_per_token, mfu
+from launcher.flops import GIB, mfu
 from launcher.layout import Layout
 from launcher.planner.cost import StepTime, step_time
 from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency
+from launcher.planner.memo import flops_per_token, hardware_flops_per_token
 from launcher.planner.memory import Memory, memory, recomputed_layers
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 from launcher.config import ModelConfig
 from launcher.errors import LauncherError
@@ -38,10 +39,9 @@ from launcher.layout import (
     divisors,
     microbatch_count,
     split_dp,
-    stage_layers,
     violations,
 )
-from launcher.planner.memory import Memory
+from launcher.planner.memory import Memory, chunked_loss
 from launcher.planner.predict import Prediction, Problem, predict, problem_memory
 
 MAX_MICRO = 32
@@ -51,6 +51,9 @@ MAX_MICRO = 32
 MIN_CP_TOKENS = 4096
 MAX_AUTO_CP = 32
 AUTO_VIRTUAL = (2, 4, 8)
+# a layout but for its batch split and recompute choice, which the memory of the state does not read
+_batchless = attrgetter("tp", "pp", "cp", "dp_replicate", "dp_shard", "ep", "schedule", "virtual_stages", "reshard")
+PRUNE_MARGIN = 1e-9  # relative: memory totals that differ by rounding alone are not pruned on
 
 
 @dataclass
@@ -174,21 +177,56 @@ class Result:
 
 
 def search(problem: Problem, space: Space) -> Result:
+    res = _search(problem, space, prune=True)
+    if res.ranked or not res.tried:
+        return res
+    # nothing fits: the layout needing the least memory (for the error) over every choice, as the
+    # unpruned search tries them
+    return _search(problem, space, prune=False)
+
+
+def _search(problem: Problem, space: Space, prune: bool) -> Result:
     ranked, tried, smallest, small_mem = [], 0, None, None
     broken = None
+    exhausted: dict[tuple[object, ...], int] = {}  # (prune) `_batchless` key: the micro from which none fits
     for lay in candidates(problem, space):
         if isinstance(lay, str):
             broken = broken or lay
             continue
         tried += 1
         for reshard in _reshards(space, lay):
-            fits, least = _fitting(problem, space, replace(lay, reshard=reshard))
+            cand = lay if lay.reshard == reshard else replace(lay, reshard=reshard)
+            key = _batchless(cand)
+            if prune and cand.micro >= exhausted.get(key, cand.micro + 1):
+                continue
+            fits, least = _fitting(problem, space, cand, prune)
             ranked.extend(fits)
-            if not fits and (small_mem is None or least[1].total < small_mem.total):
+            if prune and not fits and (start := _none_fit_from(problem, cand, least[1])) is not None:
+                exhausted[key] = min(start, exhausted.get(key, start))
+            elif not prune and not fits and (small_mem is None or least[1].total < small_mem.total):
                 smallest, small_mem = least
     ranked.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     best_small = predict(problem, smallest, small_mem) if smallest is not None and not ranked else None
     return Result(ranked=ranked, tried=tried, smallest=best_small, broken=broken)
+
+
+def _none_fit_from(problem: Problem, lay: Layout, least: Memory) -> int | None:
+    """The smallest micro-batch from which no layout like `lay` but for its batch split and recompute
+    choice fits, as far as `least` (the least memory `lay`'s choices need, none fitting) tells: any,
+    where the weights alone overflow; from lay's micro up, with a margin for rounding, where the logits
+    are whole (activations and logits grow with micro x the microbatches in flight, which no schedule
+    lets fall as micro grows; the chunked loss's chunk can shrink)."""
+    cap = problem.machine.memory_bytes
+    if _state(least) > cap:
+        return 0
+    return lay.micro if not chunked_loss(lay) and least.total > cap * (1 + PRUNE_MARGIN) else None
+
+
+def _state(mem: Memory) -> float:
+    """What a device holds whatever the batch split and recompute: weights, optimizer state, working
+    copies, the fixed overhead (gradients apart: the embedding's whole-table gradient is sized against
+    the activations)."""
+    return mem.params + mem.optimizer + mem.buffers + mem.overhead
 
 
 def _reshards(space: Space, lay: Layout) -> list[str]:
@@ -197,20 +235,29 @@ def _reshards(space: Space, lay: Layout) -> list[str]:
     return ["always", "never"] if lay.dp_shard > 1 and lay.pp == 1 else ["auto"]
 
 
-def _fitting(problem: Problem, space: Space, lay: Layout) -> tuple[list[Prediction], tuple[Layout, Memory]]:
+def _fitting(
+    problem: Problem, space: Space, lay: Layout, prune: bool = False
+) -> tuple[list[Prediction], tuple[Layout, Memory]]:
     """`lay`'s recompute choice that fits, if any (as a one-item list), and the least-memory choice
-    tried (for the error when nothing fits). The order is none < selective < full; with
-    recompute_layers auto, each of none and selective takes the smallest N that fits, the faster wins."""
+    tried (for the error when nothing fits; `prune`: of every choice probed). The order is none <
+    selective < full; with recompute_layers auto, each of none and selective takes the smallest N that
+    fits, the faster wins. `prune`: skip the choices that cannot fit (`_left`)."""
     m, cap, fixed = problem.model, problem.machine.memory_bytes, space.recompute_layers
-    most = min(len(s) for s in stage_layers(m.n_layers, lay.stages))
+    most = m.n_layers // lay.stages  # the smallest stage's blocks (layout.stage_layers)
     fits: list[Prediction] = []
     least: tuple[Layout, Memory] | None = None
+    tried: dict[tuple[str, int], tuple[Layout, Memory]] = {}
 
     def mem(recompute: str, layers: int) -> tuple[Layout, Memory]:
-        cand = replace(lay, recompute=recompute, recompute_layers=layers)
-        return cand, problem_memory(problem, cand)
+        if (recompute, layers) not in tried:
+            cand = replace(lay, recompute=recompute, recompute_layers=layers)
+            tried[recompute, layers] = cand, problem_memory(problem, cand)
+        return tried[recompute, layers]
 
-    for policy in [space.recompute] if space.recompute else ["none", "selective", "full"]:
+    policies = [space.recompute] if space.recompute else ["none", "selective", "full"]
+    if prune and not space.recompute and fixed is None and (left := _left(mem, cap)) is not None:
+        policies, fixed = left, 0
+    for policy in policies:
         if policy == "full" and (fits or fixed):  # full only when nothing else fits
             break
         searched = fixed is None and policy != "full"
@@ -222,8 +269,23 @@ def _fitting(problem: Problem, space: Space, lay: Layout) -> tuple[list[Predicti
             fits.append(predict(problem, cand, used))
             if not searched or n == 0:
                 break  # the first that fits in the order, or nothing recomputed: nothing is faster
+    if prune:  # the least of every probe: what `_none_fit_from` reads
+        least = min(tried.values(), key=lambda c: c[1].total)
     assert least is not None
     return ([max(fits, key=lambda p: p.tokens_per_s)] if fits else []), least
+
+
+def _left(mem: Callable[[str, int], tuple[Layout, Memory]], cap: float) -> list[str] | None:
+    """The policies left to try, with N = 0, where nothing recomputed does not fit: none where the weights
+    alone overflow; selective where full recompute does not fit either (with a margin for rounding), as
+    recomputing N >= 1 blocks of a stage in full keeps at least what full recompute keeps of every block
+    and the working set of the one rebuilt, as full recompute does; None (all) otherwise."""
+    nothing = mem("none", 0)[1]
+    if nothing.total <= cap:
+        return None
+    if _state(nothing) > cap:
+        return []
+    return ["selective"] if mem("full", 0)[1].total > cap * (1 + PRUNE_MARGIN) else None
 
 
 def _smallest_fitting(fits: Callable[[int], bool], most: int) -> int | None:
