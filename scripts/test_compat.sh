@@ -17,8 +17,9 @@ VERSIONS=(2.11.0 2.15.0)
 
 # The subset: every private-API check, then one run of each parallelism against one process (the
 # module fixtures run only the cases selected here), DCP save / resume / reshard, the CUDA path's
-# FSDP bf16 policy and fused AdamW; a failed save (DCP's errors), a spike rolled back under tp=2, the
-# watchdog (faulthandler, the flight recorder's private dump). About 2 minutes a version on 2 cores.
+# FSDP bf16 policy and fused AdamW; tied embeddings over four stages (their pair groups); a failed save
+# (DCP's errors), a spike rolled back under tp=2, the watchdog (faulthandler, the flight recorder's
+# private dump). About 2 minutes a version on 2 cores.
 TESTS=(
     tests/test_compat.py
     tests/test_cuda_path.py
@@ -29,6 +30,7 @@ TESTS=(
     "tests/test_context.py::test_matches_single_process[cp2-pre-rmsnorm]"
     "tests/test_schedules.py::test_zero_bubble_schedules_match_single_process[pp2]"
     "tests/test_moe_parallel.py::test_expert_parallel_matches_one_process[ep2]"
+    "tests/test_tied_pipeline.py::test_tied_pipeline_matches_one_process[pp4]"
     tests/test_checkpoint.py::test_resume_is_exact
     "tests/test_reshard.py::test_checkpoint_reshards_across_layouts[cp2-to-single]"
     tests/test_checkpoint_writes.py::test_failed_save_is_one_line_training_goes_on_and_resumes_exactly
