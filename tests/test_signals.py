@@ -33,7 +33,12 @@ def start(args: list[str], cwd: Path) -> subprocess.Popen:
     exe = str(Path(sys.executable).parent / "train")
     env = {**os.environ, "LAUNCHER_OUTPUTS": str(cwd)}
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    return subprocess.Popen([exe, *args], cwd=cwd, env=env, start_new_session=True, **pipes)
+    # SIGHUP at its default, as a terminal starts it: an ignored one (a suite run under nohup) is inherited
+    hangup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        return subprocess.Popen([exe, *args], cwd=cwd, env=env, start_new_session=True, **pipes)
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
