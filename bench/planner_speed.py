@@ -89,7 +89,7 @@ def breakdown(repeats: int) -> dict[str, tuple[float, float]]:
     parts.update({f"  {k} (instrumented)": v for k, v in instrumented.items()})
     shown = res.ranked[: cfg.plan.top]
     timed(parts, "report: table", lambda: report.to_table(shown, "405b", io.StringIO()))
-    timed(parts, "report: json (every layout)", lambda: report.to_json(res.ranked, io.StringIO()))
+    timed(parts, "report: json (every layout)", lambda: report.to_json(res.ranked, out=io.StringIO()))
     return parts
 
 

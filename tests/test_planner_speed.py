@@ -32,6 +32,7 @@ def random_layouts(count: int, seed: int = 0) -> list[Layout]:
         cp=(1, 2), ep=(1, 2),
     )  # fmt: skip
     layouts = [Layout(**{k: rng.choice(v) for k, v in choices.items()}) for _ in range(count)]
+    layouts = [dataclasses.replace(lay, ep=1) if lay.dp_shard % lay.ep else lay for lay in layouts]  # ep in dp_shard
     return [dataclasses.replace(lay, virtual_stages=2) if lay.schedule in V_SHAPED else lay for lay in layouts]
 
 
@@ -43,6 +44,8 @@ def calls(fn: Any, m: Any, machine: Any, lay: Layout) -> list[tuple[tuple[Any, .
         "recomputed_layers": lambda r: (m.n_layers, lay),
         "layer_activation_bytes": lambda r: (m, 4096, lay, 2, r == 0),  # fused attention and not
         "rank_work": lambda r: (m, 4096, lay, machine),
+        "rank_saved": lambda r: (m, 4096, lay, 2, r == 0, r),
+        "rank_state": lambda r: (m, 4096, lay, 2, "cpu" if r == 0 else "cuda", r),  # cpu: cp's causal masks
     }[fn.__name__]
     out = []
     for r in range(lay.pp):
@@ -54,7 +57,13 @@ def calls(fn: Any, m: Any, machine: Any, lay: Layout) -> list[tuple[tuple[Any, .
 def test_every_memoised_term_reads_only_the_fields_it_is_keyed_on():
     """Layouts equal in a memoised function's fields (its key) give it equal values, on a dense model and
     a mixture of experts with leading dense layers."""
-    assert {f.__name__ for f in memo.MEMOISED} >= {"rank_params", "full_layers", "rank_work"}
+    assert {f.__name__ for f in memo.MEMOISED} >= {
+        "rank_params",
+        "full_layers",
+        "rank_work",
+        "rank_state",
+        "rank_saved",
+    }
     for name in ("8b", "dsv3_like"):
         cfg = make_cfg(name, "h100_sxm")
         m, machine = cfg.model, problem(cfg, 8).machine

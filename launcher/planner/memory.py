@@ -269,28 +269,36 @@ def memory(
     flop_per_byte: float | None = None,
     fused_attention: bool = True,
 ) -> Memory:
-    """Memory of the busiest device (the first or the last pipeline rank); `flop_per_byte`: the
-    device's (`Machine.flop_per_byte`, which sizes the chunked loss), by default its kind's."""
-    ranks = {0, layout.pp - 1}
-    per_rank = (rank_memory(m, seq, layout, elem, kind, r, flop_per_byte, fused_attention) for r in ranks)
-    return max(per_rank, key=lambda x: x.total)
+    """Memory of the busiest device (the first or the last pipeline rank, the first on a tie); `flop_per_byte`:
+    the device's (`Machine.flop_per_byte`, which sizes the chunked loss), by default its kind's."""
+    first = rank_memory(m, seq, layout, elem, kind, 0, flop_per_byte, fused_attention)
+    if layout.pp == 1:
+        return first
+    last = rank_memory(m, seq, layout, elem, kind, layout.pp - 1, flop_per_byte, fused_attention)
+    return last if last.total > first.total else first
 
 
-def rank_memory(
-    m: ModelConfig,
-    seq: int,
-    layout: Layout,
-    elem: int,
-    kind: str,
-    rank: int,
-    flop_per_byte: float | None = None,
-    fused_attention: bool = True,
-) -> Memory:
+@on_fields("tp", "cp", "sequence_parallel", "recompute", "recompute_layers", "pp", "chunks", "v_shape")
+def rank_saved(m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, rank: int) -> tuple[float, ...]:
+    """Pipeline rank `rank`'s activations per token and microbatch in flight, whatever its batch split: (saved
+    bytes of one of its layers on average, one layer's full working set, its blocks recomputed in full, its blocks)."""
+    layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
+    saved, working = layer_activation_bytes(m, seq, layout, elem, fused)
+    full = full_layers(m.n_layers, layout, rank)
+    if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
+        saved_full = layer_activation_bytes(m, seq, replace(layout, recompute="full"), elem, fused)[0]
+        saved = (saved * (layers - full) + saved_full * full) / layers
+    return saved, working, full, layers
+
+
+@on_fields("tp", "pp", "chunks", "v_shape", "ep", "last_rank", "dp_shard", "cp", "reshard_after_forward")
+def rank_state(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int) -> tuple[float, float, float]:
+    """What pipeline rank `rank` holds whatever its batch split and recompute choice (the search asks for
+    each): (its parameters' FSDP shard, gradient bytes but the embedding's whole-table one, buffer bytes)."""
     params = rank_params(m, layout, rank)
     s = layout.fsdp_shard
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
-    pc = counts(m)
-    routed = mean_routed_per_layer(m)
+    pc, routed = counts(m), mean_routed_per_layer(m)
     layer_params = (pc.per_layer_matmul - routed) // layout.tp + pc.per_layer - pc.per_layer_matmul
     # routed experts: at ep=1 in `params` (FSDP over s); at ep > 1 their own units, sharded over edp
     experts, edp = rank_expert_params(m, layout, rank), layout.edp
@@ -305,15 +313,25 @@ def rank_memory(
         buffers = elem * held + elem * max(pc.output_matmul // layout.tp, block) + GRAD_BYTES * block
     else:
         grads, buffers = GRAD_BYTES * params, (elem * params if elem < MASTER_BYTES else 0)
-    saved, working = layer_activation_bytes(m, seq, layout, elem, fused_attention)
-    full = full_layers(m.n_layers, layout, rank)
-    if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
-        saved_full = layer_activation_bytes(m, seq, replace(layout, recompute="full"), elem, fused_attention)[0]
-        saved = (saved * (layers - full) + saved_full * full) / layers
-    tokens = layout.micro * seq // layout.cp  # this rank's share of each sequence
     if layout.cp > 1 and kind == "cpu":  # the local chunks' causal masks, built once (flash needs none)
         chunk = seq // (2 * layout.cp)
         buffers += elem * chunk * (seq + chunk)
+    return params / s + experts / edp, grads, buffers
+
+
+def rank_memory(
+    m: ModelConfig,
+    seq: int,
+    layout: Layout,
+    elem: int,
+    kind: str,
+    rank: int,
+    flop_per_byte: float | None = None,
+    fused_attention: bool = True,
+) -> Memory:
+    sharded, grads, buffers = rank_state(m, seq, layout, elem, kind, rank)
+    saved, working, full, layers = rank_saved(m, seq, layout, elem, fused_attention, rank)
+    tokens = layout.micro * seq // layout.cp  # this rank's share of each sequence
     acts = saved * tokens * layers * in_flight(layout, rank)
     if full:
         acts += working * tokens
@@ -321,7 +339,6 @@ def rank_memory(
     if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, last in backward (docstring)
         table = GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
         grads += max(0.0, table - (acts + logits))  # the activations are freed by then
-    sharded = params / s + experts / edp
     return Memory(
         params=MASTER_BYTES * sharded,
         grads=grads,
