@@ -12,7 +12,7 @@ said in docs/planner.md (`FITTED` here: the sources the efficiency constants wer
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,10 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from launcher import planner
 from launcher.config import CONF_DIR, TrainConfig
 from launcher.errors import LauncherError
 from launcher.planner import Prediction
-from launcher.planner.request import problem, space
-from launcher.planner.search import search
 from launcher.validate import validate
 
 CONF = Path(CONF_DIR)
@@ -194,7 +193,7 @@ def config(run: Run) -> TrainConfig:
     keys = dict(
         tp=run.tp, pp=run.pp, dp=run.dp, dp_shard=shard, dp_replicate=run.dp // shard, seq_len=run.seq,
         batch={"micro": run.micro, "global": run.global_batch}, recompute=run.recompute, pp_schedule=run.schedule,
-        nodes=max(1, run.gpus // per_node),
+        nodes=max(1, run.gpus // per_node), compile=run.compiled,
     )  # fmt: skip
     return make_cfg(run.model, run.hardware, **keys, **run.extra)
 
@@ -213,11 +212,8 @@ def predict(run: Run) -> tuple[float, Prediction]:
     if refused."""
     cfg = config(run)
     validate(cfg)
-    prob = replace(problem(cfg, run.gpus), fused_attention=run.fused_attention, compiled=run.compiled)
-    res = search(prob, space(cfg, run.gpus, explore=False))
-    if not res.ranked:
-        raise LauncherError(res.broken or f"nothing fits {run.gpus} x {run.hardware}")
-    return achieved(run, cfg, res.ranked[0]) / run.published - 1, res.ranked[0]
+    best = planner.plan(cfg, run.gpus, fused_attention=run.fused_attention)[1].ranked[0]
+    return achieved(run, cfg, best) / run.published - 1, best
 
 
 def short(source: str) -> str:

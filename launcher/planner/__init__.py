@@ -43,9 +43,10 @@ __all__ = ["resolve", "build_options", "run_plan", "plan", "Prediction", "Layout
 SEARCHED = ("tp", "pp", "cp", "ep", "pp_schedule", "recompute", "recompute_layers", "batch.micro")
 
 
-def plan(cfg: TrainConfig, world: int, explore: bool = False) -> tuple[Problem, Result]:
-    """Search every layout `cfg` allows on `world` devices (its keys validated); raise if none is valid."""
-    prob = problem(cfg, world)
+def plan(cfg: TrainConfig, world: int, explore: bool = False, fused_attention: bool = True) -> tuple[Problem, Result]:
+    """Search every layout `cfg` allows on `world` devices (the caller has validated `cfg`); raise if none
+    is valid. `fused_attention=False`: attention as runs before FlashAttention ran it (published runs)."""
+    prob = dataclasses.replace(problem(cfg, world), fused_attention=fused_attention)
     res = search(prob, space(cfg, world, explore))
     if not res.ranked:
         raise _no_layout(cfg, prob, res)

@@ -133,7 +133,7 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
         mfu=mfu(per_device, flops_per_token(m, problem.seq), peak),
         hfu=mfu(per_device, hardware_flops_per_token(m, problem.seq, recomputed_layers(m.n_layers, layout)), peak),
         fits=mem.total <= mach.memory_bytes,
-        bottleneck=bottleneck(t, compute_efficiency(mach, m, layout, layout.micro * problem.seq)),
+        bottleneck=bottleneck(t, compute_efficiency(mach, m, layout, layout.micro * problem.seq // layout.cp)),
         machine=mach.name,
         seq_len=problem.seq,
     )
