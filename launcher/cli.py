@@ -164,8 +164,8 @@ def _train_task(cfg: TrainConfig) -> None:
 
 def run_of(cfg: TrainConfig, layout: Layout, prediction: Prediction | None, options: BuildOptions) -> Run:
     """The run every rank receives: `planner.resolve`'s output and the config sections the loop reads."""
-    sections = ("model", "data", "optim", "checkpoint", "guard", "metrics", "eval", "profile", "watchdog")
-    keys = ("steps", "smoke", "resume", "cpu_allocator", "nccl_timeout_s", "max_restarts", *sections)
+    resolved = {"layout", "prediction", "options", "record"}  # the rest of Run's fields are the config's keys
+    keys = [f.name for f in fields(Run) if f.name not in resolved]
     return Run(layout, prediction, options, record=asdict(cfg), **{key: getattr(cfg, key) for key in keys})
 
 

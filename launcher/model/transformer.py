@@ -130,7 +130,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         # the device's FLOP per byte, which sizes the chunked loss's chunks (flops.loss_chunk_rows); set by
-        # `parallelize` from the hardware profile; 0: chunks of 16 MiB of logits
+        # `parallelize` from BuildOptions.flop_per_byte; 0: chunks of 16 MiB of logits
         self.flop_per_byte = 0.0
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings: nn.Embedding | None = (

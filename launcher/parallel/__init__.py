@@ -1,5 +1,5 @@
 """Parallelism is applied here, in one place and in a fixed order, for every world size (a world of
-one takes the same steps, each a no-op at degree 1):
+one takes the same steps, each a no-op at degree 1, and gets the plain runner):
 pipeline split → tensor (async TP with it), context and expert parallel → activation checkpointing →
 compile → data parallel.
 
@@ -63,10 +63,11 @@ def shard_model(
     pipelined = layout.pp > 1
     stages = layout.pp_stages(mesh["pp"].get_local_rank()) if pipelined else [0]
     parts = [stage_module(model, s, layout.stages) for s in stages] if pipelined else [model]
+    if options.async_tp:  # with the TP plan, before compile traces the blocks: the pass checks the group
+        enable_async_tp(mesh["tp"].get_group().group_name)
+    mp_policy = fsdp_policy(options.precision)
     for part in parts:
         if layout.tp > 1:
-            if options.async_tp:  # before compile traces the blocks: the pass checks the group
-                enable_async_tp(mesh["tp"].get_group().group_name)
             apply_tensor_parallel(part, mesh["tp"], layout.sequence_parallel, local_logits=pipelined)
         if layout.cp > 1:
             apply_context_parallel(part, mesh["cp"], options.seq_len)
@@ -77,7 +78,6 @@ def shard_model(
             split_weight_passes(part)
         elif options.compile:  # torch splits no compiled backward into input and weight parts
             _compile(part)
-        mp_policy = fsdp_policy(options.precision)
         apply_data_parallel(part, mesh, layout, mp_policy=mp_policy, expert_mesh=emesh)
     return parts, stages
 

@@ -1,5 +1,5 @@
 """A rank's setup for its run: its device, data, model shards, optimizer, metrics and checkpoints, and
-the state a resumed run continues from. Everything comes from the `Run` (launcher/options.py)."""
+the state a resumed run continues from. Everything comes from the `Run` (launcher/run.py)."""
 
 from __future__ import annotations
 
