@@ -68,7 +68,7 @@ def synthetic(configs: list[TrainConfig], truth: dict[str, float]) -> list[Obser
 
 def fitted(runs: list[Observation], hw: HardwareConfig) -> dict[str, float]:
     found = knobs(hw, runs[0].problem.machine)
-    kept = [k for i, k in enumerate(found) if seen(runs, found, i)]
+    kept = [k for k, moved in zip(found, seen(runs, found)) if moved]
     return dict(zip((k.key for k in kept), fit(runs, kept)))
 
 

@@ -20,7 +20,7 @@ from launcher.errors import LauncherError
 from launcher.files import write_atomic
 from launcher.hardware_config import HardwareConfig, LinkConfig
 from launcher.planner.fit import HOST, Knob, Observation, fit, held_out, knobs, read_runs, seen, step_times
-from launcher.planner.machine import LINK_EFFICIENCY, needs_calibration
+from launcher.planner.machine import LINK_EFFICIENCY, needs_calibration, resolved_hardware
 from launcher.validate import check_calibrate
 
 
@@ -42,10 +42,10 @@ def calibrate(
     out_labels = held_out(runs)
     fitted = [r for r in runs if r.label not in out_labels]
     found = knobs(hw, runs[0].problem.machine)
-    kept = [k for i, k in enumerate(found) if seen(fitted, found, i)]
+    kept = [k for k, moved in zip(found, seen(fitted, found)) if moved]
     mults = fit(fitted, kept)
     rows = result_rows(runs, out_labels, step_times(runs, kept, [1.0] * len(kept)), step_times(runs, kept, mults))
-    resolved = resolve(hw, threads[0], cache_dir)
+    resolved = resolved_hardware(hw, threads[0], cache_dir)
     profile = calibrated(hw, resolved, kept, mults)
     path = Path(out_dir) / "hardware" / f"{profile.name}.yaml"
     result = {
@@ -72,15 +72,6 @@ def calibrate(
     else:
         report(result, out)
     return path
-
-
-def resolve(hw: HardwareConfig, threads: int, cache_dir: str) -> HardwareConfig:
-    """`hw` with the numbers a CPU profile leaves null measured (cached) at `threads` per worker."""
-    if not needs_calibration(hw):
-        return hw
-    from launcher.hardware import resolve_hardware  # imports torch: cpu calibration only
-
-    return resolve_hardware(hw, threads, cache_dir)
 
 
 def sig(x: float) -> float:

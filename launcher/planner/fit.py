@@ -191,11 +191,15 @@ def solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
-def seen(runs: Sequence[Observation], found: Sequence[Knob], i: int) -> bool:
-    """Whether doubling knob `i` moves any run's prediction."""
+def seen(runs: Sequence[Observation], found: Sequence[Knob]) -> list[bool]:
+    """For each knob, whether doubling it moves any run's prediction."""
     base = step_times(runs, found, [1.0] * len(found))
-    doubled = step_times(runs, found, [2.0 if j == i else 1.0 for j in range(len(found))])
-    return any(abs(b - d) > 1e-9 * b for b, d in zip(base, doubled))
+
+    def moves(i: int) -> bool:
+        doubled = step_times(runs, found, [2.0 if j == i else 1.0 for j in range(len(found))])
+        return any(abs(b - d) > 1e-9 * b for b, d in zip(base, doubled))
+
+    return [moves(i) for i in range(len(found))]
 
 
 def fit(runs: Sequence[Observation], found: Sequence[Knob]) -> list[float]:

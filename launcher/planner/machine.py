@@ -37,15 +37,21 @@ def validate(hw: HardwareConfig) -> None:
         )
 
 
+def resolved_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> HardwareConfig:
+    """`hw` with the numbers a CPU profile leaves null measured (cached) at `threads` per worker."""
+    if not needs_calibration(hw):
+        return hw
+    from launcher.hardware import resolve_hardware  # imports torch: cpu calibration only
+
+    return resolve_hardware(hw, threads, cache_dir)
+
+
 def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
     """Resolve `hw` (calibrating null numbers on this CPU) into a Machine."""
     validate(hw)
     flop_per_byte = device_flop_per_byte(hw.kind, hw.peak_tflops, hw.memory_bandwidth_gbs)  # as the runtime reads it
     measured = {link.name for link in hw.links if link.bandwidth_gbs is None}
-    if needs_calibration(hw):
-        from launcher.hardware import resolve_hardware  # imports torch: calibration only
-
-        hw = resolve_hardware(hw, threads, cache_dir)
+    hw = resolved_hardware(hw, threads, cache_dir)
 
     def rate(link: LinkConfig, gbs: float | None) -> float | None:
         share = link.efficiency or (1.0 if link.name in measured else LINK_EFFICIENCY)
