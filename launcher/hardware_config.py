@@ -39,6 +39,10 @@ class HardwareConfig:
     name: str = "cpu"
     kind: str = "cpu"  # cpu | cuda | tpu (tpu: planner only)
     peak_tflops: float | None = ranged(None, gt=0)  # dense bf16 (fp32 on cpu); None: calibrate (cpu)
+    # dense peaks of the narrower tensor-core dtypes, from the vendor's datasheet; None: the device has no such
+    # units (dtype=fp8 is refused there unless fp8.emulate=true). MFU stays against peak_tflops (bf16)
+    peak_tflops_fp8: float | None = ranged(None, gt=0)
+    peak_tflops_fp4: float | None = ranged(None, gt=0)
     memory_gib: float = ranged(16.0, gt=0)
     devices_per_node: int = ranged(1, ge=1)
     # achievable share of peak for large matmuls (planner); None: calibrate (cpu: sustained over peak GEMM)
