@@ -90,3 +90,13 @@ def test_a_cache_of_bare_numbers_still_reads(tmp_path, monkeypatch):
 
 def test_measured_gemm_peak_is_the_best_trial(monkeypatch):
     assert calibration.measure_gemm_flops(1, n=128, seconds=0.1, trials=2) > 1e8
+
+
+def test_cache_dir_of_a_config_built_in_python_resolves_its_environment_default(monkeypatch):
+    """TrainConfig() holds the `${oc.env:...}` default unresolved: the cache must not land in a folder of
+    that literal name under the working directory (one did, in the checkout)."""
+    from launcher.calibration.cache import cache_file
+    from launcher.config import TrainConfig
+
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
+    assert cache_file(TrainConfig().cache_dir) == Path("/somewhere/cache/launcher/calibration.json")

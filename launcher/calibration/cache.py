@@ -25,6 +25,12 @@ def cpu_model() -> str:
 
 
 def cache_file(cache_dir: str) -> Path:
+    """A TrainConfig built in Python, not composed by Hydra, still holds its default's `${oc.env:...}`:
+    resolved here, else the cache would land in a folder of that literal name under the working directory."""
+    if "${" in cache_dir:
+        from omegaconf import OmegaConf
+
+        cache_dir = OmegaConf.create({"dir": cache_dir}).dir
     return Path(cache_dir).expanduser() / "calibration.json"
 
 
