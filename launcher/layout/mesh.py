@@ -21,22 +21,14 @@ def owner_rank(layout: Layout) -> int:
     return rank_of(layout, pp=layout.last_rank)
 
 
-def build_mesh(layout: Layout, device_type: str = "cpu", copies: int = 1):  # -> DeviceMesh
+def build_mesh(layout: Layout, device_type: str = "cpu"):  # -> DeviceMesh
     """The DeviceMesh of the layout, dimensions named pp, dp_replicate, dp_shard, cp, tp (row-major, so
     the mesh's rank order is exactly `rank_of`). The data-parallel rank is
-    dp_replicate_rank * dp_shard + dp_shard_rank, as in `Layout.coordinates`.
-
-    `copies` > 1 runs that many independent copies of the layout side by side in one world of
-    copies x world_size ranks (tests use it to run two 2-rank cases in one 4-process launch); the
-    mesh returned is this rank's copy.
-    """
+    dp_replicate_rank * dp_shard + dp_shard_rank, as in `Layout.coordinates`."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
-    if copies > 1:
-        mesh = init_device_mesh(device_type, (copies, *shape), mesh_dim_names=("copy", *MESH_DIMS))[MESH_DIMS]
-    else:
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     if layout.cp > 1:  # FSDP shards over dp_shard x cp (launcher/parallel/data.py)
         from launcher.compat import flatten_mesh
 
