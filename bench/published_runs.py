@@ -202,7 +202,7 @@ FP8_RUNS: tuple[Run, ...] = (
         (None, False, 4378), (None, True, 4809.4), ("tensorwise", False, 5078.1), ("tensorwise", True, 5570.1),
         ("rowwise", False, 3708.5), ("rowwise", True, 3914.9))),
 )  # fmt: skip
-FP8_FITTED = ("Llama 3.1 8B 8xH100 FSDP compiled fp8",)
+FP8_FITTED = ("Llama 3.1 8B 8xH100 FSDP compiled fp8", "Llama 3.1 70B 256xH100 tp=8 rowwise")
 
 
 def make_cfg(model: Any = "small", hardware: str = "h100_sxm", **overrides: Any) -> TrainConfig:
@@ -272,3 +272,22 @@ def main(argv: list[str]) -> None:
     Console(width=200).print(table)
     median, worst = statistics.median(errors), max(errors)
     print(f"{len(errors)} of {len(RUNS)} runs planned: median |error| {median:.1%}, max {worst:.1%}")
+    fp8_table()
+
+
+def fp8_table() -> None:
+    """FP8_RUNS and their bf16 twins: each run's error, and the fp8 / bf16 speed-up predicted and published."""
+    table = Table(title="FP8 runs (torchao float8): predicted / published tokens/s per GPU, and fp8 over bf16")
+    for col in ("run", "published", "error", "speed-up", "published speed-up", "fitted"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    runs = {run.name: run for run in RUNS + FP8_RUNS}
+    for run in FP8_RUNS:
+        err, pred = predict(run)
+        twin = runs.get(run.name.replace(f" {run.recipe}", " bf16") if " tp=8 " in run.name else run.name[:-4])
+        ratio = published = "-"
+        if run.dtype == "fp8" and twin is not None:
+            ratio = f"{pred.tokens_per_s / predict(twin)[1].tokens_per_s:.3f}"
+            published = f"{run.published / twin.published:.3f}"
+        fitted = "yes" if run.name in FP8_FITTED else "-"
+        table.add_row(run.name, f"{run.published:.0f}", f"{err:+.1%}", ratio, published, fitted)
+    Console(width=200).print(table)

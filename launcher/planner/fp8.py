@@ -13,8 +13,9 @@ Time, per microbatch of the busiest pipeline rank (launcher/planner/compute.py, 
   speed-up 1.
 - Casts: each converted tensor takes an amax pass and a cast through memory, none hidden behind the
   matmuls: CAST_BYTES per element (by recipe) of every converted layer's input and output gradient
-  (tokens x K and tokens x N per device) and its weight (K x N per device), at the profile's memory
-  bandwidth; the forward's again for a block recomputed in full.
+  (tokens x K and tokens x N per device) and its weight (K x N per device; under the float8 all-gather
+  only the local shard, at each gather), at the profile's memory bandwidth; the forward's again for a
+  block recomputed in full.
 - FSDP, tensorwise only: the converted weights are all-gathered in fp8 (torchao's float8 all-gather,
   scales precomputed after the optimizer step): 1 byte per element instead of the compute dtype's.
 Memory: the fp8 weight copies the forward casts and backward reuses (COPIES per converted weight
@@ -43,7 +44,7 @@ SCALE_BYTES = 4
 # rate of a recipe's scaled fp8 GEMMs relative to tensorwise's (one scale per operand): rowwise scales per
 # row and column take slower kernels (CUTLASS, 2025), fitted on torchtitan's 70B rowwise run (FP8_FITTED in
 # bench/published_runs.py; docs/planner.md)
-RECIPE_RATE = {"tensorwise": 1.0, "rowwise": 0.53, "rowwise_with_gw_hp": 0.53}
+RECIPE_RATE = {"tensorwise": 1.0, "rowwise": 0.54, "rowwise_with_gw_hp": 0.54}
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,12 @@ def cast_seconds(
     fp8: Fp8, m: ModelConfig, layout: Layout, tokens: int, blocks: float, bandwidth: float | None
 ) -> float:
     """Seconds per microbatch of the amax and cast passes over `blocks` block-equivalents (0 where the
-    profile gives no memory bandwidth)."""
+    profile gives no memory bandwidth). Under the float8 all-gather each gather casts the local shard
+    of a weight (forward and backward: 2 / fsdp_shard of it), else each forward casts the whole weight."""
     if not bandwidth:
         return 0.0
-    per_block = sum(tokens * (k + n) + k * n for k, n in linears(m)) / layout.tp
+    weights = 2.0 / layout.fsdp_shard if fp8.float8_all_gather and layout.fsdp_shard > 1 else 1.0
+    per_block = sum(tokens * (k + n) + weights * k * n for k, n in linears(m)) / layout.tp
     return CAST_BYTES[fp8.recipe] * per_block * blocks / bandwidth
 
 

@@ -57,7 +57,7 @@ PRUNE_MARGIN = 1e-9  # relative: memory totals that differ by rounding alone are
 # dtype=auto on FP8 hardware (`plan`): bf16's best layouts whose fp8 twin is predicted too. fp8 changes the
 # matmul time and the fp8 copies' memory, not which layouts are valid: the fastest in fp8 is among bf16's
 # fastest, and predicting every layout twice would double the search (bench planner_speed)
-FP8_TWINS = 16
+FP8_TWINS = 8
 
 
 @dataclass
