@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -60,6 +61,8 @@ class Run:
     dp_shard: int | str = 1  # 1: DDP; the dp degree: FSDP / ZeRO (optimizer and gradients sharded)
     fused_attention: bool = True  # False: the score matrix materialized (Megatron before FlashAttention)
     compiled: bool = True  # pointwise ops fused (torch.compile, Megatron's fused kernels, XLA); False: eager
+    dtype: str = "auto"  # fp8: torchao's float8 linears, `recipe`
+    recipe: str = "tensorwise"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -73,6 +76,7 @@ KORTHIKANTI = "Korthikanti et al. 2022, tables 3 and 5 (A100 80GB, sequence para
 LLAMA3 = "Llama 3 herd of models 2024, table 4 (H100 80GB, 405B, 8K sequences)"
 BLOOM = "BigScience BLOOM 2022 (A100 80GB, Megatron-DeepSpeed, ZeRO-1, full recompute)"
 MPT = "MosaicML llm-foundry MPT benchmarks (scripts/train/benchmarking/README.md: FSDP FULL_SHARD, bf16)"
+ASYNC_TP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (H100 96GB at 500 W, compile)"
 TORCHTITAN = (
     "torchtitan docs/performance.md, tables 1 and 3 (2025-01, torch 2024-12-23; H100 96GB HBM2e at 500 W, "
     "FSDP2, local batch 2 x 8192, selective op recompute)"
@@ -104,12 +108,23 @@ def _mpt(
     )  # fmt: skip
 
 
-def _torchtitan(gpus: int, compiled: bool, tokens_per_gpu: float) -> Run:
+def _torchtitan(gpus: int, compiled: bool, tokens_per_gpu: float, dtype: str = "auto") -> Run:
     """Llama 3.1 8B, FSDP over every GPU, with and without torch.compile (per block; the loss eager)."""
-    name = f"Llama 3.1 8B {gpus}xH100 FSDP {'compiled' if compiled else 'eager'}"
+    name = f"Llama 3.1 8B {gpus}xH100 FSDP {'compiled' if compiled else 'eager'}" + (" fp8" if dtype == "fp8" else "")
     return Run(
         name, TORCHTITAN, "8b", "h100_sxm", gpus, 1, 1, 8192, 2 * gpus, tokens_per_gpu, metric="tokens",
-        recompute="selective", micro=2, dp_shard="dp", compiled=compiled,
+        recompute="selective", micro=2, dp_shard="dp", compiled=compiled, dtype=dtype,
+    )  # fmt: skip
+
+
+def _async_tp(size: str, gpus: int, local: int, recipe: str | None, async_tp: bool, tokens_per_gpu: float) -> Run:
+    """Llama 3.1 8B (FSDP 8 x TP 8, per-op SAC) and 70B (FSDP 32 x TP 8, full AC), compiled, bf16 or float8."""
+    name = f"Llama 3.1 {size.upper()} {gpus}xH100 tp=8 {recipe or 'bf16'}{' async TP' if async_tp else ''}"
+    return Run(
+        name, ASYNC_TP, size, "h100_sxm", gpus, 8, 1, 8192, local * gpus // 8, tokens_per_gpu, metric="tokens",
+        recompute="full" if size == "70b" else "selective", micro=local, dp_shard="dp",
+        dtype="fp8" if recipe else "auto", recipe=recipe or "tensorwise",
+        extra={"sequence_parallel": True, "async_tp": async_tp},
     )  # fmt: skip
 
 
@@ -176,6 +191,19 @@ RUNS: tuple[Run, ...] = (
     _torchtitan(128, False, 5605), _torchtitan(128, True, 6514),
 )  # fmt: skip
 
+# FP8 (torchao float8 linears): the 8B FSDP run fits hardware.fp8_matmul_efficiency (FP8_FITTED); the rest,
+# with their bf16 twins, judge the fp8 term (tests/test_planner_published.py, docs/planner.md)
+FP8_RUNS: tuple[Run, ...] = (
+    _torchtitan(8, True, 8532, "fp8"),
+    *(_async_tp("70b", 256, 16, r, a, tps) for r, a, tps in (
+        (None, False, 597.3), (None, True, 652.4), ("tensorwise", False, 809.8), ("tensorwise", True, 942.4),
+        ("rowwise", False, 599.6), ("rowwise", True, 624.8))),
+    *(_async_tp("8b", 64, 12, r, a, tps) for r, a, tps in (
+        (None, False, 4378), (None, True, 4809.4), ("tensorwise", False, 5078.1), ("tensorwise", True, 5570.1),
+        ("rowwise", False, 3708.5), ("rowwise", True, 3914.9))),
+)  # fmt: skip
+FP8_FITTED = ("Llama 3.1 8B 8xH100 FSDP compiled fp8", "Llama 3.1 70B 256xH100 tp=8 rowwise")
+
 
 def make_cfg(model: Any = "small", hardware: str = "h100_sxm", **overrides: Any) -> TrainConfig:
     """A TrainConfig as `plan`/`train` compose it: schema defaults + model + hardware YAML + overrides."""
@@ -193,9 +221,12 @@ def config(run: Run) -> TrainConfig:
     keys = dict(
         tp=run.tp, pp=run.pp, dp=run.dp, dp_shard=shard, dp_replicate=run.dp // shard, seq_len=run.seq,
         batch={"micro": run.micro, "global": run.global_batch}, recompute=run.recompute, pp_schedule=run.schedule,
-        nodes=max(1, run.gpus // per_node), compile=run.compiled,
+        nodes=max(1, run.gpus // per_node), compile=run.compiled, dtype=run.dtype,
     )  # fmt: skip
-    return make_cfg(run.model, run.hardware, **keys, **run.extra)
+    cfg = make_cfg(run.model, run.hardware, **keys, **run.extra)
+    if run.dtype == "fp8":  # the planner reads the recipe as `cfg.fp8.recipe` (request.fp8_of)
+        cfg.fp8 = SimpleNamespace(recipe=run.recipe, emulate=False)  # type: ignore[attr-defined]
+    return cfg
 
 
 def achieved(run: Run, cfg: Any, prediction: Any) -> float:
@@ -241,3 +272,22 @@ def main(argv: list[str]) -> None:
     Console(width=200).print(table)
     median, worst = statistics.median(errors), max(errors)
     print(f"{len(errors)} of {len(RUNS)} runs planned: median |error| {median:.1%}, max {worst:.1%}")
+    fp8_table()
+
+
+def fp8_table() -> None:
+    """FP8_RUNS and their bf16 twins: each run's error, and the fp8 / bf16 speed-up predicted and published."""
+    table = Table(title="FP8 runs (torchao float8): predicted / published tokens/s per GPU, and fp8 over bf16")
+    for col in ("run", "published", "error", "speed-up", "published speed-up", "fitted"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    runs = {run.name: run for run in RUNS + FP8_RUNS}
+    for run in FP8_RUNS:
+        err, pred = predict(run)
+        twin = runs.get(run.name.replace(f" {run.recipe}", " bf16") if " tp=8 " in run.name else run.name[:-4])
+        ratio = published = "-"
+        if run.dtype == "fp8" and twin is not None:
+            ratio = f"{pred.tokens_per_s / predict(twin)[1].tokens_per_s:.3f}"
+            published = f"{run.published / twin.published:.3f}"
+        fitted = "yes" if run.name in FP8_FITTED else "-"
+        table.add_row(run.name, f"{run.published:.0f}", f"{err:+.1%}", ratio, published, fitted)
+    Console(width=200).print(table)

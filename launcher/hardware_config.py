@@ -47,6 +47,9 @@ class HardwareConfig:
     devices_per_node: int = ranged(1, ge=1)
     # achievable share of peak for large matmuls (planner); None: calibrate (cpu: sustained over peak GEMM)
     matmul_efficiency: float | None = ranged(1.0, gt=0, le=1)
+    # achievable share of peak_tflops_fp8 for large fp8 matmuls (planner, dtype=fp8; docs/planner.md): lower
+    # than bf16's share (scaled GEMMs, younger kernels); None: matmul_efficiency
+    fp8_matmul_efficiency: float | None = ranged(None, gt=0, le=1)
     # device memory bandwidth (HBM), GB/s: what the work that is not matmul is bound by (planner);
     # None: the planner's per-kind constant instead (cpu)
     memory_bandwidth_gbs: float | None = ranged(None, gt=0)

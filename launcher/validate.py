@@ -27,7 +27,7 @@ CHOICES = {
     "pp_schedule": (*SCHEDULES, "auto"),  # auto: the planner's choice
     "recompute": (*RECOMPUTE, "auto"),
     "fsdp.reshard_after_forward": RESHARD,
-    "dtype": ("auto", "fp32", "bf16"),
+    "dtype": ("auto", "fp32", "bf16", "fp8"),
     "cpu_allocator": ("auto", "fast", "lean"),
     "metrics.console": ("auto", "rich", "plain", "none"),
     "metrics.wandb.mode": ("offline", "online", "disabled"),

@@ -5,7 +5,9 @@ cannot fit. Pure Python: nothing here imports torch unless a profile needs calib
   `BuildOptions` (launcher/options.py). The CLI's only call into the planner: `train` and its dry
   run use it once, and the runtime reads these, never the config.
 - `run_plan(cfg)`: the `plan` command (ranked table, or JSON with plan.format=json).
-- `plan(cfg, world)`: every valid layout of `world` devices, ranked (also the layout sweeper's).
+- `plan(cfg, world)`: every valid layout of `world` devices, ranked (also the layout sweeper's); with
+  `precision`, dtype=auto on a profile with FP8 units also ranks fp8 (`plan` only: `train dtype=auto`
+  stays bf16, numerics never change unasked).
 - `compare(cfg, world)`: `plan.compare`, each profile's best layout and its token budget (budget.py).
 
 `plan` and `train` accept the same configs: both run `validate.validate`, and every layout either
@@ -31,9 +33,9 @@ from launcher.layout_config import from_config, launch_world_size, plan_world_si
 from launcher.options import BuildOptions
 from launcher.planner.budget import Row, budget, compared_nodes
 from launcher.planner.predict import Prediction, Problem, predict
-from launcher.planner.report import budget_block, compare_table, to_json, to_table
-from launcher.planner.request import problem, space
-from launcher.planner.search import Result, search
+from launcher.planner.report import budget_block, compare_table, precision_table, to_json, to_table
+from launcher.planner.request import fp8_of, problem, space
+from launcher.planner.search import Result, search, with_fp8
 from launcher.precision import precision_mode
 from launcher.validate import compared_profiles, validate
 
@@ -43,14 +45,28 @@ __all__ = ["resolve", "build_options", "run_plan", "plan", "Prediction", "Layout
 SEARCHED = ("tp", "pp", "cp", "ep", "pp_schedule", "recompute", "recompute_layers", "batch.micro")
 
 
-def plan(cfg: TrainConfig, world: int, explore: bool = False, fused_attention: bool = True) -> tuple[Problem, Result]:
+def plan(
+    cfg: TrainConfig, world: int, explore: bool = False, fused_attention: bool = True, precision: bool = False
+) -> tuple[Problem, Result]:
     """Search every layout `cfg` allows on `world` devices (the caller has validated `cfg`); raise if none
-    is valid. `fused_attention=False`: attention as runs before FlashAttention ran it (published runs)."""
+    is valid. `fused_attention=False`: attention as runs before FlashAttention ran it (published runs).
+    `precision`: dtype=auto on FP8 hardware ranks the fp8 twins of bf16's best layouts beside them."""
     prob = dataclasses.replace(problem(cfg, world), fused_attention=fused_attention)
     res = search(prob, space(cfg, world, explore))
     if not res.ranked:
         raise _no_layout(cfg, prob, res)
+    if precision and (fp8 := fp8_of(cfg, auto=True)) is not None and prob.fp8 is None:
+        res = with_fp8(res, dataclasses.replace(prob, fp8=fp8))
     return prob, res
+
+
+def side_by_side(cfg: TrainConfig, prob: Problem, best: Prediction) -> list[Prediction]:
+    """`best`'s layout in bf16 and in fp8, where fp8 is asked for or ranked (empty otherwise)."""
+    fp8 = prob.fp8 or fp8_of(cfg, auto=True)
+    if fp8 is None:
+        return []
+    bf16 = dataclasses.replace(prob, fp8=None, elem=2)
+    return [predict(bf16, best.layout), predict(dataclasses.replace(prob, fp8=fp8), best.layout)]
 
 
 def run_plan(cfg: TrainConfig) -> None:
@@ -63,7 +79,7 @@ def run_plan(cfg: TrainConfig) -> None:
         calibrate(cfg.plan.calibrate, cfg.hardware, cfg.plan.calibrate_out, cfg.cache_dir, cfg.plan.format)
         return
     world = plan_world_size(cfg)
-    prob, res = plan(cfg, world, explore=cfg.plan.explore)
+    prob, res = plan(cfg, world, explore=cfg.plan.explore, precision=True)
     shown = res.ranked[: cfg.plan.top] if cfg.plan.top else res.ranked
     tokens = cfg.plan.tokens
     budgets = [budget(p, tokens, cfg.hardware) for p in shown] if tokens else None
@@ -78,6 +94,8 @@ def run_plan(cfg: TrainConfig) -> None:
         f"(of {res.tried}), best {len(shown)} by tokens/s"
     )
     to_table(shown, title)
+    if pair := side_by_side(cfg, prob, shown[0]):
+        precision_table(pair, "layout #1 in bf16 and fp8 (MFU against the bf16 peak; fp8 peak beside it)")
     if budgets:
         budget_block(budgets[0], prob.machine.name)
     if rows:

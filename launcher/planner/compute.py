@@ -23,6 +23,7 @@ from launcher.layout import Layout
 from launcher.planner import eager, moe
 from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency, non_matmul_share
+from launcher.planner.fp8 import Fp8, matmul_saving
 from launcher.planner.memo import flops_per_token, hardware_flops_per_token, on_fields
 from launcher.planner.memory import counts, full_layers, rank_layers, rank_params, recomputed_layers
 
@@ -100,12 +101,20 @@ def rank_work(m: ModelConfig, seq: int, layout: Layout, machine: Machine) -> lis
 
 
 def pace(
-    m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int, fused_attention: bool, compiled: bool = True
+    m: ModelConfig,
+    seq: int,
+    layout: Layout,
+    machine: Machine,
+    elem: int,
+    fused_attention: bool,
+    compiled: bool = True,
+    fp8: Fp8 | None = None,
 ) -> Pace:
     """The slowest pipeline rank at its compute and, with MoE, its all-to-alls (a rank holding the
     dense layers or the output may compute most yet exchange least): it sets the pipeline's pace.
     An eager block (not `compiled`, or under a zero-bubble schedule, which the runtime leaves eager)
-    also pays its unfused pointwise passes (launcher/planner/eager.py)."""
+    also pays its unfused pointwise passes (launcher/planner/eager.py); under `fp8` the converted
+    layers' matmuls run faster (launcher/planner/fp8.py)."""
     t, p = layout.tp, layout.pp
     tokens = layout.micro * seq // layout.cp
     work = rank_work(m, seq, layout, machine)
@@ -114,6 +123,10 @@ def pace(
     busiest = max(range(p), key=lambda r: tokens * work[r] / (t * flop_rate) + a2a[r])
     layers = rank_layers(m.n_layers, p, layout.chunks, layout.v_shape)[busiest]
     compute = tokens * work[busiest] / (t * flop_rate)
+    full = full_layers(m.n_layers, layout, busiest)
+    if fp8 is not None:  # the matmul-only rate: compute_efficiency less the non-matmul work
+        rate = t * flop_rate * (1.0 + non_matmul_share(machine, m, layout))
+        compute -= matmul_saving(fp8, m, tokens, layers + full / 3.0, rate)
     if not fused_attention:
         compute += tokens * layers * unfused_attention_seconds(m, seq, layout, machine, elem)
     compiled = compiled and not layout.zero_bubble
@@ -129,7 +142,7 @@ def pace(
         tokens=tokens,
         activation_bytes=tokens * m.dim * elem,
         layers=layers,
-        full=full_layers(m.n_layers, layout, busiest),
+        full=full,
         ends=(busiest == 0) + (busiest == layout.last_rank),
         params=rank_params(m, layout, busiest),
         experts=moe.rank_expert_params(m, layout, busiest),  # whole, before FSDP shards them over edp

@@ -49,6 +49,7 @@ from launcher.layout import Layout, async_tp_applies
 from launcher.planner import comm, memory, moe
 from launcher.planner.compute import Pace, pace
 from launcher.planner.device import Level, Machine
+from launcher.planner.fp8 import Fp8, cast_seconds, gathered_saving
 from launcher.planner.memory import GRAD_BYTES
 
 CONTENTION = {"cuda": 0.2, "tpu": 0.2, "cpu": 1.0}  # share of overlapped communication still taken from compute
@@ -76,16 +77,17 @@ class StepTime:
     optimizer: float = 0.0  # the optimizer step over the rank's parameters (cpu)
     loss: float = 0.0  # the chunked loss's output-weight traffic (`loss_traffic`)
     tied_comm: float = 0.0  # tied embeddings, pp > 1: the embedding gradient's all-reduce (`tied_time`)
+    fp8_cast: float = 0.0  # dtype=fp8: the amax and cast passes (launcher/planner/fp8.py)
 
     @property
     def total(self) -> float:
         comm = self.tp_comm + self.cp_comm + self.tp_host + self.pp_p2p + self.dp_exposed + self.ep_comm
         comm += self.tied_comm
-        return self.compute + self.host + comm + self.pp_bubble + self.optimizer + self.loss
+        return self.compute + self.host + comm + self.pp_bubble + self.optimizer + self.loss + self.fp8_cast
 
     def as_dict(self) -> dict[str, float]:
         keys = ("compute", "host", "tp_comm", "cp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
-        keys += ("ep_comm", "optimizer", "loss", "tied_comm")
+        keys += ("ep_comm", "optimizer", "loss", "tied_comm", "fp8_cast")
         out = {k: getattr(self, k) for k in keys}
         out["total"] = self.total
         return out
@@ -158,10 +160,12 @@ def p2p_time(layout: Layout, lv: tuple[Level, ...], busy: Pace) -> float:
     return 2 * layout.chunks * comm.send(lv, busy.activation_bytes / t, t * layout.cp * layout.dp)
 
 
-def fsdp_time(m: ModelConfig, layout: Layout, machine: Machine, busy: Pace, elem: int) -> tuple[float, float]:
+def fsdp_time(
+    m: ModelConfig, layout: Layout, machine: Machine, busy: Pace, elem: int, fp8: Fp8 | None = None
+) -> tuple[float, float]:
     """(all, exposed) seconds per step of FSDP: ZeRO-3 gathers for forward and again for backward, ZeRO-2
     once per microbatch, pipelining once per step; HSDP's replica all-reduce; and the experts' own FSDP
-    units over edp (ep > 1: ep divides dp_shard)."""
+    units over edp (ep > 1: ep divides dp_shard). `fp8` tensorwise gathers the converted weights in fp8."""
     lv, t, s, rep, mb = machine.levels, layout.tp, layout.fsdp_shard, layout.dp_replicate, layout.microbatches
     params, experts, buckets, c = busy.params, busy.experts, max(1, busy.layers), contention(machine)
     e_gather, e_scatter, e_cross = moe.expert_fsdp_comm(m, layout, lv, busy.rank, elem, GRAD_BYTES)
@@ -170,7 +174,8 @@ def fsdp_time(m: ModelConfig, layout: Layout, machine: Machine, busy: Pace, elem
         own = fsdp_copies(machine, per_param * params, s, kind)
         return own + fsdp_copies(machine, per_param * experts, layout.edp, kind)
 
-    gather = comm.all_gather(lv, elem * params, t, s, buckets) + e_gather + copies("gather", elem)
+    gathered = elem * params - gathered_saving(fp8, m, layout, busy.layers, elem)
+    gather = comm.all_gather(lv, gathered, t, s, buckets) + e_gather + copies("gather", elem)
     scatter = comm.reduce_scatter(lv, GRAD_BYTES * params, t, s, buckets) + e_scatter
     scatter += copies("scatter", GRAD_BYTES)
     cross = (comm.all_reduce(lv, GRAD_BYTES * params / s, t * s, rep, buckets) if rep > 1 else 0.0) + e_cross
@@ -188,11 +193,13 @@ def fsdp_time(m: ModelConfig, layout: Layout, machine: Machine, busy: Pace, elem
     return mb * (2 * gather + scatter) + cross, exposed
 
 
-def dp_time(m: ModelConfig, layout: Layout, machine: Machine, busy: Pace, elem: int) -> tuple[float, float]:
+def dp_time(
+    m: ModelConfig, layout: Layout, machine: Machine, busy: Pace, elem: int, fp8: Fp8 | None = None
+) -> tuple[float, float]:
     """(all, exposed) seconds per step of data-parallel communication for the busiest rank's parameters,
     over the dp_shard then the dp_replicate groups."""
     if layout.fsdp_shard > 1:
-        return fsdp_time(m, layout, machine, busy, elem)
+        return fsdp_time(m, layout, machine, busy, elem, fp8)
     if layout.dp_replicate == 1:
         return 0.0, 0.0
     total = comm.all_reduce(machine.levels, GRAD_BYTES * busy.params, layout.tp, layout.dp_replicate)
@@ -235,16 +242,23 @@ def step_time(
     async_tp: bool = False,
     fused_attention: bool = True,
     compiled: bool = True,
+    fp8: Fp8 | None = None,
 ) -> StepTime:
-    """Seconds per optimizer step on the busiest rank, by component (the module docstring)."""
-    busy = pace(m, seq, layout, machine, elem, fused_attention, compiled)
+    """Seconds per optimizer step on the busiest rank, by component (the module docstring; `fp8`:
+    launcher/planner/fp8.py)."""
+    busy = pace(m, seq, layout, machine, elem, fused_attention, compiled, fp8)
     mb = layout.microbatches
     t_block = host_time(m, layout, machine, busy, elem)
     t_tp, t_host = tp_time(m, layout, machine, busy, async_tp)
     t_cp = cp_time(m, seq, layout, machine.levels, busy, elem)
     t_p2p = p2p_time(layout, machine.levels, busy)
-    slot = busy.compute + t_block + t_tp + t_cp + t_host + t_p2p + busy.all_to_all
-    dp_total, dp_exposed = dp_time(m, layout, machine, busy, elem)
+    t_cast = (
+        cast_seconds(fp8, m, layout, busy.tokens, busy.layers + busy.full / 3.0, machine.memory_bandwidth)
+        if fp8
+        else 0.0
+    )
+    slot = busy.compute + t_block + t_tp + t_cp + t_host + t_p2p + busy.all_to_all + t_cast
+    dp_total, dp_exposed = dp_time(m, layout, machine, busy, elem, fp8)
     return StepTime(
         compute=mb * busy.compute,
         host=mb * t_block,
@@ -259,6 +273,7 @@ def step_time(
         ep_comm=mb * busy.all_to_all,
         loss=mb * loss_traffic(m, layout, machine, busy.tokens),
         tied_comm=tied_time(m, layout, machine.levels),
+        fp8_cast=mb * t_cast,
         **level_names(machine, layout),
     )
 

@@ -4,7 +4,7 @@ and what bounds it (`bottleneck`), for one `Problem` (the model, sequence length
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from launcher.config import ModelConfig
@@ -13,8 +13,9 @@ from launcher.layout import Layout
 from launcher.planner.cost import StepTime, step_time
 from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency
+from launcher.planner.fp8 import Fp8, weight_bytes
 from launcher.planner.memo import flops_per_token, hardware_flops_per_token
-from launcher.planner.memory import Memory, memory, recomputed_layers
+from launcher.planner.memory import Memory, memory, rank_layers, recomputed_layers
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class Problem:
     async_tp: bool = False  # TP collectives overlapped with their matmuls (config async_tp)
     fused_attention: bool = True  # SDPA's kernels, as the runtime calls them (False: Megatron before FlashAttention)
     compiled: bool = True  # blocks compiled (config compile; XLA on a TPU): eager pays unfused pointwise passes
+    fp8: Fp8 | None = None  # dtype=fp8: the blocks' linear layers in fp8 (launcher/planner/fp8.py)
+
+    @property
+    def dtype(self) -> str:
+        return "fp8" if self.fp8 else ("fp32" if self.elem == 4 else "bf16")
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,8 @@ class Prediction:
     bottleneck: str
     machine: str
     seq_len: int
+    dtype: str = "bf16"  # the compute dtype of the blocks' matmuls: fp32 | bf16 | fp8
+    mfu_fp8_peak: float | None = None  # fp8: model FLOPs utilisation against the fp8 peak (mfu: the bf16 peak)
 
     @property
     def step_time_s(self) -> float:
@@ -85,6 +93,8 @@ class Prediction:
             "mfu": self.mfu,
             "hfu": self.hfu,
             "bottleneck": self.bottleneck,
+            "dtype": self.dtype,
+            "mfu_fp8_peak": self.mfu_fp8_peak,
         }
 
 
@@ -100,6 +110,7 @@ def bottleneck(t: StepTime, efficiency: float) -> str:
         f"MoE all-to-all over {t.ep_level}": t.ep_comm,
         "the chunked loss's weight traffic": t.loss,
         f"the tied embedding's gradient all-reduce over {t.pp_level}": t.tied_comm,
+        "fp8 amax and cast passes": t.fp8_cast,
     }
     name, share = max(((k, v / t.total) for k, v in parts.items()), key=lambda kv: kv[1])
     if share >= 0.1:
@@ -109,10 +120,12 @@ def bottleneck(t: StepTime, efficiency: float) -> str:
 
 def problem_memory(problem: Problem, layout: Layout) -> Memory:
     """Memory of the busiest device of `layout` for `problem`."""
-    mach = problem.machine
-    return memory(
-        problem.model, problem.seq, layout, problem.elem, mach.kind, mach.flop_per_byte, problem.fused_attention
-    )
+    m, mach = problem.model, problem.machine
+    mem = memory(m, problem.seq, layout, problem.elem, mach.kind, mach.flop_per_byte, problem.fused_attention)
+    if problem.fp8 is None:
+        return mem
+    layers = max(rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape))
+    return replace(mem, buffers=mem.buffers + weight_bytes(problem.fp8, m, layout, layers))
 
 
 def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Prediction:
@@ -120,11 +133,13 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
     m, mach = problem.model, problem.machine
     mem = mem or problem_memory(problem, layout)
     t = step_time(
-        m, problem.seq, layout, mach, problem.elem, problem.async_tp, problem.fused_attention, problem.compiled
-    )
+        m, problem.seq, layout, mach, problem.elem, problem.async_tp, problem.fused_attention, problem.compiled,
+        problem.fp8,
+    )  # fmt: skip
     tokens_per_s = layout.global_batch * problem.seq / t.total
     peak = mach.peak_flops
     per_device = tokens_per_s / layout.world_size
+    fp8_peak = problem.fp8.peak_flops if problem.fp8 else None
     return Prediction(
         layout=layout,
         memory=mem,
@@ -136,4 +151,6 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
         bottleneck=bottleneck(t, compute_efficiency(mach, m, layout, layout.micro * problem.seq // layout.cp)),
         machine=mach.name,
         seq_len=problem.seq,
+        dtype=problem.dtype,
+        mfu_fp8_peak=mfu(per_device, flops_per_token(m, problem.seq), fp8_peak) if fp8_peak else None,
     )

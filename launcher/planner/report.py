@@ -62,6 +62,7 @@ def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> 
     table = Table(title=title, title_justify="left")
     heads = (
         "#",
+        "dtype",
         "tp",
         "pp",
         "cp",
@@ -88,6 +89,7 @@ def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> 
         lay, t = p.layout, p.time
         table.add_row(
             str(i),
+            p.dtype,
             str(lay.tp),
             str(lay.pp),
             str(lay.cp),
@@ -109,6 +111,45 @@ def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> 
             p.bottleneck,
         )
     console.print(table)
+
+
+def precision_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> None:
+    """One layout in each dtype: its step, the fp8 casts, tokens/s, MFU against the bf16 peak and the fp8 one."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = out or sys.stdout
+    table = Table(title=title, title_justify="left")
+    heads = (
+        "dtype",
+        "mem GiB",
+        "step s",
+        "compute",
+        "fp8 cast",
+        "dp exp",
+        "tokens/s",
+        "vs bf16",
+        "MFU",
+        "MFU fp8 peak",
+    )
+    for h in heads:
+        table.add_column(h, justify="left" if h == "dtype" else "right")
+    base = preds[0].tokens_per_s
+    for p in preds:
+        t = p.time
+        table.add_row(
+            p.dtype,
+            f"{p.memory.total / GIB:.1f}",
+            f"{t.total:.3g}",
+            f"{t.compute:.3g}",
+            f"{t.fp8_cast:.2g}",
+            f"{t.dp_exposed:.2g}",
+            _fmt_rate(p.tokens_per_s),
+            f"{p.tokens_per_s / base:.2f}x",
+            f"{p.mfu:.1%}",
+            "-" if p.mfu_fp8_peak is None else f"{p.mfu_fp8_peak:.1%}",
+        )
+    Console(file=out, width=None if out.isatty() else 220).print(table)
 
 
 def budget_block(b: Budget, machine: str, out: TextIO | None = None) -> None:

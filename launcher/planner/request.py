@@ -18,6 +18,7 @@ from launcher.hardware_config import HardwareConfig
 from launcher.layout import INTERLEAVED, check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
 from launcher.layout_config import given_degrees
 from launcher.planner.device import Machine
+from launcher.planner.fp8 import RECIPE_RATE, RECIPES, Fp8
 from launcher.planner.machine import machine
 from launcher.planner.predict import Problem
 from launcher.planner.search import Space
@@ -51,6 +52,35 @@ def elem_bytes(cfg: TrainConfig) -> int:
     return 4 if cfg.dtype == "fp32" else 2
 
 
+def fp8_term(hw: HardwareConfig, recipe: str, emulate: bool) -> Fp8:
+    """dtype=fp8 on `hw`: its fp8 matmul rate over its bf16 one; emulated (fp8.emulate=true): none faster."""
+    if recipe not in RECIPES:
+        raise LauncherError(f"fp8.recipe={recipe}: unknown recipe: use one of {', '.join(RECIPES)}")
+    if hw.peak_tflops_fp8 is None and not emulate:
+        raise LauncherError(
+            f"dtype=fp8: hardware profile {hw.name} has no FP8 units (peak_tflops_fp8 is null): use dtype=bf16, "
+            "a profile with them (h100_sxm, h200, b200, gb200_nvl72), or fp8.emulate=true (no speed-up predicted)"
+        )
+    if emulate or hw.peak_tflops_fp8 is None or hw.peak_tflops is None or hw.matmul_efficiency is None:
+        return Fp8(recipe, 1.0, None)
+    fp8_rate = hw.peak_tflops_fp8 * (hw.fp8_matmul_efficiency or hw.matmul_efficiency)
+    speedup = RECIPE_RATE[recipe] * fp8_rate / (hw.peak_tflops * hw.matmul_efficiency)
+    return Fp8(recipe, speedup, hw.peak_tflops_fp8 * 1e12)
+
+
+def fp8_of(cfg: TrainConfig, auto: bool = False) -> Fp8 | None:
+    """The fp8 term of dtype=fp8 (`auto`: of dtype=auto, where the profile has FP8 units on CUDA, for
+    `plan` to rank beside bf16); None otherwise. The recipe and emulation come from the `fp8` section
+    (tensorwise, not emulated, where the config has none)."""
+    hw, section = cfg.hardware, getattr(cfg, "fp8", None)
+    recipe, emulate = getattr(section, "recipe", "tensorwise"), bool(getattr(section, "emulate", False))
+    if cfg.dtype == "fp8":
+        return fp8_term(hw, recipe, emulate)
+    if auto and cfg.dtype == "auto" and hw.kind == "cuda" and hw.peak_tflops_fp8 is not None:
+        return fp8_term(hw, recipe, False)
+    return None
+
+
 def problem(cfg: TrainConfig, world: int) -> Problem:
     return Problem(
         model=cfg.model,
@@ -60,6 +90,7 @@ def problem(cfg: TrainConfig, world: int) -> Problem:
         elem=elem_bytes(cfg),
         async_tp=cfg.async_tp,
         compiled=cfg.hardware.kind == "tpu" or compile_enabled(cfg),  # XLA compiles every step on a TPU
+        fp8=fp8_of(cfg),
     )
 
 
