@@ -28,6 +28,7 @@ import sys
 from collections import Counter
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -67,6 +68,19 @@ def convert(part: nn.Module, decisions: dict[str, str], options: Fp8Options) -> 
         enable_fsdp_float8_all_gather=options.fsdp_float8_all_gather,
     )
     convert_to_float8_training(part, config=config, module_filter_fn=lambda _, fqn: decisions.get(fqn) == "fp8")
+    for fqn, mod in part.named_modules():
+        if decisions.get(fqn) == "fp8":
+            mod.register_forward_pre_hook(_autocast_input)
+
+
+def _autocast_input(mod: nn.Module, args: tuple) -> tuple:
+    """The input in autocast's dtype, as `Float8Linear` casts it under CUDA autocast only: under a
+    CPU's (dtype=fp8 with emulation) the high-precision gradient matmuls of rowwise_with_gw_hp
+    would otherwise mix bf16 gradients with fp32 inputs."""
+    device = args[0].device.type
+    if device == "cuda" or not torch.is_autocast_enabled(device):
+        return args
+    return (args[0].to(torch.get_autocast_dtype(device)), *args[1:])
 
 
 def after_optimizer_step(parts: list[nn.Module], options: Fp8Options | None) -> None:
@@ -104,11 +118,10 @@ def report(decisions: dict[str, str], options: Fp8Options) -> dict[str, Any]:
     kind = {fqn: fqn.split(".", 2)[2] if fqn.startswith("layers.") else fqn for fqn in decisions}
     converted = Counter(kind[f] for f, why in decisions.items() if why == "fp8")
     kept = Counter((kind[f], why) for f, why in decisions.items() if why != "fp8")
-    gather = "float8" if options.fsdp_float8_all_gather else "high precision (float8 all-gather: FSDP and tensorwise)"
     return {
         "recipe": options.recipe,
         "emulate": options.emulate,
         "converted": dict(sorted(converted.items())),
         "high_precision": [{"layer": k, "count": n, "why": why} for (k, why), n in sorted(kept.items())],
-        "fsdp_all_gather": gather,
+        "fsdp_float8_all_gather": options.fsdp_float8_all_gather,  # FSDP2 layouts, tensorwise recipe
     }
