@@ -16,7 +16,7 @@ Fused projections (launcher/model/fused.py) run converted layers one by one.
 
 FSDP2: with tensorwise scaling the weights are all-gathered in float8 (torchao's weight wrapper; on
 gloo too, as bytes) and every layer's scale is precomputed in one pass after the optimizer step
-(`after_optimizer_step`); rowwise recipes scale per row, so FSDP gathers their high-precision
+(`precompute_scales`); rowwise recipes scale per row, so FSDP gathers their high-precision
 weights and the cast follows the gather. The parameters stay the
 high-precision master weights in either case: checkpoints and optimizer state are those of a bf16 run.
 """
@@ -83,8 +83,9 @@ def _autocast_input(mod: nn.Module, args: tuple) -> tuple:
     return (args[0].to(torch.get_autocast_dtype(device)), *args[1:])
 
 
-def after_optimizer_step(parts: list[nn.Module], options: Fp8Options | None) -> None:
-    """FSDP2 with float8 all-gather: the next step's weight scales, all layers in one pass."""
+def precompute_scales(parts: list[nn.Module], options: Fp8Options | None) -> None:
+    """FSDP2 with float8 all-gather: the weight scales for the next step, all layers in one pass;
+    after every change to the weights (the optimizer step, a spike guard's rollback)."""
     if options is not None and options.fsdp_float8_all_gather:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

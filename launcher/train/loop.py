@@ -17,7 +17,7 @@ from launcher.data import BatchLoader
 from launcher.files import write_json
 from launcher.metrics.meter import memory_gib, memory_measure
 from launcher.metrics.profile import StepProfiler
-from launcher.parallel.float8 import after_optimizer_step
+from launcher.parallel.float8 import precompute_scales
 from launcher.parallel.runner import Runner
 from launcher.run import Run
 from launcher.train.checkpoint import Stateful
@@ -92,9 +92,10 @@ def train_step(
     # NaN/inf: stop (exit 3), or skip the update; a spike: skip it, or roll back (launcher/train/spike.py)
     if w.guard.update(step, loss, grad_norm, runner) and spikes.update(step, loss, grad_norm):
         w.optimizer.step()
-        after_optimizer_step(runner.parts, run.options.fp8)  # FSDP2's float8 weight scales for the next step
+        precompute_scales(runner.parts, run.options.fp8)  # FSDP2's float8 weight scales for the next step
     w.optimizer.zero_grad(set_to_none=True)
     if spikes.rolled_back_to is not None:
+        precompute_scales(runner.parts, run.options.fp8)  # the restored weights'
         profiler.end(step)
         return None
     w.schedule.step()
