@@ -123,7 +123,10 @@ def block_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of a dense block's linear layers, by name: what dtype=fp8 may convert."""
     q, kv = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m)
     shapes = {"attention.wq": (m.dim, q), "attention.wk": (m.dim, kv), "attention.wv": (m.dim, kv)}
-    shapes |= {"attention.wo": (q, m.dim), "feed_forward.w1": (m.dim, m.ffn_dim), "feed_forward.w2": (m.ffn_dim, m.dim)}
+    shapes["attention.wo"] = (q, m.dim)
+    if m.moe.experts and not m.moe.first_dense_layers:  # every MLP is a MoE layer: high precision
+        return shapes
+    shapes |= {"feed_forward.w1": (m.dim, m.ffn_dim), "feed_forward.w2": (m.ffn_dim, m.dim)}
     return shapes | ({"feed_forward.w3": (m.dim, m.ffn_dim)} if m.mlp == "swiglu" else {})
 
 

@@ -51,7 +51,7 @@ def test_only_the_blocks_large_linear_layers_convert() -> None:
     moe = meta_model(compose_config("+model=moe_tiny").model)
     whys = decide(moe, options(), tp=1)
     assert all(why.startswith("MoE layer") for fqn, why in whys.items() if ".feed_forward." in fqn and "fp8" != why)
-    assert any(why.startswith("MoE layer") for why in whys.values())
+    assert whys["layers.1.feed_forward.experts"].startswith("MoE layer") and "layers.1.feed_forward.router" in whys
 
 
 def test_fp8_runs_in_the_bf16_precision_mode_and_logs_mfu_against_both_peaks() -> None:

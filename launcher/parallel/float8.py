@@ -32,15 +32,26 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from launcher.model.moe import MoE
 from launcher.options import Fp8Options
 
 COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")  # out sharded by TP
 ROW = ("attention.wo", "feed_forward.w2")  # in sharded by TP
 
 
+MOE = "MoE layer: high precision (torchao's float8 grouped GEMM, CUDA only, is not used)"
+
+
 def decide(model: nn.Module, options: Fp8Options, tp: int) -> dict[str, str]:
-    """Every linear layer of `model` (the whole meta model) by name: "fp8", or why it stays high precision."""
-    return {fqn: _why(fqn, mod, options, tp) for fqn, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    """Every linear layer of `model` (the whole meta model) by name: "fp8", or why it stays high
+    precision; a MoE layer's router and routed experts (parameters, not `nn.Linear`s) too."""
+    decisions = {}
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            decisions[fqn] = _why(fqn, mod, options, tp)
+        elif isinstance(mod, MoE):
+            decisions |= {f"{fqn}.router": MOE, f"{fqn}.experts": MOE}
+    return decisions
 
 
 def _why(fqn: str, mod: nn.Linear, options: Fp8Options, tp: int) -> str:
@@ -49,7 +60,7 @@ def _why(fqn: str, mod: nn.Linear, options: Fp8Options, tp: int) -> str:
     if head != "layers":
         return "output projection" if fqn == "output" else "outside the blocks"
     if kind not in COLUMN + ROW:
-        return "MoE layer (router and experts; torchao's float8 grouped GEMM is not used)"
+        return MOE
     if min(mod.in_features, mod.out_features) < options.min_features:
         return f"features below fp8.min_features={options.min_features}"
     local = (mod.in_features, mod.out_features // tp) if kind in COLUMN else (mod.in_features // tp, mod.out_features)
