@@ -11,9 +11,10 @@ Checks (each `--only` name, its budget of the deadline, its rows):
 - build: `8b` with `steps=0`: every shard allocated for real; its peak (the weights, and the runtime's
   own memory) beside the planner's weights and overhead, like with like;
 - profile: `profile.memory=true` writes a CUDA trace and an allocator snapshot;
-- moe: the experts' grouped GEMM against the loop (bench/gpu_moe.py), then `moe_small` trains on it.
+- moe: the experts' grouped GEMM against the loop (bench/gpu_moe.py), then `moe_small` trains on it;
+- fp8: the throughput model under dtype=fp8 against bf16, same steps: tokens/s, losses (bench/gpu_fp8.py).
 Every run is a subprocess with a timeout inside its check's budget and the overall `--deadline`
-(default 420 s); a check that cannot start in time is a `skipped` row. Each row is printed and flushed
+(default 540 s); a check that cannot start in time is a `skipped` row. Each row is printed and flushed
 as it finishes and appended as one JSON line to OUT/results.jsonl, so a lease cut short keeps the rows
 done; a failing check never stops the others. `--rehearse` runs the same orchestration on this CPU
 with `hardware=cpu` and tiny models (CI proves the plumbing). Exit 1 if a row failed.
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.gpu_fp8 import fp8_vs_bf16
 
 QUIET = ("eval.every=0", "metrics.wandb.mode=disabled", "metrics.console=plain", "resume=never")
 LOSS_RTOL = 1e-2  # FSDP's bf16 parameters vs autocast's bf16 casts: the same math, rounded differently
@@ -62,6 +65,7 @@ class Target:
     moe: tuple[str, ...]
     experts: dict[str, int]  # the grouped-GEMM comparison's shapes
     goal: float | None
+    fp8: tuple[str, ...]  # the fp8 row's run: the throughput model's arguments with these instead of its dtype
 
 
 def gpu_target(hw: str) -> Target:
@@ -76,6 +80,7 @@ def gpu_target(hw: str) -> Target:
         moe=("+model=moe_small", "steps=10", "seq_len=1024", "batch.micro=8", "dtype=bf16", "compile=false"),
         experts={"experts": 128, "dim": 2048, "hidden": 768, "rows": 4096 * 8},  # Qwen3-30B-A3B, one layer
         goal=MFU_GOAL,
+        fp8=("dtype=fp8",),
     )
 
 
@@ -91,6 +96,7 @@ def rehearsal() -> Target:
         moe=("+model=moe_tiny", *tiny[1:]),
         experts={"experts": 8, "dim": 64, "hidden": 32, "rows": 300},
         goal=None,
+        fp8=("dtype=fp8", "fp8.emulate=true", "fp8.min_features=16"),  # the CPU has no float8 units
     )
 
 
@@ -251,13 +257,14 @@ def moe(out: Path, t: Target, clock: Clock) -> list[Check]:
     return [kernel, Check("moe: model trains", "ok" if ok else "FAIL", f"expert_impl={impl}")]
 
 
-# name (for --only), budget in seconds (of the default deadline's 420), check
+# name (for --only), budget in seconds (of the default deadline's 540), check
 CHECKS: list[tuple[str, float, Callable[[Path, Target, Clock], list[Check]]]] = [
     ("throughput", 150, throughput),
     ("fsdp", 110, fsdp_and_resume),
     ("build", 60, build_only),
     ("profile", 45, profiled),
     ("moe", 55, moe),
+    ("fp8", 120, fp8_vs_bf16),  # the fp8 run; its bf16 side is the throughput run's
 ]
 
 
@@ -314,7 +321,7 @@ def main(argv: list[str]) -> None:
     if unknown:
         raise SystemExit(f"gpu-check: unknown check {unknown[0]!r}: choose from {', '.join(n for n, _, _ in CHECKS)}")
     out = Path(opts.get("out") or Path("outputs") / "gpu-check" / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    deadline = float(opts.get("deadline") or 420)
+    deadline = float(opts.get("deadline") or 540)
     print(f"gpu-check on {name} ({' '.join(target.hardware)}); deadline {deadline:.0f} s; under {out}", flush=True)
     start = time.monotonic()
     rows = run_checks(out, target, [c for c in CHECKS if not only or c[0] in only], deadline)

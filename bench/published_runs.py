@@ -14,7 +14,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -223,10 +222,8 @@ def config(run: Run) -> TrainConfig:
         batch={"micro": run.micro, "global": run.global_batch}, recompute=run.recompute, pp_schedule=run.schedule,
         nodes=max(1, run.gpus // per_node), compile=run.compiled, dtype=run.dtype,
     )  # fmt: skip
-    cfg = make_cfg(run.model, run.hardware, **keys, **run.extra)
-    if run.dtype == "fp8":  # the planner reads the recipe as `cfg.fp8.recipe` (request.fp8_of)
-        cfg.fp8 = SimpleNamespace(recipe=run.recipe, emulate=False)  # type: ignore[attr-defined]
-    return cfg
+    fp8 = {"fp8": {"recipe": run.recipe}} if run.dtype == "fp8" else {}
+    return make_cfg(run.model, run.hardware, **keys, **run.extra, **fp8)
 
 
 def achieved(run: Run, cfg: Any, prediction: Any) -> float:

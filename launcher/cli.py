@@ -126,6 +126,8 @@ def _train_task(cfg: TrainConfig) -> None:
         if not prediction.fits and not cfg.force:
             print(f"note: {too_big(cfg, prediction)}")
         return
+    if options.fp8 is not None:
+        require("torchao", what="dtype=fp8")
     cuda_env_defaults(cfg.hardware.kind)  # before check_environment's first torch.cuda call
     check_environment(cfg, layout, local=env is None)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)

@@ -239,6 +239,16 @@ class FSDPConfig:
 
 
 @dataclass
+class Fp8Config:
+    """dtype=fp8: torchao's float8 training of the blocks' linear layers (docs/precision.md)."""
+
+    recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp (torchao's recipes)
+    emulate: bool = False  # quantize, dequantize, matmul in high precision: any device (CPU tests, config checks)
+    # layers with in or out features below this stay high precision: their casts cost more than fp8 gains
+    min_features: int = ranged(1024, ge=1)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -253,6 +263,7 @@ class TrainConfig:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     init: dict[str, Any] = field(default_factory=default_init)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
@@ -291,8 +302,8 @@ class TrainConfig:
     # and reduce-scatters run in chunks overlapped with the matmuls they feed (the planner hides them)
     async_tp: bool = False
     # bf16 on cuda, fp32 on cpu; bf16 is FSDP2's mixed-precision policy where cuda shards with FSDP,
-    # autocast elsewhere (launcher/precision.py)
-    dtype: str = "auto"  # auto | fp32 | bf16
+    # autocast elsewhere (launcher/precision.py); fp8: the blocks' matmuls in float8 (fp8.*), the rest as bf16
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp8
     nccl_timeout_s: int = ranged(600, ge=1)  # a collective waiting longer fails the run (NCCL, and gloo on CPUs)
     # CPU workers' glibc malloc (launcher/train/fit.py): fast keeps freed blocks for reuse (no page
     # faults per large tensor; peak RSS includes glibc's cache), lean returns blocks of 4 MiB and more

@@ -17,6 +17,7 @@ EXTRAS = {  # module → the extra that installs it (pyproject.toml [project.opt
     "submitit": "slurm",
     "hydra_plugins.hydra_submitit_launcher": "slurm",
     "matplotlib": "plot",
+    "torchao": "fp8",
 }
 
 

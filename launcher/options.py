@@ -10,6 +10,17 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Fp8Options:
+    """dtype=fp8 (launcher/parallel/float8.py): which torchao recipe, emulated or not, which layers."""
+
+    recipe: str  # tensorwise | rowwise | rowwise_with_gw_hp
+    emulate: bool  # torchao's emulation: quantize, dequantize, matmul in high precision (any device)
+    min_features: int  # a layer with in or out features below this stays high precision
+    fsdp_float8_all_gather: bool  # FSDP2 gathers the weights in float8 (cuda, tensorwise), scales precomputed
+    peak_flops: float  # per device, the profile's fp8 peak: mfu_fp8_peak's denominator (0: none, emulated)
+
+
+@dataclass(frozen=True)
 class BuildOptions:
     """How the runtime builds and measures the model (everything about the cut is in the Layout)."""
 
@@ -23,3 +34,4 @@ class BuildOptions:
     threads: int  # torch intra-op threads per worker
     peak_flops: float  # per device: the MFU's denominator
     flop_per_byte: float  # the device's peak over its memory bandwidth: the chunked loss's chunk size
+    fp8: Fp8Options | None = None  # dtype=fp8; precision is then the bf16 mode for everything else

@@ -8,6 +8,8 @@
 - bf16 autocast everywhere else (one process, pure TP, DDP, and bf16 on a CPU): parameters and
   gradients stay fp32, matmuls run in bf16. No sharded gather to save there, and the same numbers
   as before on CPU.
+- fp8 (launcher/parallel/float8.py): the blocks' large linear layers compute in float8 through
+  torchao; everything else, master weights and optimizer state included, runs as bf16 does.
 
 The decision needs no torch (`planner.resolve` takes it into BuildOptions.precision); the policy and
 the autocast context that carry it out import torch when the runtime asks for them.
@@ -18,18 +20,35 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from launcher.layout import Layout
+from launcher.options import Fp8Options
+
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from launcher.config import Fp8Config
+    from launcher.hardware_config import HardwareConfig
+
 
 def precision_mode(dtype: str, kind: str, layout: Layout) -> str:
     """fp32 | fsdp_bf16 (FSDP2's MixedPrecisionPolicy) | autocast_bf16, for config `dtype` on `kind`."""
     cuda = kind == "cuda"
-    if not (dtype == "bf16" or (dtype == "auto" and cuda)):
+    if not (dtype in ("bf16", "fp8") or (dtype == "auto" and cuda)):
         return "fp32"
     return "fsdp_bf16" if cuda and layout.fsdp_shard > 1 else "autocast_bf16"
+
+
+def fp8_options(dtype: str, fp8: Fp8Config, hw: HardwareConfig, layout: Layout) -> Fp8Options | None:
+    """dtype=fp8's options (None otherwise). FSDP2 gathers float8 weights with tensorwise scales (one
+    scale per tensor, precomputed for all layers at once; gloo carries the float8 bytes too); rowwise
+    recipes scale per row after the gather, so FSDP gathers their high-precision weights."""
+    if dtype != "fp8":
+        return None
+    gather = fp8.recipe == "tensorwise" and layout.fsdp_shard > 1
+    peak = (hw.peak_tflops_fp8 or 0.0) * 1e12
+    return Fp8Options(fp8.recipe, fp8.emulate, fp8.min_features, fsdp_float8_all_gather=gather, peak_flops=peak)
 
 
 def fsdp_policy(mode: str) -> MixedPrecisionPolicy | None:

@@ -10,9 +10,10 @@ from typing import Any
 
 from launcher.config import ModelConfig, TrainConfig, compile_enabled
 from launcher.errors import LauncherError
-from launcher.flops import head_dim
+from launcher.flops import head_dim, kv_heads
 from launcher.hardware_config import HardwareConfig, load_profile
 from launcher.layout import RECOMPUTE, RESHARD, SCHEDULES, expert_split
+from launcher.precision import FP8_RECIPES
 from launcher.ranges import check_ranges
 
 CHOICES = {
@@ -28,6 +29,7 @@ CHOICES = {
     "recompute": (*RECOMPUTE, "auto"),
     "fsdp.reshard_after_forward": RESHARD,
     "dtype": ("auto", "fp32", "bf16", "fp8"),
+    "fp8.recipe": FP8_RECIPES,
     "cpu_allocator": ("auto", "fast", "lean"),
     "metrics.console": ("auto", "rich", "plain", "none"),
     "metrics.wandb.mode": ("offline", "online", "disabled"),
@@ -72,6 +74,7 @@ def validate(cfg: TrainConfig) -> None:
     if not (isinstance(cfg.compile, bool) or cfg.compile == "auto"):
         raise LauncherError(f"compile={cfg.compile}: choose one of true, false, auto")
     check_async_tp(cfg)
+    check_fp8(cfg)
     m = cfg.model
     check_heads(m)
     if cfg.seq_len > m.max_seq_len:
@@ -94,6 +97,42 @@ def validate(cfg: TrainConfig) -> None:
         raise LauncherError(f"guard.skip_batches={cfg.guard.skip_batches}: give [first, last] pairs, first <= last")
     if cfg.data.name == "stdlib" and m.vocab_size < 256:
         raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
+
+
+def require_fp8_units(hw: HardwareConfig, emulate: bool) -> None:
+    """dtype=fp8 runs (and is predicted) only where the profile has float8 units, or under emulation."""
+    if hw.peak_tflops_fp8 is None and not emulate:
+        raise LauncherError(
+            f"dtype=fp8: hardware profile {hw.name} has no FP8 units (peak_tflops_fp8 is null): use dtype=bf16, "
+            "an FP8 profile (h100_sxm, h200, b200, gb200_nvl72), or fp8.emulate=true to check the path"
+        )
+
+
+def check_fp8(cfg: TrainConfig) -> None:
+    """dtype=fp8: a profile with float8 units (or torchao's emulation), and float8 GEMM shapes (dims
+    multiples of 16) for every layer the shape filter converts; smaller layers stay high precision."""
+    if cfg.dtype != "fp8":
+        return
+    fp8 = cfg.fp8
+    require_fp8_units(cfg.hardware, fp8.emulate)
+    for name, (n_in, n_out) in block_linears(cfg.model).items():
+        if min(n_in, n_out) >= fp8.min_features and (n_in % 16 or n_out % 16):
+            raise LauncherError(
+                f"fp8.min_features={fp8.min_features} converts {name} ({n_in} -> {n_out} features) and float8 "
+                f"matmuls need multiples of 16: raise fp8.min_features above {min(n_in, n_out)} to keep it in "
+                "high precision, or resize the model"
+            )
+
+
+def block_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of a dense block's linear layers, by name: what dtype=fp8 may convert."""
+    q, kv = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m)
+    shapes = {"attention.wq": (m.dim, q), "attention.wk": (m.dim, kv), "attention.wv": (m.dim, kv)}
+    shapes["attention.wo"] = (q, m.dim)
+    if m.moe.experts and not m.moe.first_dense_layers:  # every MLP is a MoE layer: high precision
+        return shapes
+    shapes |= {"feed_forward.w1": (m.dim, m.ffn_dim), "feed_forward.w2": (m.ffn_dim, m.dim)}
+    return shapes | ({"feed_forward.w3": (m.dim, m.ffn_dim)} if m.mlp == "swiglu" else {})
 
 
 def check_heads(m: ModelConfig) -> None:

@@ -68,7 +68,7 @@ def test_rehearsal_runs_every_check_on_this_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     names = ["throughput", "fsdp: FSDP2 = no FSDP", "fsdp: save + resume", "build: steps=0", "profile"]
-    assert [r["name"] for r in rows] == [*names, "moe: grouped GEMM = loop", "moe: model trains"]
+    assert [r["name"] for r in rows] == [*names, "moe: grouped GEMM = loop", "moe: model trains", "fp8: fp8 vs bf16"]
     assert {r["result"] for r in rows} == {"ok"}, proc.stdout
     assert rows[0]["figures"]["tokens_per_s"] > 0 and rows[0]["figures"]["planned_gib"] > 0
 

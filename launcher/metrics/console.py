@@ -22,6 +22,7 @@ COLUMNS = [  # (key, label, format)
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("tflops_per_device", "TFLOP/s/dev", "{:.3f}"),
     ("mfu", "MFU", "{:.1%}"),
+    ("mfu_fp8_peak", "MFU fp8 peak", "{:.1%}"),
     ("mem_gib", "mem GiB", "{:.2f}"),
 ]
 

@@ -34,11 +34,20 @@ def memory_measure(device: torch.device) -> str:
 
 class Meter:
     def __init__(
-        self, tokens_per_step: int, flops_per_token: float, peak_flops: float, world_size: int, device: torch.device
+        self,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops: float,
+        world_size: int,
+        device: torch.device,
+        peak_flops_fp8: float = 0.0,
     ) -> None:
+        """`peak_flops`: MFU's denominator, the bf16 peak for every dtype (comparable across runs);
+        `peak_flops_fp8` (dtype=fp8 on a profile with float8 units): `mfu_fp8_peak`'s, 0 for none."""
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        self.peak_flops_fp8 = peak_flops_fp8
         self.world_size = world_size
         self.device = device
         self._t0 = time.perf_counter()
@@ -63,6 +72,8 @@ class Meter:
             "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
             "mem_gib": memory_gib(self.device),
         }
+        if self.peak_flops_fp8 > 0:
+            row["mfu_fp8_peak"] = mfu(per_device, self.flops_per_token, self.peak_flops_fp8)
         if self.device.type == "cuda":  # the tensors' own peak, inside mem_gib's device figure
             row["mem_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
         return row

@@ -79,10 +79,18 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+def converted(linears: tuple[nn.Linear, ...]) -> bool:
+    """Whether a layer computes its own product (dtype=fp8: torchao's `Float8Linear` casts and scales
+    each weight itself), so the projections run one by one instead of as one stacked matmul."""
+    return any(type(lin) is not nn.Linear for lin in linears)
+
+
 class FusedLinear(nn.Module):
     """`x` through several `nn.Linear`s that share it, as one matmul; returns each layer's output."""
 
     def forward(self, x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+        if converted(linears):
+            return tuple(lin(x) for lin in linears)
         weights = [lin.weight for lin in linears]
         biases = [lin.bias for lin in linears if lin.bias is not None]
         return self.project(x, weights, biases)

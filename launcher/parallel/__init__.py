@@ -1,7 +1,7 @@
 """Parallelism is applied here, in one place and in a fixed order, for every world size (a world of
 one takes the same steps, each a no-op at degree 1, and gets the plain runner):
-pipeline split → tensor (async TP with it), context and expert parallel → activation checkpointing →
-compile → data parallel.
+pipeline split → float8 conversion (dtype=fp8) → tensor (async TP with it), context and expert parallel
+→ activation checkpointing → compile → data parallel.
 
 `parallelize` reads only the Layout, the mesh and the BuildOptions (launcher/options.py), and returns
 a step runner (launcher/parallel/runner.py).
@@ -24,6 +24,7 @@ from launcher.options import BuildOptions
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel
 from launcher.parallel.expert import parallelize_experts
+from launcher.parallel.float8 import convert, decide, report
 from launcher.parallel.pipeline import split_weight_passes, stage_module
 from launcher.parallel.recompute import apply_recompute
 from launcher.parallel.runner import ParallelRunner, PipelineRunner, Runner
@@ -45,9 +46,15 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any, options: BuildOptio
         # loop, or grouped GEMM on CUDA
         moe.experts.impl = select_impl(moe.experts, device, options.precision != "fp32")
     emesh = expert_mesh(layout, mesh.device_type) if layout.ep > 1 else None
-    parts, stages = shard_model(model, layout, options, mesh, emesh)
+    fp8 = decide(model, options.fp8, layout.tp) if options.fp8 else {}  # the whole model's, before the split
+    parts, stages = shard_model(model, layout, options, mesh, emesh, fp8)
     materialize(parts, options.seed, device, init_source(options.init_from))
-    autocast = autocast_for(options.precision, device)
+    runner = _runner(model, parts, stages, layout, mesh, autocast_for(options.precision, device))
+    runner.fp8 = report(fp8, options.fp8) if options.fp8 else None
+    return runner
+
+
+def _runner(model: nn.Module, parts: list, stages: list[int], layout: Layout, mesh: Any, autocast: Any) -> Runner:
     if mesh is None:
         return Runner(model, layout.micro, autocast)
     kw = {"autocast": autocast, "mesh": mesh}
@@ -57,9 +64,10 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any, options: BuildOptio
 
 
 def shard_model(
-    model: nn.Module, layout: Layout, options: BuildOptions, mesh: Any, emesh: Any = None
+    model: nn.Module, layout: Layout, options: BuildOptions, mesh: Any, emesh: Any = None, fp8: dict | None = None
 ) -> tuple[list[nn.Module], list[int]]:
-    """This rank's model parts, cut and wrapped in the fixed order, and the pipeline stage of each."""
+    """This rank's model parts, cut and wrapped in the fixed order, and the pipeline stage of each.
+    `fp8`: each linear layer's float8 decision (launcher/parallel/float8.py `decide`)."""
     pipelined = layout.pp > 1
     stages = layout.pp_stages(mesh["pp"].get_local_rank()) if pipelined else [0]
     parts = [stage_module(model, s, layout.stages) for s in stages] if pipelined else [model]
@@ -67,6 +75,8 @@ def shard_model(
         enable_async_tp(mesh["tp"].get_group().group_name)
     mp_policy = fsdp_policy(options.precision)
     for part in parts:
+        if fp8:  # before the TP plan, whose hooks live on the module objects the conversion swaps
+            convert(part, fp8, options.fp8)
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"], layout.sequence_parallel, local_logits=pipelined)
         if layout.cp > 1:

@@ -40,6 +40,8 @@ class Runner:
     """One process, no parallelism: gradient accumulation over micro-batches of `micro` sequences
     (the loader hands each rank `layout.microbatches` of them per step)."""
 
+    fp8: dict[str, Any] | None = None  # dtype=fp8: the layers converted and kept (launcher/parallel/float8.py)
+
     def __init__(self, model: nn.Module, micro: int, autocast: torch.autocast | None = None) -> None:
         self.parts: list[nn.Module] = [model]
         self.model = model

@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from launcher.model.fused import FusedLinear
+from launcher.model.fused import FusedLinear, converted
 from launcher.model.init import tied_output
 from launcher.model.moe import MoE
 from launcher.parallel.swap import swap_modules
@@ -78,6 +78,8 @@ class LocalFusedLinear(nn.Module):
         self.fused = fused  # zero-bubble schedules swap it for their split one (parallel/pipeline.py)
 
     def forward(self, x: DTensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+        if converted(linears):  # float8 layers through their own ColwiseParallel hooks, on the DTensors
+            return tuple(lin(x) for lin in linears)
         weights = [lin.weight.to_local() for lin in linears]
         biases = [lin.bias.to_local() for lin in linears if lin.bias is not None]
         return self.fused.project(x.to_local(grad_placements=[Partial()]), weights, biases)

@@ -36,7 +36,7 @@ from launcher.planner.predict import Prediction, Problem, predict
 from launcher.planner.report import budget_block, compare_table, precision_table, to_json, to_table
 from launcher.planner.request import fp8_of, problem, space
 from launcher.planner.search import Result, search, with_fp8
-from launcher.precision import precision_mode
+from launcher.precision import fp8_options, precision_mode
 from launcher.validate import compared_profiles, validate
 
 __all__ = ["resolve", "build_options", "run_plan", "plan", "Prediction", "Layout"]
@@ -166,6 +166,7 @@ def build_options(cfg: TrainConfig, layout: Layout) -> BuildOptions:
         threads=threads,
         peak_flops=peak_flops(hw, threads, cfg.cache_dir),
         flop_per_byte=device_flop_per_byte(hw.kind, hw.peak_tflops, hw.memory_bandwidth_gbs),
+        fp8=fp8_options(cfg.dtype, cfg.fp8, hw, layout),
     )
 
 

@@ -31,7 +31,6 @@ from launcher.config import ModelConfig
 from launcher.flops import head_dim, kv_heads, moe_layer_count
 from launcher.layout import Layout
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # Bytes of memory traffic per converted element and microbatch (bf16 in, fp8 out). tensorwise: amax
 # (read 2) + scale-and-cast (read 2, write 1) + the transposed fp8 copy the backward GEMMs read (read 1,
 # write 1) = 7. rowwise: scales along rows for one GEMM and along columns for the other, so amax + cast

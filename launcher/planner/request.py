@@ -18,10 +18,11 @@ from launcher.hardware_config import HardwareConfig
 from launcher.layout import INTERLEAVED, check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
 from launcher.layout_config import given_degrees
 from launcher.planner.device import Machine
-from launcher.planner.fp8 import RECIPE_RATE, RECIPES, Fp8
+from launcher.planner.fp8 import RECIPE_RATE, Fp8
 from launcher.planner.machine import machine
 from launcher.planner.predict import Problem
 from launcher.planner.search import Space
+from launcher.validate import require_fp8_units
 
 
 def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
@@ -54,13 +55,7 @@ def elem_bytes(cfg: TrainConfig) -> int:
 
 def fp8_term(hw: HardwareConfig, recipe: str, emulate: bool) -> Fp8:
     """dtype=fp8 on `hw`: its fp8 matmul rate over its bf16 one; emulated (fp8.emulate=true): none faster."""
-    if recipe not in RECIPES:
-        raise LauncherError(f"fp8.recipe={recipe}: unknown recipe: use one of {', '.join(RECIPES)}")
-    if hw.peak_tflops_fp8 is None and not emulate:
-        raise LauncherError(
-            f"dtype=fp8: hardware profile {hw.name} has no FP8 units (peak_tflops_fp8 is null): use dtype=bf16, "
-            "a profile with them (h100_sxm, h200, b200, gb200_nvl72), or fp8.emulate=true (no speed-up predicted)"
-        )
+    require_fp8_units(hw, emulate)  # a profile plan.compare names too
     if emulate or hw.peak_tflops_fp8 is None or hw.peak_tflops is None or hw.matmul_efficiency is None:
         return Fp8(recipe, 1.0, None)
     fp8_rate = hw.peak_tflops_fp8 * (hw.fp8_matmul_efficiency or hw.matmul_efficiency)
@@ -70,10 +65,8 @@ def fp8_term(hw: HardwareConfig, recipe: str, emulate: bool) -> Fp8:
 
 def fp8_of(cfg: TrainConfig, auto: bool = False) -> Fp8 | None:
     """The fp8 term of dtype=fp8 (`auto`: of dtype=auto, where the profile has FP8 units on CUDA, for
-    `plan` to rank beside bf16); None otherwise. The recipe and emulation come from the `fp8` section
-    (tensorwise, not emulated, where the config has none)."""
-    hw, section = cfg.hardware, getattr(cfg, "fp8", None)
-    recipe, emulate = getattr(section, "recipe", "tensorwise"), bool(getattr(section, "emulate", False))
+    `plan` to rank beside bf16); None otherwise. The recipe and emulation come from the `fp8` section."""
+    hw, recipe, emulate = cfg.hardware, cfg.fp8.recipe, cfg.fp8.emulate
     if cfg.dtype == "fp8":
         return fp8_term(hw, recipe, emulate)
     if auto and cfg.dtype == "auto" and hw.kind == "cuda" and hw.peak_tflops_fp8 is not None:

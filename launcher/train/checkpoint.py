@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from launcher.config import CheckpointConfig
 from launcher.errors import CheckpointFailed, LauncherError
+from launcher.parallel.float8 import high_precision
 from launcher.train.ckpt_write import (
     Pending,
     SaveStats,
@@ -178,8 +179,10 @@ class Checkpointer:
         return self.cfg.every > 0 and (step % self.cfg.every == 0 or step == last_step)
 
     def state(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        model = model_view(parts)
-        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        model = model_view(parts)  # float8 weight wrappers as the plain tensors they hold: a bf16 run's state
+        return high_precision(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        )
 
     def save(
         self, parts: list[nn.Module], optimizer: torch.optim.Optimizer, st: Stateful, final: bool = False

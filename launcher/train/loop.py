@@ -17,6 +17,7 @@ from launcher.data import BatchLoader
 from launcher.files import write_json
 from launcher.metrics.meter import memory_gib, memory_measure
 from launcher.metrics.profile import StepProfiler
+from launcher.parallel.float8 import precompute_scales
 from launcher.parallel.runner import Runner
 from launcher.run import Run
 from launcher.train.checkpoint import Stateful
@@ -91,8 +92,10 @@ def train_step(
     # NaN/inf: stop (exit 3), or skip the update; a spike: skip it, or roll back (launcher/train/spike.py)
     if w.guard.update(step, loss, grad_norm, runner) and spikes.update(step, loss, grad_norm):
         w.optimizer.step()
+        precompute_scales(runner.parts, run.options.fp8)  # FSDP2's float8 weight scales for the next step
     w.optimizer.zero_grad(set_to_none=True)
     if spikes.rolled_back_to is not None:
+        precompute_scales(runner.parts, run.options.fp8)  # the restored weights'
         profiler.end(step)
         return None
     w.schedule.step()
@@ -167,6 +170,7 @@ def summarize(w: Worker, rows: list[dict[str, Any]], profiled: list[str]) -> dic
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "median_tflops_per_device": statistics.median(r["tflops_per_device"] for r in timed),
         "median_mfu": statistics.median(r["mfu"] for r in timed),
+        **{f"median_{k}": statistics.median(r[k] for r in timed) for k in ("mfu_fp8_peak",) if k in timed[0]},
         **memory_summary(gather_ranks(memory_gib(w.device))),  # a high-water mark: the run's peak
         "flops_per_token": w.meter.flops_per_token,
         "peak_flops_per_device": w.run.options.peak_flops,
@@ -186,6 +190,8 @@ def finish(w: Worker, summary: dict[str, Any]) -> dict[str, Any]:
     summary["peak_mem_measure"] = memory_measure(w.device)
     if w.device.type == "cpu":  # how glibc's malloc was tuned (launcher/train/fit.py)
         summary["cpu_allocator"] = w.allocator
+    if w.runner.fp8 is not None:  # dtype=fp8: which layers compute in float8, which stay high precision and why
+        summary["fp8"] = w.runner.fp8
     if w.runner.moe:  # the MoE experts' matmuls: loop, or grouped_mm (launcher/model/experts.py)
         summary["expert_impl"] = w.runner.moe[0].experts.impl
     if run.prediction is not None:

@@ -144,7 +144,8 @@ def setup(run: Run, run_dir: Path, rank: int, watchdog: Watchdog | Off) -> Worke
     optimizer, schedule = build_optimizer(runner.parts, run.optim, run.steps)
     flops_per_token = flops.flops_per_token(run.model, options.seq_len)
     tokens = layout.global_batch * options.seq_len
-    meter = Meter(tokens, flops_per_token, options.peak_flops, layout.world_size, device)
+    fp8_peak = options.fp8.peak_flops if options.fp8 else 0.0  # mfu_fp8_peak beside the MFU (bf16 peak)
+    meter = Meter(tokens, flops_per_token, options.peak_flops, layout.world_size, device, fp8_peak)
     view, sinks = outputs(run, run_dir, owner)
     log.info("rank %d coords %s threads %d device %s", rank, coords, options.threads, device)
     ckpt_root = Path(run.checkpoint.dir or run_dir / "checkpoints")
