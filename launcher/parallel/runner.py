@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from launcher.compat import foreach_mul_, foreach_norm
 from launcher.layout import Layout
 from launcher.model.experts import local
-from launcher.model.loss import record, recording
+from launcher.model.loss import record, recording, token_losses
 from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers
 from launcher.parallel.data import set_gradient_sync
 from launcher.parallel.pipeline import build_schedule
@@ -264,8 +264,13 @@ class PipelineRunner(DistributedRunner):
         # and a loader's inputs are a slice of seq + 1 tokens
         args = (inputs.contiguous(),) if self.first else ()
         kwargs = {"target": targets, "losses": losses} if self.last else {}
-        with loss_context(self.layout.tp), self._autocast():
+        kept = token_losses() if recording() else contextlib.nullcontext([])
+        with loss_context(self.layout.tp), self._autocast(), kept as recorded:
             run(*args, **kwargs)
+        # the schedule's shape inference (first step, and after a switch from eval) runs the loss once
+        # more, on placeholders: the data's per-token losses are the last microbatches' (loss.token_losses)
+        for per_token in recorded[-self.layout.microbatches :]:
+            record(per_token)
         local = sum(loss.item() for loss in losses) / len(losses) if self.last else 0.0
         return self._global_mean(local, self.last)
 
