@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from launcher.config import DataConfig, ModelConfig, TrainConfig
-from launcher.data.corpus import Splits, check_source
-from launcher.data.mix import MixLoader, Mixture, Schedule, mix_loader
+from launcher.data.corpus import Splits
+from launcher.data.mix import MixLoader, Mixture, Schedule, check_mix, mix_loader
 from launcher.errors import LauncherError
 from launcher.mix_config import mixture_sources
 from launcher.validate import validate
@@ -135,14 +135,14 @@ def test_a_source_too_small_or_of_another_vocabulary_is_one_line(tmp_path: Path)
     small = replace(base, sources=[{"name": "tokens", "path": str(fine), "weight": 2},
                                    {"name": "tokens", "path": str(short), "weight": 1, "label": "tiny"}])  # fmt: skip
     with pytest.raises(LauncherError, match=r"data.sources\[1\] \(tiny\): data.path=.*short.bin: 19 training tokens"):
-        check_source(small, 8000, 32, evaluates=False)
+        check_mix(small, 8000, 32, evaluates=False)
     text = {"name": "text", "path": "x.jsonl", "tokenizer": "tok.json", "weight": 1}
     other = replace(base, sources=[{"name": "stdlib", "weight": 1}, text])
     with pytest.raises(
         LauncherError, match=r"data.sources\[0\] \(stdlib\) and data.sources\[1\] \(text\) use different"
     ):
-        check_source(other, 8000, 32, evaluates=False)
-    check_source(replace(small, sources=small.sources[:1]), 8000, 32, evaluates=True)
+        check_mix(other, 8000, 32, evaluates=False)
+    check_mix(replace(small, sources=small.sources[:1]), 8000, 32, evaluates=True)
     assert [s.label for s in mixture_sources(replace(base, sources=[{"name": "stdlib", "weight": 1}] * 2))] == [
         "stdlib0",
         "stdlib1",

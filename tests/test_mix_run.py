@@ -11,7 +11,7 @@ import pytest
 
 from launcher.spawn import start_local_workers
 from launcher.train.loop import train
-from tests.conftest import losses, run_for, tiny_config
+from tests.conftest import assert_bad_input, losses, run_cli, run_for, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -66,3 +66,16 @@ def test_mixture_resumes_on_two_ranks_and_changes_phase(tmp_path: Path) -> None:
     assert "data: new mixture phase at sample 32 (shares py 0.5->0.125, tokens 0.333->0.125, small 0.167->0.75" in log
     summary = json.loads((phase / "summary.json").read_text())
     assert summary["share.small"] == pytest.approx(0.75, abs=1 / 24)  # steps 4-6: 24 sequences
+
+
+@pytest.mark.parametrize(
+    ("listed", "expected"),
+    [
+        ("[{name: stdlib, weight: 0}]", "data.sources[0].weight=0: give a number > 0"),
+        ("[{name: stdlib, weight: 1}, {name: tokens, path: short.bin, weight: 1}]", "data.sources[1] (tokens): "),
+    ],
+)
+def test_bad_mixtures_through_the_cli(listed: str, expected: str, tmp_path: Path) -> None:
+    np.arange(20, dtype=np.uint16).tofile(tmp_path / "short.bin")
+    result = run_cli("train", "data=mix", f"data.sources={listed}", "steps=1", cwd=tmp_path)
+    assert_bad_input(result, expected, tmp_path)

@@ -120,10 +120,6 @@ def check_source(cfg: DataConfig, vocab_size: int, seq_len: int, evaluates: bool
     """Fail before any worker starts when the configured data cannot be read, is too short for one
     sequence (the validation split only matters when the run `evaluates`), or does not fit the model.
     data=text builds its token cache here, once, before any worker starts."""
-    if cfg.name == "mix":  # each source checked as above, naming it
-        from launcher.data.mix import check_mix
-
-        return check_mix(cfg, vocab_size, seq_len, evaluates)
     text = None
     if cfg.name == "text":
         from launcher.data.text import ensure_cache
