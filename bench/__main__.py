@@ -25,6 +25,7 @@ BENCHES = [
     "fsdp_cpu",
     "fsdp_accumulation",
     "spike",
+    "data",
 ]
 ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
 

@@ -108,6 +108,7 @@ def train_task(cfg: TrainConfig) -> None:
 
 def _train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
+    from launcher.data.mix import check_mix
     from launcher.layout_config import check_environment
     from launcher.metrics.sinks import check_wandb_login
     from launcher.model.hf import check_folder
@@ -139,7 +140,8 @@ def _train_task(cfg: TrainConfig) -> None:
         return
     if cfg.checkpoint.dir:
         make_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
-    check_source(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
+    check = check_mix if cfg.data.name == "mix" else check_source  # a mixture: each source's checks, naming it
+    check(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
     check_folder(cfg.model, cfg.init.get("from"))  # init.from: a readable Llama folder of exactly the model's shapes
     if cfg.metrics.wandb.mode != "disabled" and not installed("wandb"):
         if cfg.metrics.wandb.mode == "online":

@@ -67,7 +67,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib"  # stdlib | tokens | text
+    name: str = "stdlib"  # stdlib | tokens | text | mix
     path: str | None = None  # flat token file (data=tokens); text files or globs, comma-separated (data=text)
     dtype: str = "uint16"  # uint16 | uint32 for data=tokens
     val_path: str | None = None  # separate validation token file; None: hold out val_fraction
@@ -77,6 +77,9 @@ class DataConfig:
     tokenizer: str | None = None  # data=text: a Hugging Face tokenizer.json or a local model folder
     text_key: str = "text"  # data=text: the field of a .jsonl/.parquet row that holds the document
     workers: int | None = ranged(None, ge=1, integer=True)  # data=text: tokenizing threads (None: one per core)
+    # data=mix: each source a dict of the keys above (name stdlib | tokens | text, path, ...) plus `weight`
+    # (> 0, any scale) and an optional `label` (metric names); unset keys are this section's (docs/data.md)
+    sources: list[Any] = field(default_factory=list)
 
 
 @dataclass

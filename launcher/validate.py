@@ -13,6 +13,7 @@ from launcher.errors import LauncherError
 from launcher.flops import head_dim, kv_heads
 from launcher.hardware_config import HardwareConfig, load_profile
 from launcher.layout import RECOMPUTE, RESHARD, SCHEDULES, expert_split
+from launcher.mix_config import mixture_sources
 from launcher.precision import FP8_RECIPES
 from launcher.ranges import check_ranges
 
@@ -23,7 +24,7 @@ CHOICES = {
     "model.positions": ("rope", "learned"),
     "model.moe.score": ("sigmoid", "softmax"),
     "model.moe.balance": ("bias", "aux", "none"),
-    "data.name": ("stdlib", "tokens", "text"),
+    "data.name": ("stdlib", "tokens", "text", "mix"),
     "data.dtype": ("uint16", "uint32"),
     "pp_schedule": (*SCHEDULES, "auto"),  # auto: the planner's choice
     "recompute": (*RECOMPUTE, "auto"),
@@ -86,6 +87,8 @@ def validate(cfg: TrainConfig) -> None:
         raise LauncherError(
             "data.val_path is a token file for data=tokens: data=text holds out whole documents (data.val_fraction)"
         )
+    if cfg.data.name == "mix":
+        mixture_sources(cfg.data)  # the sources and their weights; each source's files: data.check_mix
     check_profile(cfg)
     compared_profiles(cfg)
     check_moe(m, cfg.ep if isinstance(cfg.ep, int) and cfg.ep >= 1 else 1)  # a bad ep: the degree's own line

@@ -108,7 +108,8 @@ def test_documented_command_runs(doc: str, command: str, tmp_path: Path) -> None
     if line is None:
         pytest.skip(COVERED.get(command, "placeholder path, or a SLURM submission (tests/test_slurm.py)"))
     (np.arange(4096, dtype=np.uint16) % 256).tofile(tmp_path / "train.bin")  # for `data=tokens data.path=train.bin`
-    if "data=text" in line:  # corpus/ (.jsonl, .txt, .parquet), tokenizer.json and a model folder my-model/
+    # corpus/ (.jsonl, .txt, .parquet), tokenizer.json and a model folder my-model/ (data=text, or a mixture's)
+    if "data=text" in line or "name: text" in line:
         write_corpus(tmp_path / "corpus", max_chars=100_000)
         train_bpe(tmp_path / "tokenizer.json", vocab_size=512)
         (tmp_path / "my-model").mkdir()

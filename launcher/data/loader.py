@@ -38,8 +38,13 @@ def min_tokens(seq_len: int) -> int:
 
 
 def sample_offsets(seed: int, first: int, count: int, n_tokens: int, seq_len: int) -> np.ndarray:
+    return offsets_of(seed, np.arange(first, first + count), n_tokens, seq_len)
+
+
+def offsets_of(seed: int, samples: np.ndarray, n_tokens: int, seq_len: int) -> np.ndarray:
+    """The start offsets of samples number `samples` of the stream `seed`."""
     span = n_tokens - min_tokens(seq_len) + 1  # start offsets that leave room for inputs and shifted targets
-    idx = np.arange(first, first + count, dtype=np.uint64) + np.uint64(seed) * np.uint64(1 << 40)
+    idx = samples.astype(np.uint64) + np.uint64(seed) * np.uint64(1 << 40)
     return (splitmix64(idx) % np.uint64(span)).astype(np.int64)
 
 
@@ -75,11 +80,14 @@ class BatchLoader:
         """This rank's share of the next global batch not skipped: inputs and targets, (local_batch, seq_len / cp)."""
         while any(first <= self.batch_number + 1 <= last for first, last in self.skipped):
             self.position += self.global_batch
-        first = self.position + self.dp_rank * self.local_batch
-        offsets = sample_offsets(self.seed, first, self.local_batch, self.tokens.size, self.seq_len)
+        inputs, targets = self.draw(self.position + self.dp_rank * self.local_batch, self.local_batch)
         self.position += self.global_batch
-        inputs, targets = gather(self.tokens, offsets, self.seq_len)
         return split_sequence(inputs, self.cp_size, self.cp_rank), split_sequence(targets, self.cp_size, self.cp_rank)
+
+    def draw(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global samples first .. first + count - 1, whole: inputs and targets, (count, seq_len)."""
+        offsets = sample_offsets(self.seed, first, count, self.tokens.size, self.seq_len)
+        return gather(self.tokens, offsets, self.seq_len)
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position, "seed": self.seed, "skipped": [list(r) for r in self.skipped]}

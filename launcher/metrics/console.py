@@ -27,8 +27,16 @@ COLUMNS = [  # (key, label, format)
 ]
 
 
+SOURCE_KEYS = ("loss.", "val_loss.", "tokens.")  # a mixture's figures per source: loss.web, tokens.web, ...
+
+
+def shown(row: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, label) of the row's columns: the fixed ones, then a mixture's per source."""
+    return [(k, label) for k, label, _ in COLUMNS if k in row] + [(k, k) for k in row if k.startswith(SOURCE_KEYS)]
+
+
 def fmt(key: str, value: Any) -> str:
-    spec = next((f for k, _, f in COLUMNS if k == key), "{}")
+    spec = next((f for k, _, f in COLUMNS if k == key.split(".")[0]), "{}")
     try:
         return spec.format(value)
     except (ValueError, TypeError):
@@ -37,10 +45,10 @@ def fmt(key: str, value: Any) -> str:
 
 def metrics_table(row: dict[str, Any], title: str | None = None) -> Table:
     table = Table(title=title, show_header=True, header_style="bold")
-    shown = [(k, label) for k, label, _ in COLUMNS if k in row]
-    for _, label in shown:
+    columns = shown(row)
+    for _, label in columns:
         table.add_column(label, justify="right")
-    table.add_row(*(fmt(k, row[k]) for k, _ in shown))
+    table.add_row(*(fmt(k, row[k]) for k, _ in columns))
     return table
 
 
@@ -88,7 +96,7 @@ class ConsoleView:
             self.progress.update(self.task, completed=row["step"])
             self.live.update(self._view())
         elif self.mode == "plain" and (row["step"] % self.every == 0 or row["step"] in (1, self.total)):
-            print("  ".join(f"{label}={fmt(k, self.last[k])}" for k, label, _ in COLUMNS if k in self.last), flush=True)
+            print("  ".join(f"{label}={fmt(k, self.last[k])}" for k, label in shown(self.last)), flush=True)
             if self.moe_table and loads:
                 self.console.print(load_table(loads))
 

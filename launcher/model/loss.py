@@ -15,16 +15,45 @@ fixed 16 MiB chunks of 32 tokens made 512 and moved 2.2 TB.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 
+# Inside `token_losses()`: where each loss computed also leaves its per-token values (detached)
+_RECORDING: ContextVar[list[torch.Tensor] | None] = ContextVar("token_losses", default=None)
+
+
+@contextlib.contextmanager
+def token_losses() -> Iterator[list[torch.Tensor]]:
+    """Every loss computed inside (this chunked one, the runners' `cross_entropy`) appends its
+    per-token losses, in order, to the list: figures per sequence (per source) without another pass."""
+    recorded: list[torch.Tensor] = []
+    reset = _RECORDING.set(recorded)
+    try:
+        yield recorded
+    finally:
+        _RECORDING.reset(reset)
+
+
+def recording() -> bool:
+    return _RECORDING.get() is not None
+
+
+def record(per_token: torch.Tensor) -> None:
+    """Keep per-token losses when recording (a no-op otherwise)."""
+    recorded = _RECORDING.get()
+    if recorded is not None:
+        recorded.append(per_token.detach().flatten().float())
+
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss, d loss / d logits) of one chunk: logits in fp32, softmax minus the one-hot."""
+    """(per-token losses, d loss / d logits) of one chunk: logits in fp32, softmax minus the one-hot."""
     logits = (h @ weight.t()).float()
     lse = logits.logsumexp(-1)
-    loss = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
+    loss = lse - logits.gather(1, targets[:, None]).squeeze(1)
     grad = logits.sub_(lse[:, None]).exp_()  # the softmax, in place of the logits
     grad[torch.arange(len(targets), device=grad.device), targets] -= 1
     return loss, grad
@@ -48,10 +77,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(x) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
+        per_token = [] if recording() else None
         for lo in range(0, n, rows):
             hi = min(lo + rows, n)
             loss, grad = _chunk(x[lo:hi], w, targets[lo:hi])
-            total += loss
+            total += loss.sum()
+            if per_token is not None:
+                per_token.append(loss)
             if grad_h is not None and grad_w is not None:
                 grad = grad.to(dtype)
                 grad_h[lo:hi] = grad @ w
@@ -59,6 +91,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_w.addmm_(grad.t(), x[lo:hi])
                 else:  # the matmul in the low precision, the sum over chunks in fp32
                     grad_w += grad.t() @ x[lo:hi]
+        if per_token is not None:
+            record(torch.cat(per_token))
         if grad_h is not None and grad_w is not None:
             ctx.save_for_backward(grad_h.to(h.dtype), grad_w.to(weight.dtype))
         ctx.n = n

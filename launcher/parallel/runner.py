@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from launcher.compat import foreach_mul_, foreach_norm
 from launcher.layout import Layout
 from launcher.model.experts import local
+from launcher.model.loss import record, recording, token_losses
 from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers
 from launcher.parallel.data import set_gradient_sync
 from launcher.parallel.pipeline import build_schedule
@@ -28,8 +29,13 @@ from launcher.parallel.tied import output_copies, sum_tied_grads, tie_group, tie
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token loss; with vocabulary-sharded DTensor logits this must run under `loss_context`."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean token loss; with vocabulary-sharded DTensor logits this must run under `loss_context`.
+    Under `loss.token_losses()` the per-token losses are kept too (the same mean, one reduction later)."""
+    if not recording():
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    record(per_token.full_tensor() if isinstance(per_token, DTensor) else per_token)
+    return per_token.mean()
 
 
 def _scalar(value: torch.Tensor) -> float:
@@ -94,6 +100,22 @@ class Runner:
         losses = [self._loss(x, y).item() for x, y in self.microbatches(inputs, targets)]
         return sum(losses) / len(losses)
 
+    def source_sums(self, per_token: list[torch.Tensor], sources: torch.Tensor, k: int) -> torch.Tensor:
+        """(k, 2) float64: each of k sources' summed token loss and token count over the pass's batch on
+        every rank, from the per-token losses it recorded (`loss.token_losses`) for this rank's sequences,
+        whose sources are `sources`; each sequence has one source, so a sum per sequence is enough."""
+        device = next(p for part in self.parts for p in part.parameters()).device
+        table = torch.zeros(k, 2, dtype=torch.float64, device=device)
+        if per_token:  # none on a pipeline stage without the loss
+            per_sequence = torch.cat(per_token).double().view(len(sources), -1)
+            ids = sources.to(device)
+            table[:, 0].index_add_(0, ids, per_sequence.sum(1))
+            table[:, 1].index_add_(0, ids, per_sequence.new_full((len(sources),), per_sequence.shape[1]))
+        return self._over_ranks(table)
+
+    def _over_ranks(self, table: torch.Tensor) -> torch.Tensor:
+        return table
+
     @property
     def moe_shape(self) -> tuple[int, int]:
         """(layers, experts) of the whole model: the per-layer load table every stage agrees on."""
@@ -136,6 +158,11 @@ class DistributedRunner(Runner):
         value = torch.as_tensor(local if has_loss else 0.0, dtype=torch.float64, device=self.device).reshape(1)
         dims = ("pp", "dp_replicate", "dp_shard", "cp")
         return self._all_reduce(value, dims).item() / (self.layout.dp * self.layout.cp)
+
+    def _over_ranks(self, table: torch.Tensor) -> torch.Tensor:
+        """Summed over the ranks of other sequences (dp), other chunks of them (cp), and stages (pp:
+        the last holds the loss); tp ranks hold the same."""
+        return self._all_reduce(table, ("pp", "dp_replicate", "dp_shard", "cp"))
 
     def update_balance(self, per_layer: bool = False) -> dict[str, Any]:
         """Token counts summed over the data-parallel ranks (tp ranks see the same tokens), metrics over
@@ -239,8 +266,13 @@ class PipelineRunner(DistributedRunner):
         # and a loader's inputs are a slice of seq + 1 tokens
         args = (inputs.contiguous(),) if self.first else ()
         kwargs = {"target": targets, "losses": losses} if self.last else {}
-        with loss_context(self.layout.tp), self._autocast():
+        kept = token_losses() if recording() else contextlib.nullcontext([])
+        with loss_context(self.layout.tp), self._autocast(), kept as recorded:
             run(*args, **kwargs)
+        # the schedule's shape inference (first step, and after a switch from eval) runs the loss once
+        # more, on placeholders: the data's per-token losses are the last microbatches' (loss.token_losses)
+        for per_token in recorded[-self.layout.microbatches :]:
+            record(per_token)
         local = sum(loss.item() for loss in losses) / len(losses) if self.last else 0.0
         return self._global_mean(local, self.last)
 

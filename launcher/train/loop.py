@@ -15,6 +15,7 @@ import torch
 from launcher import flops
 from launcher.data import BatchLoader
 from launcher.files import write_json
+from launcher.metrics import sources
 from launcher.metrics.meter import memory_gib, memory_measure
 from launcher.metrics.profile import StepProfiler
 from launcher.parallel.float8 import precompute_scales
@@ -84,8 +85,9 @@ def train_step(
     profiler.begin(step)
     inputs, targets = w.train_loader.next_batch()
     w.watchdog.phase("forward_backward", step)
-    with injected_nan(runner.parts, nan), spikes.poisoned(runner.parts):
+    with injected_nan(runner.parts, nan), spikes.poisoned(runner.parts), sources.recording(w.train_loader) as per_token:
         loss = runner.forward_backward(inputs.to(device), targets.to(device))
+    by_source = sources.sums(runner, w.train_loader, per_token)  # a mixture's: loss and tokens per source
     w.watchdog.phase("optimizer", step)
     grad_norm = runner.clip_grad_norm(run.optim.grad_clip)
     lr = w.schedule.get_last_lr()[0]
@@ -103,13 +105,13 @@ def train_step(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     profiler.end(step)
-    row = w.meter.stop(step, loss, lr, grad_norm) | balance
+    row = w.meter.stop(step, loss, lr, grad_norm) | sources.figures(w.train_loader, by_source) | balance
     loads = row.pop("moe_layers", [])  # per MoE layer: to the panel and wandb, not kept in the rows
     if run.optim.skip_nonfinite:
         row["skipped_steps"] = w.guard.skipped
     if run.eval.every and (step % run.eval.every == 0 or step == run.steps):
         w.watchdog.phase("eval", step)
-        row["val_loss"] = run_eval(runner, w.val_loader, run.eval.batches)
+        row |= run_eval(runner, w.val_loader, run.eval.batches)
     return row, loads
 
 
@@ -140,10 +142,17 @@ def save(w: Worker, spikes: SpikeGuard, step: int, final: bool) -> dict[str, flo
     return w.checkpointer.save(w.runner.parts, w.optimizer, Stateful(step, extras), final)
 
 
-def run_eval(runner: Runner, loader: BatchLoader, batches: int) -> float:
+def run_eval(runner: Runner, loader: BatchLoader, batches: int) -> dict[str, float]:
+    """`val_loss` over `batches` validation batches, and a mixture's `val_loss.LABEL` per source."""
     loader.position = 0  # the same validation samples every time
-    losses = [runner.evaluate(*loader.next_batch()) for _ in range(batches)]
-    return sum(losses) / len(losses)
+    losses, tables = [], []
+    for _ in range(batches):
+        batch = loader.next_batch()
+        with sources.recording(loader) as per_token:
+            losses.append(runner.evaluate(*batch))
+        tables.append(sources.sums(runner, loader, per_token))
+    summed = sum(tables[1:], tables[0]) if tables[0] is not None else None
+    return {"val_loss": sum(losses) / len(losses)} | sources.figures(loader, summed, "val_", tokens=False)
 
 
 def measure(w: Worker) -> dict[str, Any]:
@@ -176,6 +185,7 @@ def summarize(w: Worker, rows: list[dict[str, Any]], profiled: list[str]) -> dic
         "peak_flops_per_device": w.run.options.peak_flops,
         "threads_per_worker": w.run.options.threads,
         "skipped_steps": w.guard.skipped,
+        **sources.realised_shares(rows),  # a mixture's tokens and share per source
         **w.checkpointer.summary(),  # save time and bytes per rank (the planner's bytes: prediction)
         **({"profile": profiled} if profiled else {}),
     }

@@ -13,6 +13,7 @@ import torch
 
 from launcher import flops
 from launcher.data import BatchLoader, Splits, load_splits
+from launcher.data.mix import MixLoader, Mixture, load_mixture, mix_loader
 from launcher.layout import Layout, build_mesh, owner_rank
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter
@@ -85,12 +86,17 @@ def rank_logger(run_dir: Path, rank: int) -> None:
 
 
 def loaders(
-    layout: Layout, splits: Splits, options: BuildOptions, dp_rank: int, cp_rank: int = 0
+    layout: Layout, splits: Splits | Mixture, options: BuildOptions, dp_rank: int, cp_rank: int = 0
 ) -> tuple[BatchLoader, BatchLoader]:
     """Training and validation batches: each step, `layout.local_batch` sequences per data-parallel
     rank (its microbatches, which the runner splits; a cp rank's chunks of them), `layout.global_batch`
-    over all."""
+    over all. A mixture's loaders follow its schedule (launcher/data/mix.py)."""
     batch, cp, seq, seed = layout.global_batch, (cp_rank, layout.cp), options.seq_len, options.seed
+    if isinstance(splits, Mixture):
+        coords = {"dp_rank": dp_rank, "dp_size": layout.dp, "cp_rank": cp_rank, "cp_size": layout.cp}
+        return mix_loader(splits, "train", seq, batch, seed, **coords), mix_loader(
+            splits, "val", seq, batch, seed + 1, **coords
+        )
     return (
         BatchLoader(splits.train, seq, batch, dp_rank, layout.dp, seed, *cp),
         BatchLoader(splits.val, seq, batch, dp_rank, layout.dp, seed + 1, *cp),
@@ -138,7 +144,8 @@ def setup(run: Run, run_dir: Path, rank: int, watchdog: Watchdog | Off) -> Worke
     coords = layout.coordinates(rank)
     owner = rank == owner_rank(layout)
     torch.set_num_threads(options.threads)
-    train_loader, val_loader = loaders(layout, load_splits(run.data), options, coords["dp"], coords["cp"])
+    data = load_mixture(run.data) if run.data.name == "mix" else load_splits(run.data)
+    train_loader, val_loader = loaders(layout, data, options, coords["dp"], coords["cp"])
     runner = build(run, rank, device)
     build_s = time.perf_counter() - t_start
     optimizer, schedule = build_optimizer(runner.parts, run.optim, run.steps)
@@ -168,4 +175,7 @@ def resume(w: Worker) -> Stateful | None:
         w.schedule.load_state_dict(resumed.extras["schedule"])
         w.train_loader.load_state_dict(resumed.extras["loader"])
         w.view.note(f"resumed from step {resumed.step} ({w.ckpt_root})")
+        if isinstance(w.train_loader, MixLoader) and w.train_loader.note:  # new weights: a new phase
+            w.view.note(w.train_loader.note)
+            log.info("%s", w.train_loader.note)
     return resumed
