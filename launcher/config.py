@@ -77,6 +77,11 @@ class DataConfig:
     tokenizer: str | None = None  # data=text: a Hugging Face tokenizer.json or a local model folder
     text_key: str = "text"  # data=text: the field of a .jsonl/.parquet row that holds the document
     workers: int | None = ranged(None, ge=1, integer=True)  # data=text: tokenizing threads (None: one per core)
+    # attention within each packed document, positions restarting at each (docs/data.md); data=text
+    # ends documents with the tokenizer's EOS, data=tokens with `eos_id`
+    document_mask: bool = False
+    eos_id: int | None = ranged(None, ge=0, integer=True)  # data=tokens: the id that ends every document
+    document_len: int = ranged(2048, ge=1, integer=True)  # the planner's typical document length (tokens)
 
 
 @dataclass

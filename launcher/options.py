@@ -23,3 +23,4 @@ class BuildOptions:
     threads: int  # torch intra-op threads per worker
     peak_flops: float  # per device: the MFU's denominator
     flop_per_byte: float  # the device's peak over its memory bandwidth: the chunked loss's chunk size
+    document_eos: int | None = None  # data.document_mask: the id ending each document; None: plain causal

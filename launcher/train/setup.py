@@ -13,6 +13,7 @@ import torch
 
 from launcher import flops
 from launcher.data import BatchLoader, Splits, load_splits
+from launcher.data.documents import measured_span
 from launcher.layout import Layout, build_mesh, owner_rank
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter
@@ -138,11 +139,15 @@ def setup(run: Run, run_dir: Path, rank: int, watchdog: Watchdog | Off) -> Worke
     coords = layout.coordinates(rank)
     owner = rank == owner_rank(layout)
     torch.set_num_threads(options.threads)
-    train_loader, val_loader = loaders(layout, load_splits(run.data), options, coords["dp"], coords["cp"])
+    splits = load_splits(run.data)
+    train_loader, val_loader = loaders(layout, splits, options, coords["dp"], coords["cp"])
     runner = build(run, rank, device)
     build_s = time.perf_counter() - t_start
     optimizer, schedule = build_optimizer(runner.parts, run.optim, run.steps)
-    flops_per_token = flops.flops_per_token(run.model, options.seq_len)
+    eos, span = options.document_eos, float(options.seq_len)
+    if eos is not None:  # attention within documents: the train split's documents set its work
+        span = measured_span(splits.train, eos, options.seq_len)
+    flops_per_token = flops.flops_per_token(run.model, span)
     tokens = layout.global_batch * options.seq_len
     meter = Meter(tokens, flops_per_token, options.peak_flops, layout.world_size, device)
     view, sinks = outputs(run, run_dir, owner)
