@@ -235,9 +235,11 @@ def step_time(
     async_tp: bool = False,
     fused_attention: bool = True,
     compiled: bool = True,
+    span: float = 0.0,
 ) -> StepTime:
-    """Seconds per optimizer step on the busiest rank, by component (the module docstring)."""
-    busy = pace(m, seq, layout, machine, elem, fused_attention, compiled)
+    """Seconds per optimizer step on the busiest rank, by component (the module docstring); `span`:
+    the attention span under document masking (0: seq)."""
+    busy = pace(m, seq, layout, machine, elem, fused_attention, compiled, span)
     mb = layout.microbatches
     t_block = host_time(m, layout, machine, busy, elem)
     t_tp, t_host = tp_time(m, layout, machine, busy, async_tp)

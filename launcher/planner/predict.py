@@ -29,6 +29,7 @@ class Problem:
     async_tp: bool = False  # TP collectives overlapped with their matmuls (config async_tp)
     fused_attention: bool = True  # SDPA's kernels, as the runtime calls them (False: Megatron before FlashAttention)
     compiled: bool = True  # blocks compiled (config compile; XLA on a TPU): eager pays unfused pointwise passes
+    span: float = 0.0  # keys per query under document masking (flops.document_span); 0: the sequence
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,17 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
     m, mach = problem.model, problem.machine
     mem = mem or problem_memory(problem, layout)
     t = step_time(
-        m, problem.seq, layout, mach, problem.elem, problem.async_tp, problem.fused_attention, problem.compiled
+        m,
+        problem.seq,
+        layout,
+        mach,
+        problem.elem,
+        problem.async_tp,
+        problem.fused_attention,
+        problem.compiled,
+        problem.span,
     )
+    span = problem.span or problem.seq
     tokens_per_s = layout.global_batch * problem.seq / t.total
     peak = mach.peak_flops
     per_device = tokens_per_s / layout.world_size
@@ -130,8 +140,8 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
         memory=mem,
         time=t,
         tokens_per_s=tokens_per_s,
-        mfu=mfu(per_device, flops_per_token(m, problem.seq), peak),
-        hfu=mfu(per_device, hardware_flops_per_token(m, problem.seq, recomputed_layers(m.n_layers, layout)), peak),
+        mfu=mfu(per_device, flops_per_token(m, span), peak),
+        hfu=mfu(per_device, hardware_flops_per_token(m, span, recomputed_layers(m.n_layers, layout)), peak),
         fits=mem.total <= mach.memory_bytes,
         bottleneck=bottleneck(t, compute_efficiency(mach, m, layout, layout.micro * problem.seq // layout.cp)),
         machine=mach.name,
