@@ -116,7 +116,9 @@ def packed_case(rank: int, world: int, variant: str, degrees: dict[str, Any]) ->
     layout = from_config(cfg, world)
     options = build_options(cfg, layout)
     runner = parallelize(meta_model(cfg.model), layout, build_mesh(layout, "cpu"), options, torch.device("cpu"))
-    loss = runner.forward_backward(TOKENS[:, :-1], TOKENS[:, 1:])
+    local = TOKENS.shape[0] // layout.dp
+    rows = TOKENS[layout.coordinates(rank)["dp"] * local :][:local]
+    loss = runner.forward_backward(rows[:, :-1], rows[:, 1:])
     grads = {}
     for part in runner.parts:
         for name, p in part.named_parameters():
@@ -126,9 +128,19 @@ def packed_case(rank: int, world: int, variant: str, degrees: dict[str, Any]) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("degrees", [{"tp": 2}, {"pp": 2, "pp_schedule": "gpipe"}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        {"tp": 2},
+        {"tp": 2, "sequence_parallel": True, "recompute": "selective"},
+        {"pp": 2, "pp_schedule": "gpipe"},
+        {"dp": 2},
+    ],
+    ids=["tp2", "tp2-sp-selective", "pp2", "fsdp2"],
+)
 def test_parallel_packed_batch_equals_each_document_alone(degrees: dict[str, Any]) -> None:
-    """Heads split over tp ranks share the mask; later pipeline stages get the document ids."""
+    """Heads split over tp ranks share the mask; later pipeline stages get the document ids; FSDP
+    ranks each mask their own sequences."""
     results = run(packed_case, 2, "llama", degrees)
     ref = reference("llama")
     for result in results:
