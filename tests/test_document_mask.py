@@ -38,14 +38,15 @@ TOKENS = torch.tensor(
         [EOS, 20, 21, EOS, EOS, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, EOS, 32],
     ]
 )
+ZB = {"pp": 2, "pp_schedule": "interleaved_zb", "virtual_stages": 2, "n_layers": 4}  # four stages, split passes
 VARIANTS = {
     "llama": {"n_kv_heads": 2},  # RoPE, GQA
     "gpt2": {"norm": "layernorm", "mlp": "gelu", "positions": "learned", "bias": True, "tied_embeddings": True},
 }
 
 
-def model_cfg(variant: str) -> ModelConfig:
-    shape = {"dim": 32, "n_layers": 2, "n_heads": 4, "ffn_dim": 64, "vocab_size": VOCAB, "max_seq_len": SEQ}
+def model_cfg(variant: str, n_layers: int = 2) -> ModelConfig:
+    shape = {"dim": 32, "n_layers": n_layers, "n_heads": 4, "ffn_dim": 64, "vocab_size": VOCAB, "max_seq_len": SEQ}
     return ModelConfig(name="docs", **shape, **VARIANTS[variant])
 
 
@@ -80,9 +81,9 @@ def alone_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def reference(variant: str) -> dict[str, Any]:
+def reference(variant: str, n_layers: int = 2) -> dict[str, Any]:
     """Per-token losses and the gradients of their mean, every document run alone (one process)."""
-    model = initialized_model(model_cfg(variant), 3, torch.device("cpu"))
+    model = initialized_model(model_cfg(variant, n_layers), 3, torch.device("cpu"))
     x, y = TOKENS[:, :-1], TOKENS[:, 1:]
     losses = F.cross_entropy(alone_logits(model, x).flatten(0, 1), y.flatten(), reduction="none")
     losses.mean().backward()
@@ -105,8 +106,10 @@ def test_packed_batch_equals_each_document_alone(variant: str) -> None:
     torch.testing.assert_close(chunked, ref["losses"].mean(), rtol=1e-5, atol=1e-6)
 
 
-def layout_cfg(variant: str, **degrees: Any) -> TrainConfig:
-    cfg = TrainConfig(model=model_cfg(variant), seq_len=SEQ, seed=3, batch={"micro": 1, "global": 2}, **degrees)
+def layout_cfg(variant: str, n_layers: int = 2, **degrees: Any) -> TrainConfig:
+    cfg = TrainConfig(
+        model=model_cfg(variant, n_layers), seq_len=SEQ, seed=3, batch={"micro": 1, "global": 2}, **degrees
+    )
     return replace(cfg, data=replace(cfg.data, name="tokens", document_mask=True, eos_id=EOS))
 
 
@@ -135,14 +138,15 @@ def packed_case(rank: int, world: int, variant: str, degrees: dict[str, Any]) ->
         {"tp": 2, "sequence_parallel": True, "recompute": "selective"},
         {"pp": 2, "pp_schedule": "gpipe"},
         {"dp": 2},
+        ZB,
     ],
-    ids=["tp2", "tp2-sp-selective", "pp2", "fsdp2"],
+    ids=["tp2", "tp2-sp-selective", "pp2", "fsdp2", "pp2-interleaved-zb"],
 )
 def test_parallel_packed_batch_equals_each_document_alone(degrees: dict[str, Any]) -> None:
     """Heads split over tp ranks share the mask; later pipeline stages get the document ids; FSDP
     ranks each mask their own sequences."""
     results = run(packed_case, 2, "llama", degrees)
-    ref = reference("llama")
+    ref = reference("llama", degrees.get("n_layers", 2))
     for result in results:
         assert result["loss"] == pytest.approx(ref["losses"].mean().item(), rel=1e-5)
     grads = {n: g for result in results for n, g in result["grads"].items()}
