@@ -1,7 +1,8 @@
 """Issue 28 figures: what mixing data costs. The loader's time per step, one source (BatchLoader) and a
 mixture of three (MixLoader, odd weights), beside a training step of a small model on the same batch;
 the per-source figures' cost beside it (per-token losses joined, summed by sequence and source); and the
-schedule's one-time build at the largest period the weights may need."""
+schedule's one-time build at the largest period the weights may need; then document-masked attention
+against plain causal at one shape (bench/attention_mask.py, which takes other shapes run alone)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench import attention_mask
 from launcher.config import compose_config as make_config
 from launcher.data import BatchLoader, Splits
 from launcher.data.mix import Mixture, Schedule, mix_loader
@@ -87,3 +89,4 @@ def main(argv: list[str]) -> None:
     worst = [Fraction(1, 2**17), Fraction(1, 2**18) * 3, 1 - Fraction(5, 2**18)]  # a period of 2**18
     build_s = median_s(lambda: Schedule.build(worst, 0), 1)
     console.print(f"schedule build at the largest period ({MAX_PERIOD} sequences): {build_s:.2f} s, once per rank")
+    attention_mask.main([])

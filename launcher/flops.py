@@ -9,7 +9,9 @@ Conventions (as in PaLM, Chowdhery et al. 2022, appendix B):
   positions are excluded (negligible, and not matmul FLOPs).
 - Attention scores (QK^T) and the weighted sum (AV) cost 2 * 2 * seq * n_heads * head_dim per token
   and layer forward, x3 for forward + backward. Causal attention is counted in full (not halved),
-  as PaLM does, so MFU stays comparable across implementations.
+  as PaLM does, so MFU stays comparable across implementations. Under document masking
+  (data.document_mask) the seq_len of that term is the documents' span (`document_span`): the
+  sum of squared document lengths over seq_len, not seq_len itself.
 - Mixture of experts: a MoE layer's MLP is its router (E x dim), its routed experts and its shared
   experts (SwiGLU, 3 x dim x expert_ffn_dim each). Parameters count every expert; FLOPs count the
   *active* weights a token passes through: router, top_k routed and the shared experts.
@@ -137,6 +139,16 @@ def active_params(m: ModelShape) -> int:
 def attention_flops_per_token(m: ModelShape, seq_len: int) -> float:
     """Forward + backward FLOPs of QK^T and AV for one token, all layers (full, not causal)."""
     return 12.0 * m.n_layers * m.n_heads * head_dim(m) * seq_len
+
+
+def document_span(lengths: list[int], seq_len: int) -> float:
+    """The attention span under document masking: what `seq_len` is to attention_flops_per_token
+    when each token attends only within its document. A sequence's attention work is the sum of its
+    documents' squared lengths (instead of seq_len^2), so a token of a document of length L counts
+    min(L, seq_len) keys: the token-weighted mean of that over `lengths`. Documents cut by a sequence
+    edge count whole (an upper bound: the cut makes the work smaller)."""
+    tokens = sum(lengths)
+    return sum(n * min(n, seq_len) for n in lengths) / tokens if tokens else float(seq_len)
 
 
 def flops_per_token(m: ModelShape, seq_len: int) -> float:

@@ -100,6 +100,38 @@ def validate(cfg: TrainConfig) -> None:
         raise LauncherError(f"guard.skip_batches={cfg.guard.skip_batches}: give [first, last] pairs, first <= last")
     if cfg.data.name == "stdlib" and m.vocab_size < 256:
         raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
+    check_document_mask(cfg)
+
+
+def check_document_mask(cfg: TrainConfig) -> None:
+    """data.document_mask=true: a source whose documents end in a known id, and the layouts it runs."""
+    d = cfg.data
+    if not d.document_mask:
+        return
+    if d.name == "stdlib":
+        raise LauncherError(
+            "data.document_mask=true with data=stdlib: its files are joined with no end-of-document token: "
+            "use data=text, or data=tokens with data.eos_id"
+        )
+    if d.name == "mix":
+        raise LauncherError(
+            "data.document_mask=true with data=mix: not supported yet (the sources' end-of-document ids and "
+            "document lengths would have to be joined): set data.document_mask=false, or mask one source"
+        )
+    if d.name == "tokens" and d.eos_id is None:
+        raise LauncherError("data.document_mask=true with data=tokens: set data.eos_id=ID, the id ending each document")
+    if d.name == "tokens" and d.eos_id >= cfg.model.vocab_size:
+        raise LauncherError(f"data.eos_id={d.eos_id} is beyond model.vocab_size={cfg.model.vocab_size}: fix the id")
+    if cfg.cp not in (1, "auto"):  # auto: the planner searches cp=1 only (planner.request.space)
+        raise LauncherError(
+            f"cp={cfg.cp} with data.document_mask=true: context parallelism splits sequences before their "
+            "document boundaries are known (not supported): set cp=1 or data.document_mask=false"
+        )
+    if cfg.model.dropout > 0:
+        raise LauncherError(
+            f"model.dropout={cfg.model.dropout} with data.document_mask=true: the masked kernel "
+            "(FlexAttention) has no attention dropout: set model.dropout=0"
+        )
 
 
 def require_fp8_units(hw: HardwareConfig, emulate: bool) -> None:

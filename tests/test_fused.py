@@ -24,8 +24,10 @@ from launcher.planner import build_options
 GQA = dict(n_heads=8, n_kv_heads=2)
 
 
-def unfused_attention(self: transformer.Attention, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
-    """The attention as it was before fusing: three projections, three matmuls."""
+def unfused_attention(
+    self: transformer.Attention, x: torch.Tensor, rope: torch.Tensor | None, mask: None = None
+) -> torch.Tensor:
+    """The attention as it was before fusing: three projections, three matmuls (no document mask)."""
     b, s, _ = x.shape
     q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
     if rope is not None:

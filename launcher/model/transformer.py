@@ -10,12 +10,15 @@ with the parts other stages hold deleted (names stay stable, so checkpoints load
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from launcher.config import ModelConfig
 from launcher.flops import head_dim, kv_heads, loss_chunk_rows
+from launcher.model.documents import attention_mask, document_ids, document_positions, masked_attention
 from launcher.model.fused import FusedLinear
 from launcher.model.loss import linear_cross_entropy
 from launcher.model.moe import MoE, is_moe_layer
@@ -36,9 +39,12 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, heads, seq, head_dim) by the tables' first `seq` rows."""
-    seq = x.shape[-2]
-    cos, sin = rope[0, :seq].to(x.dtype), rope[1, :seq].to(x.dtype)
+    """Rotate (batch, heads, seq, head_dim) by the tables' first `seq` rows, or by per-token rows
+    (2, batch, seq, head_dim) (document positions: launcher/model/documents.py)."""
+    if rope.dim() == 4:
+        cos, sin = rope[0, :, None].to(x.dtype), rope[1, :, None].to(x.dtype)
+    else:
+        cos, sin = rope[0, : x.shape[-2]].to(x.dtype), rope[1, : x.shape[-2]].to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -55,15 +61,18 @@ class Positions(nn.Module):
 
 
 class CausalAttention(nn.Module):
-    """The attention core: each query attends to the keys up to its own position. GQA's query heads
-    share K/V heads without repeating them. Context parallelism swaps in its own."""
+    """The attention core: each query attends to the keys up to its own position, or, with a document
+    `mask`, to those of its own document (model/documents.py). GQA's query heads share K/V heads
+    without repeating them. Context parallelism swaps in its own."""
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
+        if mask is not None:
+            return masked_attention(q, k, v, mask, dropout)
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
 
@@ -79,14 +88,14 @@ class Attention(nn.Module):
         self.qkv = FusedLinear()  # wq, wk and wv as one matmul (model/fused.py)
         self.core = CausalAttention(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: Any = None) -> torch.Tensor:
         b, s, _ = x.shape
         # (batch, heads, seq, head_dim): SDPA's fast path wants 4-D inputs
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x, self.wq, self.wk, self.wv))
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
             v = v.contiguous()  # SDPA saves v: a view of the fused output would keep pre-rotation q, k alive
-        return self.wo(self.core(q, k, v).transpose(1, 2).reshape(b, s, -1))
+        return self.wo(self.core(q, k, v, mask).transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -116,12 +125,12 @@ class Block(nn.Module):
         self.feed_forward = MoE(cfg, FeedForward, layer) if is_moe_layer(cfg, layer) else FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: Any = None) -> torch.Tensor:
         if self.pre_norm:  # residual stream never normalised: gradients reach early layers intact
-            x = x + self.dropout(self.attention(self.attention_norm(x), rope))
+            x = x + self.dropout(self.attention(self.attention_norm(x), rope, mask))
             return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
         # post-norm (original Transformer / BERT): the norm sits on the residual path
-        x = self.attention_norm(x + self.dropout(self.attention(x, rope)))
+        x = self.attention_norm(x + self.dropout(self.attention(x, rope, mask)))
         return self.ffn_norm(x + self.dropout(self.feed_forward(x)))
 
 
@@ -132,6 +141,8 @@ class Transformer(nn.Module):
         # the device's FLOP per byte, which sizes the chunked loss's chunks (flops.loss_chunk_rows); set by
         # `parallelize` from BuildOptions.flop_per_byte; 0: chunks of 16 MiB of logits
         self.flop_per_byte = 0.0
+        # data.document_mask: the id that ends each document (set by `parallelize`); None: plain causal
+        self.document_eos: int | None = None
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings: nn.Embedding | None = (
             nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
@@ -155,18 +166,30 @@ class Transformer(nn.Module):
         if self.rope is not None:
             self.rope = self._rope_tables()
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens (batch, seq) → logits (batch, seq, vocab); a middle pipeline stage maps h → h.
         With `targets` (batch, seq): the mean token loss instead, computed in chunks (model/loss.py)
-        so the full logits never exist (inside forward: FSDP has the output weight gathered)."""
-        h, rope = tokens, None if self.rope is None else self.positions(self.rope, 1)
+        so the full logits never exist (inside forward: FSDP has the output weight gathered).
+        Under document masking the tokens' document ids (`documents`; from the tokens on the first
+        stage when not given): per-document positions and attention."""
+        if documents is None and self.document_eos is not None and self.tok_embeddings is not None:
+            documents = document_ids(tokens, self.document_eos)
+        h, rope, every = tokens, self.rope, torch.arange(self.cfg.max_seq_len, device=tokens.device)
+        if documents is not None:
+            every = document_positions(documents)
+            rope = None if rope is None else rope[:, every]
+        elif rope is not None:
+            rope = self.positions(rope, 1)
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                every = torch.arange(self.cfg.max_seq_len, device=tokens.device)
-                h = h + self.pos_embeddings(self.positions(every, 0)[: tokens.shape[1]])
+                rows = every if documents is not None else self.positions(every, 0)[: tokens.shape[1]]
+                h = h + self.pos_embeddings(rows)
+        mask = None if documents is None else attention_mask(documents, h.device.type == "cuda", h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

@@ -41,6 +41,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any, options: BuildOptio
     `mesh`: the layout's DeviceMesh (`layout.build_mesh`); None for a world of one.
     """
     model.flop_per_byte = options.flop_per_byte  # the chunked loss's chunk size (flops.loss_chunk_rows)
+    model.document_eos = options.document_eos  # pipeline stages copy it (stage_module)
     for moe in moe_layers([model]):  # auxiliary losses enter each micro-batch's gradient at its scale
         moe.aux_scale = 1.0 / layout.microbatches
         # loop, or grouped GEMM on CUDA

@@ -173,7 +173,8 @@ class ContextAttention(nn.Module):
         super().__init__()
         self.shard, self.dropout = shard, dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None = None) -> torch.Tensor:
+        """`mask`: the model's document mask, always None here (data.document_mask refuses cp > 1)."""
         return self.shard.attend(q, k, v, self.dropout if self.training else 0.0, q.shape[1] != k.shape[1])
 
 

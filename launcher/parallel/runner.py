@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from launcher.compat import foreach_mul_, foreach_norm
 from launcher.layout import Layout
+from launcher.model.documents import document_ids
 from launcher.model.experts import local
 from launcher.model.loss import record, recording, token_losses
 from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers
@@ -266,6 +267,9 @@ class PipelineRunner(DistributedRunner):
         # and a loader's inputs are a slice of seq + 1 tokens
         args = (inputs.contiguous(),) if self.first else ()
         kwargs = {"target": targets, "losses": losses} if self.last else {}
+        eos = self.model.document_eos
+        if eos is not None:  # later stages see no tokens: every stage gets the document ids (model/documents.py)
+            kwargs["documents"] = document_ids(inputs, eos)
         kept = token_losses() if recording() else contextlib.nullcontext([])
         with loss_context(self.layout.tp), self._autocast(), kept as recorded:
             run(*args, **kwargs)

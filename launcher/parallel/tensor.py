@@ -113,7 +113,7 @@ def plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) 
         # sequence parallelism), so the backward sums the input gradients of wq, wk, wv (w1, w3) and
         # reduces them once, instead of once per column-parallel projection
         styles[block + "attention"] = PrepareModuleInput(
-            input_layouts=(stream, None), desired_input_layouts=(Replicate(), None)
+            input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
         )
         styles[block + "feed_forward"] = PrepareModuleInput(
             input_layouts=(stream,), desired_input_layouts=(Replicate(),)

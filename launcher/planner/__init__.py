@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from launcher.config import TrainConfig, compile_enabled
+from launcher.config import DataConfig, TrainConfig, compile_enabled
 from launcher.errors import LauncherError
 from launcher.flops import GIB, device_flop_per_byte
 from launcher.hardware import peak_flops
@@ -167,7 +167,18 @@ def build_options(cfg: TrainConfig, layout: Layout) -> BuildOptions:
         peak_flops=peak_flops(hw, threads, cfg.cache_dir),
         flop_per_byte=device_flop_per_byte(hw.kind, hw.peak_tflops, hw.memory_bandwidth_gbs),
         fp8=fp8_options(cfg.dtype, cfg.fp8, hw, layout),
+        document_eos=document_eos(cfg.data),
     )
+
+
+def document_eos(data: DataConfig) -> int | None:
+    """The id ending each document under data.document_mask; None without it (the data package, and
+    torch with it, only then: `plan` imports no torch on accelerator profiles)."""
+    if not data.document_mask:
+        return None
+    from launcher.data.documents import end_of_document
+
+    return end_of_document(data)
 
 
 def too_big(cfg: TrainConfig, prediction: Prediction) -> LauncherError:

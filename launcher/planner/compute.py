@@ -79,10 +79,10 @@ def unfused_attention_seconds(m: ModelConfig, seq: int, layout: Layout, machine:
 
 
 @on_fields("tp", "pp", "chunks", "v_shape", "last_rank", "ep", "sequence_parallel", "recompute", "recompute_layers")
-def rank_work(m: ModelConfig, seq: int, layout: Layout, machine: Machine) -> list[float]:
-    """FLOPs per token of each pipeline rank: its blocks (a fully recomputed one repeats its forward:
-    x 4/3), the output on the last rank, and selective recompute's repeated non-matmul work (a third of
-    a block's non-matmul time) as the FLOPs that would take as long."""
+def rank_work(m: ModelConfig, seq: float, layout: Layout, machine: Machine) -> list[float]:
+    """FLOPs per token of each pipeline rank (attention over `seq` keys per query): its blocks (a fully
+    recomputed one repeats its forward: x 4/3), the output on the last rank, and selective recompute's
+    repeated non-matmul work (a third of a block's non-matmul time) as the FLOPs that would take as long."""
     f_model = flops_per_token(m, seq)
     f_out = 6.0 * counts(m).output_matmul
     f_layer = (f_model - f_out) / m.n_layers  # without recompute
@@ -109,15 +109,18 @@ def pace(
     fused_attention: bool,
     compiled: bool = True,
     fp8: Fp8 | None = None,
+    span: float = 0.0,
 ) -> Pace:
     """The slowest pipeline rank at its compute and, with MoE, its all-to-alls (a rank holding the
     dense layers or the output may compute most yet exchange least): it sets the pipeline's pace.
     An eager block (not `compiled`, or under a zero-bubble schedule, which the runtime leaves eager)
     also pays its unfused pointwise passes (launcher/planner/eager.py); under `fp8` the converted
-    layers' matmuls run faster (launcher/planner/fp8.py)."""
+    layers' matmuls run faster (launcher/planner/fp8.py). Attention's FLOPs follow `span` keys per
+    query under document masking (flops.document_span; 0: the whole sequence)."""
     t, p = layout.tp, layout.pp
     tokens = layout.micro * seq // layout.cp
-    work = rank_work(m, seq, layout, machine)
+    attended = span or seq
+    work = rank_work(m, attended, layout, machine)
     flop_rate = machine.peak_flops * compute_efficiency(machine, m, layout, tokens)
     a2a = [moe.all_to_all_time(m, layout, machine.levels, tokens, elem, r) for r in range(p)]
     busiest = max(range(p), key=lambda r: tokens * work[r] / (t * flop_rate) + a2a[r])
@@ -133,8 +136,8 @@ def pace(
     compute += tokens * layers * eager.pointwise_seconds(m, layout, machine.memory_bandwidth, elem, compiled)
     if machine.kind != "cpu":  # the host launches every kernel; the cpu's host time is calibrated apart
         compute = max(compute, layers * eager.launch_seconds(m, layout, compiled))
-    f_model = flops_per_token(m, seq)
-    f_hw = hardware_flops_per_token(m, seq, recomputed_layers(m.n_layers, layout))
+    f_model = flops_per_token(m, attended)
+    f_hw = hardware_flops_per_token(m, attended, recomputed_layers(m.n_layers, layout))
     if layout.zero_bubble and machine.kind == "cpu":  # the host is the device: torch's split costs show
         compute *= 1 + (SPLIT_BACKWARD_CPU - 1) * (f_hw - f_model / 3.0) / f_hw
     return Pace(

@@ -243,10 +243,11 @@ def step_time(
     fused_attention: bool = True,
     compiled: bool = True,
     fp8: Fp8 | None = None,
+    span: float = 0.0,
 ) -> StepTime:
     """Seconds per optimizer step on the busiest rank, by component (the module docstring; `fp8`:
-    launcher/planner/fp8.py)."""
-    busy = pace(m, seq, layout, machine, elem, fused_attention, compiled, fp8)
+    launcher/planner/fp8.py; `span`: the attention span under document masking, 0: seq)."""
+    busy = pace(m, seq, layout, machine, elem, fused_attention, compiled, fp8, span)
     mb = layout.microbatches
     t_block = host_time(m, layout, machine, busy, elem)
     t_tp, t_host = tp_time(m, layout, machine, busy, async_tp)

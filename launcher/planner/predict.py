@@ -30,6 +30,7 @@ class Problem:
     async_tp: bool = False  # TP collectives overlapped with their matmuls (config async_tp)
     fused_attention: bool = True  # SDPA's kernels, as the runtime calls them (False: Megatron before FlashAttention)
     compiled: bool = True  # blocks compiled (config compile; XLA on a TPU): eager pays unfused pointwise passes
+    span: float = 0.0  # keys per query under document masking (flops.document_span); 0: the sequence
     fp8: Fp8 | None = None  # dtype=fp8: the blocks' linear layers in fp8 (launcher/planner/fp8.py)
 
     @property
@@ -134,8 +135,9 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
     mem = mem or problem_memory(problem, layout)
     t = step_time(
         m, problem.seq, layout, mach, problem.elem, problem.async_tp, problem.fused_attention, problem.compiled,
-        problem.fp8,
+        problem.fp8, problem.span,
     )  # fmt: skip
+    span = problem.span or problem.seq
     tokens_per_s = layout.global_batch * problem.seq / t.total
     peak = mach.peak_flops
     per_device = tokens_per_s / layout.world_size
@@ -145,8 +147,8 @@ def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Pred
         memory=mem,
         time=t,
         tokens_per_s=tokens_per_s,
-        mfu=mfu(per_device, flops_per_token(m, problem.seq), peak),
-        hfu=mfu(per_device, hardware_flops_per_token(m, problem.seq, recomputed_layers(m.n_layers, layout)), peak),
+        mfu=mfu(per_device, flops_per_token(m, span), peak),
+        hfu=mfu(per_device, hardware_flops_per_token(m, span, recomputed_layers(m.n_layers, layout)), peak),
         fits=mem.total <= mach.memory_bytes,
         bottleneck=bottleneck(t, compute_efficiency(mach, m, layout, layout.micro * problem.seq // layout.cp)),
         machine=mach.name,

@@ -14,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from launcher.config import TrainConfig, compile_enabled
 from launcher.errors import LauncherError
+from launcher.flops import document_span
 from launcher.hardware_config import HardwareConfig
 from launcher.layout import INTERLEAVED, check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
 from launcher.layout_config import given_degrees
@@ -84,12 +85,16 @@ def problem(cfg: TrainConfig, world: int) -> Problem:
         async_tp=cfg.async_tp,
         compiled=cfg.hardware.kind == "tpu" or compile_enabled(cfg),  # XLA compiles every step on a TPU
         fp8=fp8_of(cfg),
+        # documents of the typical length: each query attends within its own (flops.document_span)
+        span=document_span([cfg.data.document_len], cfg.seq_len) if cfg.data.document_mask else 0.0,
     )
 
 
 def space(cfg: TrainConfig, world: int, explore: bool) -> Space:
     """The allowed values of each key (None: searched); the given degrees must fit the world."""
     degrees = given_degrees(cfg)
+    if cfg.data.document_mask and degrees["cp"] is None:  # validate.check_document_mask: masks need cp=1
+        degrees["cp"] = 1
     check_world(world, degrees)
     schedule = None if cfg.pp_schedule == "auto" else cfg.pp_schedule
     interleaved = schedule in INTERLEAVED
