@@ -77,12 +77,9 @@ class DataConfig:
     tokenizer: str | None = None  # data=text: a Hugging Face tokenizer.json or a local model folder
     text_key: str = "text"  # data=text: the field of a .jsonl/.parquet row that holds the document
     workers: int | None = ranged(None, ge=1, integer=True)  # data=text: tokenizing threads (None: one per core)
-    # data=mix: each source a dict of the keys above (name stdlib | tokens | text, path, ...) plus `weight`
-    # (> 0, any scale) and an optional `label` (metric names); unset keys are this section's (docs/data.md)
+    # data=mix: source dicts (the keys above, a `weight` > 0, a `label`; unset keys: this section's; docs/data.md)
     sources: list[Any] = field(default_factory=list)
-    # attention within each packed document, positions restarting at each (docs/data.md); data=text
-    # ends documents with the tokenizer's EOS, data=tokens with `eos_id`
-    document_mask: bool = False
+    document_mask: bool = False  # attention within each packed document, positions restarting (docs/data.md)
     eos_id: int | None = ranged(None, ge=0, integer=True)  # data=tokens: the id that ends every document
     document_len: int = ranged(2048, ge=1, integer=True)  # the planner's typical document length (tokens)
 
