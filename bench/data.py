@@ -6,9 +6,6 @@ against plain causal at one shape (bench/attention_mask.py, which takes other sh
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from fractions import Fraction
 
 import numpy as np
@@ -17,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import attention_mask
+from bench.spike import median_s
 from launcher.config import compose_config as make_config
 from launcher.data import BatchLoader, Splits
 from launcher.data.mix import Mixture, Schedule, mix_loader
@@ -29,16 +27,6 @@ from launcher.planner import build_options
 
 SHAPES = [("tiny", 8, 128), ("tiny", 64, 256), ("small", 8, 256)]  # model, sequences per step, seq_len
 SHARES = [Fraction(47, 100), Fraction(31, 100), Fraction(22, 100)]
-
-
-def median_s(fn: Callable[[], object], repeats: int) -> float:
-    """The median time of `repeats` calls."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def corpus(n: int, seed: int) -> np.ndarray:
