@@ -19,7 +19,8 @@ VERSIONS=(2.11.0 2.15.0)
 # module fixtures run only the cases selected here), DCP save / resume / reshard, the CUDA path's
 # FSDP bf16 policy and fused AdamW; tied embeddings over four stages (their pair groups); a failed save
 # (DCP's errors), a spike rolled back under tp=2, the watchdog (faulthandler, the flight recorder's
-# private dump). About 2 minutes a version on 2 cores.
+# private dump); torchao's float8 training under FSDP's float8 all-gather, resumed as bf16 under tp=2;
+# FlexAttention's document mask and the document ids handed to pipeline stages. About 3 minutes a version.
 TESTS=(
     tests/test_compat.py
     tests/test_cuda_path.py
@@ -37,6 +38,9 @@ TESTS=(
     "tests/test_spike.py::test_rollback_trains_on_as_a_run_that_never_saw_those_batches[2]"
     tests/test_watchdog.py::test_flight_recorder_trace_is_a_pickle_of_this_process
     tests/test_watchdog.py::test_a_stopped_worker_is_named_with_its_phase_and_the_run_exits_hung
+    "tests/test_fp8.py::test_fp8_checkpoint_resumes_as_bf16_and_as_fp8_under_another_layout[dtype=fp8 dp=2 dp_shard=2-dtype=bf16 tp=2]"
+    tests/test_document_mask.py::test_flex_block_mask_matches_the_dense_mask
+    "tests/test_document_mask.py::test_parallel_packed_batch_equals_each_document_alone[pp2]"
 )
 
 CACHE="${COMPAT_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/launcher/compat}"
@@ -50,7 +54,7 @@ prepare() (
     [[ -x $dir/bin/python && "$(cat "$dir/.installed" 2>/dev/null)" == "$want" ]] && exit 0
     [[ -x $dir/bin/python ]] || { "$PY" -m venv "$dir" && "$dir/bin/pip" install -q --upgrade pip; }
     echo "torch==$1" >"$dir/.pins" # exactly this torch, whatever the machine's pip configuration caps it at
-    PIP_CONSTRAINT="$dir/.pins" "$dir/bin/pip" install -q "torch==$1" -e '.[dev,hf]'
+    PIP_CONSTRAINT="$dir/.pins" "$dir/bin/pip" install -q "torch==$1" -e '.[dev,hf,fp8]'
     echo "$want" >"$dir/.installed"
 )
 
