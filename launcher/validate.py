@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from launcher.config import ModelConfig, TrainConfig, compile_enabled
+from launcher.config import DataConfig, ModelConfig, TrainConfig, compile_enabled
 from launcher.errors import LauncherError
 from launcher.flops import head_dim, kv_heads
 from launcher.hardware_config import HardwareConfig, load_profile
@@ -104,24 +104,13 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def check_document_mask(cfg: TrainConfig) -> None:
-    """data.document_mask=true: a source whose documents end in a known id, and the layouts it runs."""
+    """data.document_mask=true: sources whose documents end in a known id (each of a mixture's), and
+    the layouts it runs."""
     d = cfg.data
     if not d.document_mask:
         return
-    if d.name == "stdlib":
-        raise LauncherError(
-            "data.document_mask=true with data=stdlib: its files are joined with no end-of-document token: "
-            "use data=text, or data=tokens with data.eos_id"
-        )
-    if d.name == "mix":
-        raise LauncherError(
-            "data.document_mask=true with data=mix: not supported yet (the sources' end-of-document ids and "
-            "document lengths would have to be joined): set data.document_mask=false, or mask one source"
-        )
-    if d.name == "tokens" and d.eos_id is None:
-        raise LauncherError("data.document_mask=true with data=tokens: set data.eos_id=ID, the id ending each document")
-    if d.name == "tokens" and d.eos_id >= cfg.model.vocab_size:
-        raise LauncherError(f"data.eos_id={d.eos_id} is beyond model.vocab_size={cfg.model.vocab_size}: fix the id")
+    for key, source in [(f"{s.key} ", s.cfg) for s in mixture_sources(d)] if d.name == "mix" else [("", d)]:
+        check_document_ends(key, source, cfg.model.vocab_size)
     if cfg.cp not in (1, "auto"):  # auto: the planner searches cp=1 only (planner.request.space)
         raise LauncherError(
             f"cp={cfg.cp} with data.document_mask=true: context parallelism splits sequences before their "
@@ -132,6 +121,21 @@ def check_document_mask(cfg: TrainConfig) -> None:
             f"model.dropout={cfg.model.dropout} with data.document_mask=true: the masked kernel "
             "(FlexAttention) has no attention dropout: set model.dropout=0"
         )
+
+
+def check_document_ends(key: str, d: DataConfig, vocab_size: int) -> None:
+    """A source's documents end in a known id: `key` names the source of a mixture ('' otherwise)."""
+    if d.name == "stdlib":
+        raise LauncherError(
+            f"data.document_mask=true with {key}data=stdlib: its files are joined with no end-of-document token: "
+            "use data=text, or data=tokens with data.eos_id"
+        )
+    if d.name == "tokens" and d.eos_id is None:
+        raise LauncherError(
+            f"data.document_mask=true with {key}data=tokens: set data.eos_id=ID, the id ending each document"
+        )
+    if d.name == "tokens" and d.eos_id >= vocab_size:
+        raise LauncherError(f"{key}data.eos_id={d.eos_id} is beyond model.vocab_size={vocab_size}: fix the id")
 
 
 def require_fp8_units(hw: HardwareConfig, emulate: bool) -> None:

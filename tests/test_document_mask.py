@@ -173,7 +173,7 @@ def test_flops_follow_the_documents(tmp_path: Path) -> None:
         ({}, "data.document_mask=true with data=stdlib"),
         ({"name": "tokens"}, "data.document_mask=true with data=tokens: set data.eos_id=ID"),
         ({"name": "tokens", "eos_id": 99999}, "data.eos_id=99999 is beyond model.vocab_size"),
-        ({"name": "mix", "sources": [{"name": "stdlib", "weight": 1}]}, "data.document_mask=true with data=mix"),
+        ({"name": "mix", "sources": [{"name": "stdlib", "weight": 1}]}, r"with data.sources\[0\] data=stdlib"),
     ],
 )
 def test_sources_without_document_ends_are_refused(tmp_path: Path, overrides: dict, expected: str) -> None:
@@ -215,3 +215,38 @@ def test_tiny_run_trains_with_document_masks(tmp_path: Path) -> None:
     span = measured_span(tokens[: tokens.size - int(tokens.size * cfg.data.val_fraction)], EOS, cfg.seq_len)
     assert summary["flops_per_token"] == pytest.approx(flops.flops_per_token(cfg.model, span))
     assert span == pytest.approx(10, rel=0.01)
+
+
+def token_file(path: Path, doc_len: int, eos: int = EOS) -> np.ndarray:
+    tokens = np.random.default_rng(doc_len).integers(1, 200, 20_000).astype(np.uint16)
+    tokens[::doc_len] = eos
+    tokens.tofile(path)
+    return tokens
+
+
+def mixture(tmp_path: Path, eos: tuple[int, int] = (EOS, EOS)) -> list[str]:
+    """Two token files of 9- and 19-token documents, at shares 1/4 and 3/4."""
+    paths = [tmp_path / "short.bin", tmp_path / "long.bin"]
+    token_file(paths[0], 10), token_file(paths[1], 20)
+    sources = ", ".join(
+        f"{{name: tokens, path: '{path}', weight: {w}, eos_id: {e}}}" for path, w, e in zip(paths, (1, 3), eos)
+    )
+    return ["data=mix", f"data.sources=[{sources}]", "data.document_mask=true"]
+
+
+@pytest.mark.slow
+def test_a_mixture_masks_documents_and_counts_its_sources_spans(tmp_path: Path) -> None:
+    """Every source ends documents in one id; the model FLOPs follow the spans weighted by the shares."""
+    cfg = tiny_config(tmp_path, *mixture(tmp_path))
+    summary = train(run_for(cfg), tmp_path / "run")
+    trains = [np.fromfile(tmp_path / name, np.uint16) for name in ("short.bin", "long.bin")]
+    trains = [t[: t.size - int(t.size * cfg.data.val_fraction)] for t in trains]
+    span = 0.25 * measured_span(trains[0], EOS, cfg.seq_len) + 0.75 * measured_span(trains[1], EOS, cfg.seq_len)
+    assert span == pytest.approx(0.25 * 10 + 0.75 * 20, rel=0.02)
+    assert summary["flops_per_token"] == pytest.approx(flops.flops_per_token(cfg.model, span), rel=1e-3)
+
+
+def test_a_mixture_whose_sources_end_documents_differently_is_refused(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, *mixture(tmp_path, eos=(EOS, EOS + 1)))
+    with pytest.raises(LauncherError, match="the sources end documents with different ids"):
+        build_options(cfg, from_config(cfg, 1))

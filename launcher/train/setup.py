@@ -13,7 +13,7 @@ import torch
 
 from launcher import flops
 from launcher.data import BatchLoader, Splits, load_splits
-from launcher.data.documents import measured_span
+from launcher.data.documents import data_span
 from launcher.data.mix import MixLoader, Mixture, load_mixture, mix_loader
 from launcher.layout import Layout, build_mesh, owner_rank
 from launcher.metrics.console import ConsoleView
@@ -152,7 +152,7 @@ def setup(run: Run, run_dir: Path, rank: int, watchdog: Watchdog | Off) -> Worke
     optimizer, schedule = build_optimizer(runner.parts, run.optim, run.steps)
     eos, span = options.document_eos, float(options.seq_len)
     if eos is not None:  # attention within documents: the train split's documents set its work
-        span = measured_span(data.train, eos, options.seq_len)  # a Splits: masks refuse data=mix (validate)
+        span = data_span(data, eos, options.seq_len)
     flops_per_token = flops.flops_per_token(run.model, span)
     tokens = layout.global_batch * options.seq_len
     fp8_peak = options.fp8.peak_flops if options.fp8 else 0.0  # mfu_fp8_peak beside the MFU (bf16 peak)
