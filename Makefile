@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[all,dev]'
+	$(BIN)/pip install -q -e '.[all,ft,dev]'  # ft: not in all (few platforms), but tested here
 	touch $(STAMP)
 
 train: $(STAMP)

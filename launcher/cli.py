@@ -109,6 +109,7 @@ def train_task(cfg: TrainConfig) -> None:
 def _train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
     from launcher.data.mix import check_mix
+    from launcher.ft_config import check_ft
     from launcher.layout_config import check_environment
     from launcher.metrics.sinks import check_wandb_login
     from launcher.model.hf import check_folder
@@ -120,6 +121,7 @@ def _train_task(cfg: TrainConfig) -> None:
     # the run's one layout; first of all, resolve checks the ranges (validate.validate), which the
     # world size and the layout read
     layout, prediction, options = resolve(cfg, env.world_size if env else None)
+    check_ft(cfg.ft, layout.dp_replicate)
     if cfg.dry_run:  # shapes only: a layout that would not fit is reported, not refused
         from launcher.dryrun import dry_run
 
@@ -168,7 +170,7 @@ def _train_task(cfg: TrainConfig) -> None:
 
 def run_of(cfg: TrainConfig, layout: Layout, prediction: Prediction | None, options: BuildOptions) -> Run:
     """The run every rank receives: `planner.resolve`'s output and the config sections the loop reads."""
-    resolved = {"layout", "prediction", "options", "record"}  # the rest of Run's fields are the config's keys
+    resolved = {"layout", "prediction", "options", "record", "replica"}  # the rest of Run's fields: config keys
     keys = [f.name for f in fields(Run) if f.name not in resolved]
     return Run(layout, prediction, options, record=asdict(cfg), **{key: getattr(cfg, key) for key in keys})
 

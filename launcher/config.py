@@ -14,6 +14,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from launcher.ft_config import FtConfig
 from launcher.hardware_config import HardwareConfig
 from launcher.ranges import Range, ranged
 
@@ -148,8 +149,8 @@ class WandbConfig:
 class MetricsConfig:
     log_every: int = ranged(1, ge=1)
     console: str = "auto"  # auto (rich panel on a terminal, lines otherwise) | rich | plain | none
-    # a mixture of experts: a table of each MoE layer's load (max/mean tokens, min/max expert, bias,
-    # dropped) under the console's figures at each logged step (launcher/metrics/moe_load.py)
+    # a mixture of experts: a table of each MoE layer's load (max/mean tokens, min/max expert, bias, dropped)
+    # under the console's figures at each logged step (launcher/metrics/moe_load.py)
     moe_table: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -194,8 +195,7 @@ class PlanConfig:
     # plan app: also choose sequence_parallel (on when tp > 1) and virtual_stages (interleaved) instead
     # of taking the top-level values; `train` (planner.resolve) only fills keys set to auto.
     explore: bool = False
-    # a token budget (e.g. 15e12): days, device-hours, cost and failures' toll for the best layout
-    # (launcher/planner/budget.py); None: off
+    # a token budget (e.g. 15e12): days, device-hours, cost and failures' toll for the best layout (planner/budget.py)
     tokens: float | None = ranged(None, gt=0)
     # hardware profiles side by side for plan.tokens, each with its own best layout (e.g.
     # [h100_sxm,b200,tpu_v5p]); compare_at: the same device count (devices), or the devices the
@@ -269,6 +269,7 @@ class TrainConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    ft: FtConfig = field(default_factory=FtConfig)  # replica groups on torchft (launcher/ft_config.py)
     init: dict[str, Any] = field(default_factory=default_init)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
@@ -310,10 +311,9 @@ class TrainConfig:
     # autocast elsewhere (launcher/precision.py); fp8: the blocks' matmuls in float8 (fp8.*), the rest as bf16
     dtype: str = "auto"  # auto | fp32 | bf16 | fp8
     nccl_timeout_s: int = ranged(600, ge=1)  # a collective waiting longer fails the run (NCCL, and gloo on CPUs)
-    # CPU workers' glibc malloc (launcher/train/fit.py): fast keeps freed blocks for reuse (no page
-    # faults per large tensor; peak RSS includes glibc's cache), lean returns blocks of 4 MiB and more
-    # to the system (peak RSS is the run's tensors; slower); auto: lean for a `steps=0` memory check,
-    # fast for training
+    # CPU workers' glibc malloc (launcher/train/fit.py): fast keeps freed blocks for reuse (no page faults per
+    # large tensor; peak RSS includes glibc's cache), lean returns blocks of 4 MiB and more to the system (peak
+    # RSS is the run's tensors; slower); auto: lean for a `steps=0` memory check, fast for training
     cpu_allocator: str = "auto"
     # torch intra-op threads per worker; None: cores / local workers
     threads: int | None = ranged(None, ge=1, integer=True)

@@ -18,6 +18,7 @@ EXTRAS = {  # module → the extra that installs it (pyproject.toml [project.opt
     "hydra_plugins.hydra_submitit_launcher": "slurm",
     "matplotlib": "plot",
     "torchao": "fp8",
+    "torchft": "ft",
 }
 
 

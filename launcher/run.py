@@ -20,6 +20,7 @@ from launcher.config import (
     ProfileConfig,
     WatchdogConfig,
 )
+from launcher.ft_config import FtConfig
 from launcher.layout import Layout
 from launcher.options import BuildOptions
 from launcher.planner.predict import Prediction
@@ -47,7 +48,9 @@ class Run:
     cpu_allocator: str
     nccl_timeout_s: int
     max_restarts: int
+    ft: FtConfig
     record: dict[str, Any]  # the whole config, as the wandb run records it
+    replica: int | None = None  # ft: this replica group's index (launcher/replicas.py); None: ft off
 
     @property
     def predicted_step_s(self) -> float:

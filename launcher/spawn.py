@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.compat import bound_device, failure_line, leave_process_groups
 from launcher.errors import CROSSING, Hung, LauncherError, WorkerFailed
+from launcher.ft_launch import launch_replicas
 from launcher.layout import owner_rank
 from launcher.run import Run
 from launcher.train.preemption import LOCAL_WORKER_ENV, STOP_SIGNALS, PreemptionFlag, local_worker_signals
@@ -92,8 +93,8 @@ def env_rank() -> RankEnv | None:
     return None
 
 
-# Each setting under every name torch reads it by, the current one first (older torch reads the later
-# ones): a value the user gave under any of them is kept, and ours goes under all of them.
+# Each setting under every name torch reads it by, the current one first (older torch reads the later ones):
+# a value the user gave under any of them is kept, and ours goes under all of them.
 CUDA_ENV = {
     # a NCCL error or timeout tears the process down (the agent or the scheduler sees a failed rank)
     # instead of leaving it blocked in a collective
@@ -156,8 +157,7 @@ def join_group(run: Run, env: RankEnv, run_dir: Path) -> None:
         # read the dead workers' addresses and wait on them forever.
         base, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size))
         store = dist.PrefixStore(f"launcher/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base)
-    cuda = device is not None
-    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=run.nccl_timeout_s)
+    backend, timeout = ("nccl" if device is not None else "gloo"), timedelta(seconds=run.nccl_timeout_s)
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **bound_device(device)
     )
@@ -225,11 +225,11 @@ def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
 
 
 def supervise(agent: LocalElasticAgent, monitor: LocalMonitor | None = None) -> RunResult:
-    """Run the agent in a helper thread, so that this (main) thread keeps the signal handlers (the agent
-    would install its own, which only kill the workers): SIGINT, SIGTERM or SIGUSR1 here is forwarded to
-    the workers as SIGUSR1, "save and stop" (train/preemption.py); a second Ctrl-C kills them, and so
-    does SIGHUP or SIGQUIT (as the agent would), unless ignored (nohup). `monitor` reads the workers'
-    beats: a hang ends the group, which the agent restarts (max_restarts) or reports failed."""
+    """Run the agent in a helper thread, so that this (main) thread keeps the signal handlers (the agent would
+    install its own, which only kill the workers): SIGINT, SIGTERM or SIGUSR1 here is forwarded to the workers
+    as SIGUSR1, "save and stop" (train/preemption.py); a second Ctrl-C kills them, and so does SIGHUP or
+    SIGQUIT (as the agent would), unless ignored (nohup). `monitor` reads the workers' beats: a hang ends the
+    group, which the agent restarts (max_restarts) or reports failed."""
     outcome: Future = Future()
 
     def run_agent() -> None:
@@ -295,12 +295,11 @@ def local_agent(run: Run, run_dir: Path) -> LocalElasticAgent:
 
 
 def quiet_agent_logs() -> None:
-    """Drop three of the agent's log records: its warning that, off the main thread, it cannot install
-    its signal handlers (here that is the point), its traceback of a worker that stopped on bad input
-    or a non-finite loss (errors.CROSSING), which the CLI reports in one line, and its note that it
-    terminates the other workers after one failed (when every rank raises at the same step, a slower
-    one is still on its way out). A private detail of torch (the loggers' names and the messages):
-    move to compat.py."""
+    """Drop three of the agent's log records: its warning that, off the main thread, it cannot install its
+    signal handlers (here that is the point), its traceback of a worker that stopped on bad input or a
+    non-finite loss (errors.CROSSING), which the CLI reports in one line, and its note that it terminates the
+    other workers after one failed (when every rank raises at the same step, a slower one is still on its way
+    out). A private detail of torch (the loggers' names and the messages): move to compat.py."""
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(expected_records)
     logging.getLogger("torch.multiprocessing.spawn").addFilter(expected_records)
 
@@ -342,6 +341,8 @@ def kill_workers(agent: LocalElasticAgent, outcome: Future, wait_s: float = 10.0
 
 def launch(run: Run, run_dir: Path) -> dict[str, Any]:
     """Run every rank of `run.layout`; its prediction (the planner's) goes into the run's summary."""
+    if run.ft.on and run.replica is None:  # ft: the Lighthouse and the replica groups, each launched here
+        return launch_replicas(run, run_dir)
     if env_rank() is not None:
         return run_rank(run, run_dir)
     if run.layout.world_size == 1:

@@ -83,16 +83,19 @@ def train_step(
     w.watchdog.phase("data", step)
     w.meter.start()
     profiler.begin(step)
+    w.replicas.begin()  # ft: this step's quorum of replica groups, formed during forward and backward
     inputs, targets = w.train_loader.next_batch()
     w.watchdog.phase("forward_backward", step)
     with injected_nan(runner.parts, nan), spikes.poisoned(runner.parts), sources.recording(w.train_loader) as per_token:
         loss = runner.forward_backward(inputs.to(device), targets.to(device))
     by_source = sources.sums(runner, w.train_loader, per_token)  # a mixture's: loss and tokens per source
+    loss = w.replicas.sync(runner.parts, loss)  # ft: gradients and loss averaged over the replica groups
     w.watchdog.phase("optimizer", step)
     grad_norm = runner.clip_grad_norm(run.optim.grad_clip)
     lr = w.schedule.get_last_lr()[0]
     # NaN/inf: stop (exit 3), or skip the update; a spike: skip it, or roll back (launcher/train/spike.py)
-    if w.guard.update(step, loss, grad_norm, runner) and spikes.update(step, loss, grad_norm):
+    committed = w.replicas.commit()  # ft: false when this group failed a collective (it heals from a peer)
+    if committed and w.guard.update(step, loss, grad_norm, runner) and spikes.update(step, loss, grad_norm):
         w.optimizer.step()
         precompute_scales(runner.parts, run.options.fp8)  # FSDP2's float8 weight scales for the next step
     w.optimizer.zero_grad(set_to_none=True)
@@ -106,6 +109,7 @@ def train_step(
         torch.cuda.synchronize(device)
     profiler.end(step)
     row = w.meter.stop(step, loss, lr, grad_norm) | sources.figures(w.train_loader, by_source) | balance
+    row |= w.replicas.columns()  # ft: how many replica groups took part in this step
     loads = row.pop("moe_layers", [])  # per MoE layer: to the panel and wandb, not kept in the rows
     if run.optim.skip_nonfinite:
         row["skipped_steps"] = w.guard.skipped
@@ -207,6 +211,7 @@ def finish(w: Worker, summary: dict[str, Any]) -> dict[str, Any]:
     if run.prediction is not None:
         summary["prediction"] = run.prediction.as_dict()
     summary["config"] = run.record  # the whole composed config: `plan.calibrate` re-predicts the run from it
+    w.replicas.close()
     if w.owner:
         write_json(w.run_dir / "summary.json", summary)
         for sink in w.sinks:

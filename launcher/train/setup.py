@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
 from launcher.train.fit import allocator_mode, out_of_memory, set_cpu_allocator
 from launcher.train.guard import Guard
 from launcher.train.optim import build_optimizer
+from launcher.train.replicas import Alone, replicas_of
 from launcher.train.watchdog import Off, Watchdog
 
 log = logging.getLogger("launcher")
@@ -58,6 +59,7 @@ class Worker:
     checkpointer: Checkpointer
     guard: Guard
     resumed: Stateful | None = None
+    replicas: Alone = field(default_factory=Alone)
 
     @property
     def start(self) -> int:
@@ -87,20 +89,29 @@ def rank_logger(run_dir: Path, rank: int) -> None:
 
 
 def loaders(
-    layout: Layout, splits: Splits | Mixture, options: BuildOptions, dp_rank: int, cp_rank: int = 0
+    layout: Layout,
+    splits: Splits | Mixture,
+    options: BuildOptions,
+    dp_rank: int,
+    cp: int = 0,
+    groups: int = 1,
+    group: int = 0,
 ) -> tuple[BatchLoader, BatchLoader]:
     """Training and validation batches: each step, `layout.local_batch` sequences per data-parallel
     rank (its microbatches, which the runner splits; a cp rank's chunks of them), `layout.global_batch`
-    over all. A mixture's loaders follow its schedule (launcher/data/mix.py)."""
-    batch, cp, seq, seed = layout.global_batch, (cp_rank, layout.cp), options.seq_len, options.seed
+    over all. A mixture's loaders follow its schedule (launcher/data/mix.py). `ft`: `groups` replica
+    groups of this layout; group g's dp ranks come after those of groups 0 .. g-1, so that with every
+    group alive the samples are those of one layout `groups` times as wide."""
+    batch, cp_coords, seq, seed = layout.global_batch * groups, (cp, layout.cp), options.seq_len, options.seed
+    dp_rank, dp_size = group * layout.dp + dp_rank, groups * layout.dp
     if isinstance(splits, Mixture):
-        coords = {"dp_rank": dp_rank, "dp_size": layout.dp, "cp_rank": cp_rank, "cp_size": layout.cp}
+        coords = {"dp_rank": dp_rank, "dp_size": dp_size, "cp_rank": cp, "cp_size": layout.cp}
         return mix_loader(splits, "train", seq, batch, seed, **coords), mix_loader(
             splits, "val", seq, batch, seed + 1, **coords
         )
     return (
-        BatchLoader(splits.train, seq, batch, dp_rank, layout.dp, seed, *cp),
-        BatchLoader(splits.val, seq, batch, dp_rank, layout.dp, seed + 1, *cp),
+        BatchLoader(splits.train, seq, batch, dp_rank, dp_size, seed, *cp_coords),
+        BatchLoader(splits.val, seq, batch, dp_rank, dp_size, seed + 1, *cp_coords),
     )
 
 
@@ -146,7 +157,8 @@ def setup(run: Run, run_dir: Path, rank: int, watchdog: Watchdog | Off) -> Worke
     owner = rank == owner_rank(layout)
     torch.set_num_threads(options.threads)
     data = load_mixture(run.data) if run.data.name == "mix" else load_splits(run.data)
-    train_loader, val_loader = loaders(layout, data, options, coords["dp"], coords["cp"])
+    groups = (run.ft.replicas, run.replica) if run.replica is not None else (1, 0)  # ft: this replica group
+    train_loader, val_loader = loaders(layout, data, options, coords["dp"], coords["cp"], *groups)
     runner = build(run, rank, device)
     build_s = time.perf_counter() - t_start
     optimizer, schedule = build_optimizer(runner.parts, run.optim, run.steps)
@@ -167,6 +179,7 @@ def setup(run: Run, run_dir: Path, rank: int, watchdog: Watchdog | Off) -> Worke
         train_loader, val_loader, meter, view, sinks, ckpt_root, checkpointer, guard,
     )  # fmt: skip
     worker.resumed = resume(worker)
+    worker.replicas = replicas_of(run, rank, worker)  # ft: the other replica groups; `Alone` with ft off
     return worker
 
 
