@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from launcher.errors import WorkerFailed
 from launcher.run import Run
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+Launch = Callable[[Run, Path], dict[str, Any]]
 
 
 def group_run(run: Run, replica: int) -> Run:
@@ -30,29 +32,21 @@ def group_dir(run_dir: Path, replica: int) -> Path:
     return run_dir if replica == 0 else run_dir / f"replica_{replica}"
 
 
-def run_group(run: Run, run_dir: Path) -> None:
-    """A group's process (groups 1 ..): the ordinary launch of its layout."""
-    from launcher.spawn import launch
-
-    launch(run, run_dir)
-
-
-def launch_replicas(run: Run, run_dir: Path) -> dict[str, Any]:
-    """Start the Lighthouse and the groups; return group 0's summary once every group has ended."""
+def launch_replicas(run: Run, run_dir: Path, launch: Launch) -> dict[str, Any]:
+    """Start the Lighthouse and the groups, each an ordinary `launch` of its layout (passed in, so this
+    module does not import the launcher that calls it); return group 0's summary once every group has ended."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=run.ft.min_replicas)
     os.environ[LIGHTHOUSE_ENV] = lighthouse.address()  # inherited by every group's processes
     spawn = multiprocessing.get_context("spawn")
     others = [
-        spawn.Process(target=run_group, args=(group_run(run, g), group_dir(run_dir, g)), name=f"replica_{g}")
+        spawn.Process(target=launch, args=(group_run(run, g), group_dir(run_dir, g)), name=f"replica_{g}")
         for g in range(1, run.ft.replicas)
     ]
     try:
         for process in others:
             process.start()
-        from launcher.spawn import launch
-
         summary = launch(group_run(run, 0), run_dir)
         for process in others:
             process.join(timeout=run.ft.quorum_timeout_s)

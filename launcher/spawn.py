@@ -342,7 +342,7 @@ def kill_workers(agent: LocalElasticAgent, outcome: Future, wait_s: float = 10.0
 def launch(run: Run, run_dir: Path) -> dict[str, Any]:
     """Run every rank of `run.layout`; its prediction (the planner's) goes into the run's summary."""
     if run.ft.on and run.replica is None:  # ft: the Lighthouse and the replica groups, each launched here
-        return launch_replicas(run, run_dir)
+        return launch_replicas(run, run_dir, launch)
     if env_rank() is not None:
         return run_rank(run, run_dir)
     if run.layout.world_size == 1:

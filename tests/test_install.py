@@ -148,7 +148,7 @@ def test_offline_install_from_the_wheelhouse_beside_an_existing_torch(tmp_path: 
     bin_dir = python.parent
     doctor = run(bin_dir, "doctor", f"cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
-    assert "warning  extras         missing fp8, hf, plot, slurm, text, wandb" in doctor.stdout
+    assert "warning  extras         missing fp8, ft, hf, plot, slurm, text, wandb" in doctor.stdout
     trained = run(bin_dir, "train", *quick(tmp_path), cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert "note: wandb is not installed, metrics go to metrics.jsonl only (pip install 'launcher[wandb]')" in (
