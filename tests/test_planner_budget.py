@@ -14,9 +14,11 @@ import pytest
 from bench.published_runs import make_cfg
 from launcher import planner
 from launcher.errors import LauncherError
+from launcher.ft_config import FtConfig
 from launcher.hardware_config import load_profile, profile_names
 from launcher.layout_config import from_config
-from launcher.planner.budget import DAY, HOUR, budget, compared_nodes, goodput, young_daly_interval
+from launcher.planner.budget import DAY, HOUR, budget, compared_nodes, ft_budget, peer_bandwidth
+from launcher.planner.failures import ReplicaFt, goodput, groups, prefer_ft, replica_ft, stop_mtbf, young_daly_interval
 from launcher.planner.predict import predict
 from launcher.planner.report import to_json
 from launcher.planner.request import problem
@@ -156,6 +158,66 @@ def test_bad_budget_numbers_of_a_profile_are_one_line() -> None:
         validate(dataclasses.replace(own, plan=dataclasses.replace(own.plan, compare=["a100"], compare_at="budget")))
 
 
+def test_the_job_stops_under_replica_ft_follow_the_closed_form() -> None:
+    m, d = 10_000.0, 600.0
+    assert stop_mtbf(m, 4, 4, d) == pytest.approx(m)  # no group may be down: every failure stops the job
+    assert stop_mtbf(m, 2, 1, d) == pytest.approx(2 * m * m / d)  # a failure while the other group heals
+    lam = 1 / (4 * m)  # 4 groups, 2 may be down: a third failure while two of the other three heal
+    assert stop_mtbf(m, 4, 2, d) == pytest.approx(1 / (4 * lam * 3 * (lam * d) ** 2))
+    assert stop_mtbf(m, 4, 1, d) > stop_mtbf(m, 4, 2, d) > stop_mtbf(m, 4, 3, d) > stop_mtbf(m, 4, 4, d)
+
+
+def test_replica_ft_goodput_is_the_closed_form_and_beats_full_restarts_at_scale() -> None:
+    args = dict(step_s=2.0, steps=10**6, save_s=5.0, restart_s=600.0, mtbf_s=3 * HOUR, state_bytes=4e9)
+    full = goodput(young_daly_interval(5.0, 3 * HOUR), 5.0, 600.0, 3 * HOUR)
+    ft = replica_ft(FtConfig(replicas=2, min_replicas=1), 8, **args, peer_bandwidth=50e9, full_restart_goodput=full)
+    assert isinstance(ft, ReplicaFt) and ft.replicas == 2 and ft.min_replicas == 1
+    assert ft.heal_s == pytest.approx(4e9 / 50e9) and ft.downtime_s == pytest.approx(600.08)
+    m_stop = 2 * (3 * HOUR) ** 2 / 600.08
+    assert ft.stop_mtbf_s == pytest.approx(m_stop) and ft.interval_s == pytest.approx(math.sqrt(2 * 5.0 * m_stop))
+    tau = ft.checkpoint_every * 2.0
+    alive = 1 - 600.08 / (2 * 3 * HOUR)
+    assert ft.goodput == pytest.approx(tau / (tau + 5) * (1 - (600 + (tau + 5) / 2) / m_stop) * alive)
+    assert ft.goodput > full + 0.05  # a failure every 3 h costs a full restart 10 minutes of every device
+    # no group may be missing: every failure stops the job, and the groups only add their downtime
+    strict = replica_ft(FtConfig(replicas=2, min_replicas=2), 8, **args, peer_bandwidth=50e9, full_restart_goodput=full)
+    assert isinstance(strict, ReplicaFt) and strict.goodput < full
+    assert prefer_ft(100.0, 98.0) and not prefer_ft(100.0, 99.5)
+
+
+def test_replica_groups_come_from_ft_or_the_replicated_dimension() -> None:
+    assert groups(FtConfig(), 4) == (4, 1)  # ft off: one group per replica, the key's default minimum
+    assert groups(FtConfig(replicas=2, min_replicas=2), 4) == (2, 2)
+    assert "does not divide this layout's dp_replicate=3" in groups(FtConfig(replicas=2), 3)
+    assert "needs dp_replicate > 1" in groups(FtConfig(), 1)
+
+
+def test_plan_weighs_replica_ft_on_the_fastest_layout_with_groups() -> None:
+    batch = {"micro": "auto", "global": 2048}
+    cfg = make_cfg(
+        "405b",
+        "h100_sxm",
+        nodes=2048,
+        seq_len=8192,
+        batch=batch,
+        **dict.fromkeys(("tp", "pp", "pp_schedule", "recompute"), "auto"),
+    )
+    prob, res = planner.plan(cfg, 16384)
+    rank, b = ft_budget(res.ranked, 15e12, cfg.hardware, cfg.ft, prob.machine)
+    assert all(p.layout.dp_replicate == 1 for p in res.ranked[: rank - 1])  # none faster has groups
+    pred = res.ranked[rank - 1]
+    assert pred.layout.dp_replicate > 1 and b == budget(pred, 15e12, cfg.hardware, cfg.ft, prob.machine)
+    ft = b.replica_ft
+    assert isinstance(ft, ReplicaFt) and ft.replicas == pred.layout.dp_replicate
+    assert ft.heal_s == pytest.approx(pred.memory.checkpoint / peer_bandwidth(prob.machine, 16384))
+    assert b.ft_wall_s == pytest.approx(b.ideal_s / ft.goodput) and ft.full_restart_goodput == b.goodput
+    assert b.as_dict()["replica_ft"]["days"] == pytest.approx(b.ft_wall_s / DAY)
+    assert budget(pred, 15e12, cfg.hardware).replica_ft is None  # not asked: not in the JSON either
+    one = budget(res.ranked[0], 15e12, cfg.hardware, cfg.ft, prob.machine)
+    if res.ranked[0].layout.dp_replicate == 1:
+        assert "needs dp_replicate > 1" in one.as_dict()["replica_ft"]["unavailable"]
+
+
 @pytest.mark.slow
 def test_plan_prints_the_budget_and_the_comparison(tmp_path: Path) -> None:
     result = run_cli(
@@ -165,6 +227,7 @@ def test_plan_prints_the_budget_and_the_comparison(tmp_path: Path) -> None:
     out = result.stdout
     assert "Budget: 1T tokens on layout #1 (8 x h100_sxm)" in out and "checkpoint.every=" in out
     assert "Young-Daly  sqrt(2 x" in out and "device-hours, $" in out
+    assert "replica ft  " in out and ("use layout #" in out or "full restarts" in out)
     assert "plan.compare: 1T tokens of 8b" in out and "│ b200" in out and "│ h100_sxm" in out
 
 

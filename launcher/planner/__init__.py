@@ -16,8 +16,8 @@ considers passes the rules of launcher/layout/ (`layout.violations`).
 Modules: device (machine data), machine (profile -> numbers), comm (collectives on link levels),
 memory, cost (step time), search (enumerate + rank), request (config -> search space), report;
 memo (per-stage terms memoised on the layout fields they read); budget (what a token budget takes:
-days, device-hours, cost, goodput under failures); fit and calibrate (`plan.calibrate`: the
-profile's constants fitted to the user's runs).
+days, device-hours, cost); failures (goodput under failures: full restarts, replica fault tolerance);
+fit and calibrate (`plan.calibrate`: the profile's constants fitted to the user's runs).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from launcher.hardware import peak_flops
 from launcher.layout import Layout, async_tp_applies, worker_threads, workers_per_node
 from launcher.layout_config import from_config, launch_world_size, plan_world_size
 from launcher.options import BuildOptions
-from launcher.planner.budget import Row, budget, compared_nodes
+from launcher.planner.budget import Row, budget, compared_nodes, ft_budget
 from launcher.planner.predict import Prediction, Problem, predict
 from launcher.planner.report import budget_block, compare_table, precision_table, to_json, to_table
 from launcher.planner.request import fp8_of, problem, space
@@ -82,7 +82,8 @@ def run_plan(cfg: TrainConfig) -> None:
     prob, res = plan(cfg, world, explore=cfg.plan.explore, precision=True)
     shown = res.ranked[: cfg.plan.top] if cfg.plan.top else res.ranked
     tokens = cfg.plan.tokens
-    budgets = [budget(p, tokens, cfg.hardware) for p in shown] if tokens else None
+    budgets = [budget(p, tokens, cfg.hardware, cfg.ft, prob.machine) for p in shown] if tokens else None
+    grouped = ft_budget(res.ranked, tokens, cfg.hardware, cfg.ft, prob.machine) if tokens else None
     rows = compare(cfg, world) if cfg.plan.compare else None
     if cfg.plan.format == "json":
         to_json(shown, budgets, rows)
@@ -97,7 +98,7 @@ def run_plan(cfg: TrainConfig) -> None:
     if pair := side_by_side(cfg, prob, shown[0]):
         precision_table(pair, "layout #1 in bf16 and fp8 (MFU against the bf16 peak; fp8 peak beside it)")
     if budgets:
-        budget_block(budgets[0], prob.machine.name)
+        budget_block(budgets[0], prob.machine.name, grouped)
     if rows:
         at = f"{world} devices" if cfg.plan.compare_at == "devices" else f"the spend of {world} x {prob.machine.name}"
         compare_table(rows, tokens, f"{cfg.model.name}, each profile's best layout at {at}")

@@ -7,19 +7,8 @@ layout, with the time that failures and checkpoints cost it.
   write at once. A blocking save: `checkpoint.async_save` hides most of it, so C is an upper bound.
 - The job's mean time between failures `M`: `hardware.device_mtbf_hours` / devices (one failed
   device stops a synchronous job). Restart `R`: `hardware.restart_s`.
-- The checkpoint interval: Young's first-order optimum (J. W. Young, "A first order approximation
-  to the optimum checkpoint interval", CACM 17(9), 1974), which Daly derived again with restarts
-  (J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps",
-  FGCS 22(3), 2006): `tau = sqrt(2 C M)`, the minimum of the overhead `C/tau + tau/(2M)`; valid
-  while C << M. Recommended `checkpoint.every` = round(tau / step time), 1 to the run's steps.
-- Goodput (Daly's first-order model): the share of wall-clock time that trains. Saving keeps
-  `tau / (tau + C)` of it; each failure, one per M of wall-clock time, loses the restart and on
-  average half an interval with its save, `R + (tau + C)/2`. So, at the interval the recommended
-  `checkpoint.every` gives (whole steps),
-
-      goodput = tau / (tau + C) x (1 - (R + (tau + C)/2) / M)
-
-  and zero when failures come faster than that loss (the run would never finish).
+- The checkpoint interval (Young-Daly) and the goodput at it (whole steps), with and without replica
+  fault tolerance: failures.py. Recommended `checkpoint.every` = round(tau / step time), 1 to the run's steps.
 - Wall clock = ideal / goodput; device-hours = wall-clock hours x devices; cost = device-hours x
   `hardware.price_per_hour` (USD; None: no cost).
 """
@@ -30,23 +19,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from launcher.ft_config import FtConfig
 from launcher.hardware_config import HardwareConfig
+from launcher.planner.comm import level_of
+from launcher.planner.device import Machine
+from launcher.planner.failures import ReplicaFt, checkpoint_every, goodput, groups, replica_ft, young_daly_interval
 from launcher.planner.predict import Prediction
 
 HOUR = 3600.0
 DAY = 24 * HOUR
 FALLBACKS = 3  # plan.compare_at=budget: smaller node counts tried when no layout fits the rented one
-
-
-def young_daly_interval(save_s: float, mtbf_s: float) -> float:
-    """Seconds of training between checkpoints that minimise the expected loss: sqrt(2 C M)."""
-    return math.sqrt(2.0 * save_s * mtbf_s)
-
-
-def goodput(interval_s: float, save_s: float, restart_s: float, mtbf_s: float) -> float:
-    """The share of wall-clock time spent training (module docstring), 0 when failures outpace restarts."""
-    period = interval_s + save_s
-    return interval_s / period * max(0.0, 1.0 - (restart_s + period / 2) / mtbf_s)
 
 
 @dataclass(frozen=True)
@@ -66,6 +48,7 @@ class Budget:
     checkpoint_every: int  # steps
     goodput: float  # at checkpoint_every x step_time_s
     price_per_hour: float | None  # USD per device-hour
+    replica_ft: ReplicaFt | str | None = None  # the same under `ft.replicas` (or why not); None: not asked
 
     @property
     def ideal_s(self) -> float:
@@ -74,6 +57,12 @@ class Budget:
     @property
     def wall_s(self) -> float:
         return self.ideal_s / self.goodput if self.goodput > 0 else math.inf
+
+    @property
+    def ft_wall_s(self) -> float:
+        """Wall clock under replica fault tolerance (inf where the layout has no groups or never finishes)."""
+        ft = self.replica_ft
+        return self.ideal_s / ft.goodput if isinstance(ft, ReplicaFt) and ft.goodput > 0 else math.inf
 
     @property
     def days(self) -> float:
@@ -86,6 +75,14 @@ class Budget:
     @property
     def cost(self) -> float | None:
         return None if self.price_per_hour is None else self.device_hours * self.price_per_hour
+
+    def _replica_ft_dict(self) -> dict[str, Any]:
+        ft = self.replica_ft
+        if isinstance(ft, str):
+            return {"unavailable": ft}
+        assert ft is not None
+        days = self.ft_wall_s / DAY
+        return {**ft.as_dict(), "days": days if math.isfinite(days) else None}
 
     def as_dict(self) -> dict[str, Any]:
         def finite(x: float | None) -> float | None:  # JSON has no infinity: a run that never ends is null
@@ -109,18 +106,37 @@ class Budget:
             "device_hours": finite(self.device_hours),
             "price_per_hour": self.price_per_hour,
             "cost_usd": finite(self.cost),
+            **({} if self.replica_ft is None else {"replica_ft": self._replica_ft_dict()}),
         }
 
 
-def budget(pred: Prediction, tokens: float, hw: HardwareConfig) -> Budget:
-    """`tokens` trained on `pred`'s layout of `hw` devices: steps, goodput, days, device-hours, cost."""
+def budget(
+    pred: Prediction, tokens: float, hw: HardwareConfig, ft: FtConfig | None = None, machine: Machine | None = None
+) -> Budget:
+    """`tokens` trained on `pred`'s layout of `hw` devices: steps, goodput, days, device-hours, cost; with
+    `ft` and `machine`, replica fault tolerance's goodput beside it (failures.py)."""
     step = pred.step_time_s
     steps = math.ceil(tokens / pred.tokens_per_step)
     devices = pred.layout.world_size
     save = pred.memory.checkpoint / (hw.storage_gbs * 1e9)
     mtbf = hw.device_mtbf_hours * HOUR / devices
     interval = young_daly_interval(save, mtbf)
-    every = min(steps, max(1, round(interval / step)))
+    every = checkpoint_every(interval, step, steps)
+    full = goodput(every * step, save, hw.restart_s, mtbf)
+    replicas = None
+    if ft is not None and machine is not None:
+        replicas = replica_ft(
+            ft,
+            pred.layout.dp_replicate,
+            step_s=step,
+            steps=steps,
+            save_s=save,
+            restart_s=hw.restart_s,
+            mtbf_s=mtbf,
+            state_bytes=pred.memory.checkpoint,
+            peer_bandwidth=peer_bandwidth(machine, devices),
+            full_restart_goodput=full,
+        )
     return Budget(
         tokens=tokens,
         steps=steps,
@@ -133,9 +149,26 @@ def budget(pred: Prediction, tokens: float, hw: HardwareConfig) -> Budget:
         mtbf_s=mtbf,
         interval_s=interval,
         checkpoint_every=every,
-        goodput=goodput(every * step, save, hw.restart_s, mtbf),
+        goodput=full,
         price_per_hour=hw.price_per_hour,
+        replica_ft=replicas,
     )
+
+
+def ft_budget(
+    ranked: list[Prediction], tokens: float, hw: HardwareConfig, ft: FtConfig, machine: Machine
+) -> tuple[int, Budget] | None:
+    """The fastest layout that splits into replica groups (its rank, from 1) and its budget, replica
+    fault tolerance included; None where no layout does."""
+    for rank, pred in enumerate(ranked, 1):
+        if not isinstance(groups(ft, pred.layout.dp_replicate), str):
+            return rank, budget(pred, tokens, hw, ft, machine)
+    return None
+
+
+def peer_bandwidth(machine: Machine, devices: int) -> float:
+    """Bytes/s per device between replica groups: the smallest interconnect level spanning the run."""
+    return level_of(machine.levels, devices).bandwidth
 
 
 def compared_nodes(world: int, hw: HardwareConfig, spend_per_hour: float | None) -> list[int]:

@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import TextIO
 
 from launcher.flops import GIB
 from launcher.planner.budget import DAY, HOUR, Budget, Row
+from launcher.planner.failures import MARGIN, ReplicaFt, prefer_ft
 from launcher.planner.predict import Prediction
 
 
@@ -152,8 +154,10 @@ def precision_table(preds: list[Prediction], title: str, out: TextIO | None = No
     Console(file=out, width=None if out.isatty() else 220).print(table)
 
 
-def budget_block(b: Budget, machine: str, out: TextIO | None = None) -> None:
-    """The best layout's `plan.tokens` budget, each figure with what it follows from (planner/budget.py)."""
+def budget_block(b: Budget, machine: str, grouped: tuple[int, Budget] | None = None, out: TextIO | None = None) -> None:
+    """The best layout's `plan.tokens` budget, each figure with what it follows from (planner/budget.py);
+    `grouped`: the fastest layout with replica groups (its rank) under replica fault tolerance, and
+    which of the two to use (planner/failures.py)."""
     out = out or sys.stdout
     gb = b.checkpoint_bytes / 1e9
     finish = (
@@ -173,8 +177,35 @@ def budget_block(b: Budget, machine: str, out: TextIO | None = None) -> None:
         f"  Young-Daly  sqrt(2 x {b.save_s:.3g} s x {b.mtbf_s:.4g} s) = {b.interval_s:.4g} s between saves: "
         f"checkpoint.every={b.checkpoint_every}",
         f"  goodput     {b.goodput:.1%}: {finish}",
+        *_replica_ft_lines(b, grouped),
     )
     out.write("\n".join(lines) + "\n")
+
+
+def _replica_ft_lines(b: Budget, grouped: tuple[int, Budget] | None) -> tuple[str, ...]:
+    """Replica fault tolerance on the fastest layout with replica groups beside layout #1's full restarts."""
+    if grouped is None:
+        return (
+            "  replica ft  no layout here has replica groups (dp_replicate > 1, dividing ft.replicas): full restarts",
+        )
+    rank, g = grouped
+    ft = g.replica_ft
+    assert isinstance(ft, ReplicaFt)
+    keys = f"ft.replicas={ft.replicas} ft.min_replicas={ft.min_replicas}"
+    stops = f"{ft.stop_mtbf_s / HOUR:.3g} h" if math.isfinite(ft.stop_mtbf_s) else "never (first order)"
+    days = f"{g.ft_wall_s / DAY:.1f} days" if math.isfinite(g.ft_wall_s) else "never"
+    own = f"{b.days:.1f} days" if b.goodput > 0 else "never"
+    verdict = (
+        f"use layout #{rank} with {keys} (checkpoint.every={ft.checkpoint_every})"
+        if prefer_ft(b.wall_s, g.ft_wall_s)
+        else f"full restarts on layout #1 (ft saves under {MARGIN:.0%})"
+    )
+    return (
+        f"  replica ft  layout #{rank} with {keys}: a failure stops one group for {ft.downtime_s:.3g} s "
+        f"(restart + {ft.heal_s:.3g} s healing from a peer), the whole job every {stops}",
+        f"              goodput {ft.goodput:.1%} at {g.step_time_s:.3g} s a step: {days}, against {own} for layout #1 "
+        f"with full restarts: {verdict}",
+    )
 
 
 def compare_table(rows: list[Row], tokens: float, what: str, out: TextIO | None = None) -> None:
