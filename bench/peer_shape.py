@@ -46,16 +46,16 @@ LAYOUTS["fsdp dp_shard=2"] = ["dp=2", "batch.micro=8", "batch.global=16"]
 ENTRY = "import sys; from launcher.cli import train; sys.argv[0] = 'train'; train()"
 
 
-def run(code: Path, layout: list[str], steps: int, tmp: Path, tag: str) -> tuple[float, float]:
+def run(code: Path, layout: list[str], steps: int, tmp: Path, tag: str) -> tuple[float, float, float]:
     """(median tokens/s of the steps after the first, seconds from process start to the first step's
-    metrics) of one fresh `train` process running `code`."""
+    metrics, the largest rank's peak resident set in GiB) of one fresh `train` process running `code`."""
     run_dir = tmp / tag
     args = [*SHAPE, *layout, f"steps={steps}", "eval.every=0", "metrics.console=none", "metrics.wandb.mode=disabled"]
     # each side its own calibration cache: the baseline cannot read the current code's GEMM peak records
     args += ["checkpoint.every=0", f"run_dir={run_dir}", f"cache_dir={tmp / 'cache' / code.name}"]
     env = {**os.environ, "PYTHONPATH": str(code), "LAUNCHER_OUTPUTS": str(tmp)}
     summary, first = timed_train([sys.executable, "-c", ENTRY, *args], code, env, run_dir)
-    return summary["median_tokens_per_s"], first
+    return summary["median_tokens_per_s"], first, summary["peak_mem_gib"]
 
 
 def main(argv: list[str]) -> None:
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of the layouts")
     opts = parser.parse_args(argv)
     layouts = {name: LAYOUTS[name] for name in opts.layouts.split(",")}
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         base = tmp / "baseline"
@@ -88,12 +88,14 @@ def main(argv: list[str]) -> None:
     new, old = sides
     what = "compile=true vs eager" if opts.compile else f"this code vs {opts.baseline}"
     table = Table(title=f"peer shape, fp32, {opts.rounds} alternating rounds, {what} (tokens/s)")
-    for col in ("layout", f"{new} (median)", f"{old} (median)", "ratio", "per round", "first step s (new, old)"):
+    heads = ("layout", f"{new} (median)", f"{old} (median)", "ratio", "per round", "first step s (new, old)")
+    for col in (*heads, "peak RSS GiB (new, old)"):
         table.add_column(col)
     for name in layouts:
         cur, ref = results[(name, new)], results[(name, old)]
         per_round = " ".join(f"{c[0] / o[0]:.2f}" for c, o in zip(cur, ref))
         rate_new, rate_old = (statistics.median(x[0] for x in side) for side in (cur, ref))
         first = ", ".join(f"{statistics.median(x[1] for x in side):.0f}" for side in (cur, ref))
-        table.add_row(name, f"{rate_new:,.0f}", f"{rate_old:,.0f}", f"{rate_new / rate_old:.3f}", per_round, first)
+        rss = ", ".join(f"{statistics.median(x[2] for x in side):.3f}" for side in (cur, ref))
+        table.add_row(name, f"{rate_new:,.0f}", f"{rate_old:,.0f}", f"{rate_new / rate_old:.3f}", per_round, first, rss)
     Console().print(table)

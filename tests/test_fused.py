@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from launcher.config import ModelConfig
 from launcher.flops import device_flop_per_byte, head_dim, loss_chunk_rows
+from launcher.model import loss as loss_module
 from launcher.model import transformer
 from launcher.model.init import initialized_model
 from launcher.parallel.pipeline import split_weight_passes
@@ -98,7 +99,7 @@ H200_1B_ROWS = loss_chunk_rows(8 * 2048, 128256, device_flop_per_byte("cuda", 98
 
 @pytest.mark.parametrize("rows", [10**6, 7, H200_1B_ROWS])
 def test_chunked_loss_equals_cross_entropy(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transformer, "loss_chunk_rows", lambda *_: rows)
+    monkeypatch.setattr(loss_module, "loss_chunk_rows", lambda *_: rows)
     cfg = dataclasses.replace(ModelConfig(), n_layers=1)
     model = initialized_model(cfg, 5, torch.device("cpu"))
     batch, seq = (3, 17) if rows < 100 else (5, 1001)  # H200's: 5000 tokens, 2 whole chunks and a short one
@@ -118,7 +119,7 @@ def test_chunked_loss_equals_cross_entropy(rows: int, monkeypatch: pytest.Monkey
 
 
 def test_chunked_loss_never_holds_the_full_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transformer, "loss_chunk_rows", lambda *_: 16)  # 16 of the 64 tokens at a time
+    monkeypatch.setattr(loss_module, "loss_chunk_rows", lambda *_: 16)  # 16 of the 64 tokens at a time
     cfg = dataclasses.replace(ModelConfig(), n_layers=1, dim=32, n_heads=4, ffn_dim=32)
     model = initialized_model(cfg, 5, torch.device("cpu"))
     tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(2))

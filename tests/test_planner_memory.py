@@ -33,7 +33,7 @@ def test_fsdp_holds_the_root_unit_two_blocks_the_outputs_gradient_and_a_blocks_c
 def test_fused_adamw_has_no_temporary_and_the_chunked_loss_no_logits():
     """One process: the update adds only the two moments; the loss keeps d loss / d h and one chunk of
     fp32 logits (model/loss.py: 469 of the 16384 tokens on a CPU, the runtime's rule), not tokens x
-    vocab; under tp the vocabulary-parallel logits."""
+    vocab; under tp one chunk of its vocabulary shard (parallel/vocab.py), never the whole shard."""
     m = make_cfg("125m").model
     lay = Layout(micro=8)
     one = memory.rank_memory(m, 2048, lay, 4, "cpu", 0)
@@ -41,7 +41,8 @@ def test_fused_adamw_has_no_temporary_and_the_chunked_loss_no_logits():
     assert loss_chunk_rows(8 * 2048, m.vocab_size, FLOP_PER_BYTE["cpu"]) == 469
     assert one.logits == 8 * 2048 * m.dim * 4 + 469 * m.vocab_size * 4
     tp = memory.rank_memory(m, 2048, Layout(tp=2, micro=8), 4, "cpu", 0)
-    assert tp.logits == 8 * 2048 * m.vocab_size / 2 * (4 + memory.LOGIT_EXTRA_BYTES)
+    rows = loss_chunk_rows(8 * 2048, m.vocab_size // 2, FLOP_PER_BYTE["cpu"])
+    assert rows == 469 and tp.logits == 8 * 2048 * m.dim * 4 + rows * m.vocab_size // 2 * 4
 
 
 def test_the_chunked_loss_on_an_h200_moves_the_output_weight_a_few_times_and_the_planner_counts_it():

@@ -11,6 +11,10 @@ Every chunk re-reads the output weight and adds into its fp32 gradient, so the c
 the device (`flops.loss_chunk_rows`, which the planner reads too): rows enough that a chunk's matmuls
 outlast that traffic. On an H200 a `1b` step runs 8 chunks of 2048 tokens (128K vocabulary), where
 fixed 16 MiB chunks of 32 tokens made 512 and moved 2.2 TB.
+
+Under tensor parallelism each rank holds a slice of the vocabulary (`Vocab` says which): a chunk's
+log-sum-exp and target logit then combine across the ranks as per-token scalars
+(launcher/parallel/vocab.py), and the logits are never whole on any rank, even a chunk's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+from torch import nn
+
+from launcher.flops import loss_chunk_rows
 
 # Inside `token_losses()`: where each loss computed also leaves its per-token values (detached)
 _RECORDING: ContextVar[list[torch.Tensor] | None] = ContextVar("token_losses", default=None)
@@ -49,14 +56,30 @@ def record(per_token: torch.Tensor) -> None:
         recorded.append(per_token.detach().flatten().float())
 
 
-def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class Vocab:
+    """The whole vocabulary on this rank: a chunk's log-sum-exp and target logits are its own."""
+
+    def lse_and_target(
+        self, logits: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per token: the log-sum-exp over the vocabulary, the target's logit, and the target's column
+        in `logits` (-1 where another rank holds it)."""
+        return logits.logsumexp(-1), logits.gather(1, targets[:, None]).squeeze(1), targets
+
+
+WHOLE = Vocab()
+
+
+def _chunk(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: Vocab
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token losses, d loss / d logits) of one chunk: logits in fp32, softmax minus the one-hot."""
     logits = (h @ weight.t()).float()
-    lse = logits.logsumexp(-1)
-    loss = lse - logits.gather(1, targets[:, None]).squeeze(1)
+    lse, target, cols = vocab.lse_and_target(logits, targets)
     grad = logits.sub_(lse[:, None]).exp_()  # the softmax, in place of the logits
-    grad[torch.arange(len(targets), device=grad.device), targets] -= 1
-    return loss, grad
+    here = (cols >= 0).to(grad.dtype)  # minus the one-hot where this rank holds the target (no host sync)
+    grad.scatter_add_(1, cols.clamp(min=0)[:, None], -here[:, None])
+    return lse - target, grad
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -71,6 +94,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         rows: int,
         need_grad: bool,
         dtype: torch.dtype,
+        vocab: Vocab,
     ) -> torch.Tensor:
         x, w = h.to(dtype), weight.to(dtype)  # `dtype`: autocast's, chosen outside (autocast is off in here)
         n = h.shape[0]
@@ -80,7 +104,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         per_token = [] if recording() else None
         for lo in range(0, n, rows):
             hi = min(lo + rows, n)
-            loss, grad = _chunk(x[lo:hi], w, targets[lo:hi])
+            loss, grad = _chunk(x[lo:hi], w, targets[lo:hi], vocab)
             total += loss.sum()
             if per_token is not None:
                 per_token.append(loss)
@@ -102,14 +126,27 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n
-        return grad_h * scale.to(grad_h.dtype), grad_w * scale.to(grad_w.dtype), None, None, None, None
+        return grad_h * scale.to(grad_h.dtype), grad_w * scale.to(grad_w.dtype), None, None, None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int, vocab: Vocab = WHOLE
+) -> torch.Tensor:
     """Mean token loss of the logits `h @ weight.T`, never holding them whole, `rows` tokens at a time:
-    h (..., dim), targets (...)."""
+    h (..., dim), targets (...); `weight` this rank's `vocab` rows."""
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
     with torch.autocast(device, enabled=False):
-        return LinearCrossEntropy.apply(h.flatten(0, -2), weight, targets.flatten(), rows, need_grad, dtype)
+        return LinearCrossEntropy.apply(h.flatten(0, -2), weight, targets.flatten(), rows, need_grad, dtype, vocab)
+
+
+class OutputLoss(nn.Module):
+    """The output projection and the mean token loss together, chunked (no parameters: the model passes
+    its output weight). Tensor parallelism swaps in its vocabulary-parallel twin (parallel/vocab.py)."""
+
+    def forward(
+        self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, flop_per_byte: float
+    ) -> torch.Tensor:
+        rows = loss_chunk_rows(targets.numel(), weight.shape[0], flop_per_byte)
+        return linear_cross_entropy(h, weight, targets, rows)

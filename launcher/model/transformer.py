@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from launcher.config import ModelConfig
-from launcher.flops import head_dim, kv_heads, loss_chunk_rows
+from launcher.flops import head_dim, kv_heads
 from launcher.model.documents import attention_mask, document_ids, document_positions, masked_attention
 from launcher.model.fused import FusedLinear
-from launcher.model.loss import linear_cross_entropy
+from launcher.model.loss import OutputLoss
 from launcher.model.moe import MoE, is_moe_layer
 
 
@@ -153,6 +153,7 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.output_loss = OutputLoss()  # with targets: the projection and the loss in chunks (model/loss.py)
         self.register_buffer("rope", self._rope_tables(), persistent=False)
 
     def _rope_tables(self) -> torch.Tensor | None:
@@ -195,6 +196,5 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         if targets is not None:
-            rows = loss_chunk_rows(targets.numel(), self.output.weight.shape[0], self.flop_per_byte)
-            return linear_cross_entropy(h, self.output.weight, targets, rows)
+            return self.output_loss(h, self.output.weight, targets, self.flop_per_byte)
         return self.output(h)

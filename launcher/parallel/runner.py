@@ -55,7 +55,6 @@ class Runner:
         self.micro = micro
         self.autocast = autocast
         self.local_loss = 0.0  # this rank's own mean loss of the last pass, before the mean over ranks
-        self.chunked_loss = True  # False under tensor parallelism: the vocabulary-parallel loss instead
 
     @functools.cached_property
     def stage_moe(self) -> list[list[MoE]]:
@@ -75,11 +74,8 @@ class Runner:
         return self.autocast or contextlib.nullcontext()
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            if self.chunked_loss:  # output projection and loss together, in chunks (model/loss.py)
-                return self.model(inputs, targets)
-            logits = self.model(inputs)
-        return cross_entropy(logits, targets)
+        with self._autocast():  # output projection and loss together, in chunks (model/loss.py; under tp
+            return self.model(inputs, targets)  # over the vocabulary shards: parallel/vocab.py)
 
     def microbatches(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batch as the microbatches it runs, `micro` sequences each."""
@@ -143,7 +139,6 @@ class DistributedRunner(Runner):
         self.mesh = mesh
         self.layout = layout
         self.device = next(p for part in parts for p in part.parameters()).device
-        self.chunked_loss = layout.tp == 1
         self.norm_skips: set[int] = set()  # ids of copies whose gradient another parameter counts
 
     def _all_reduce(self, value: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:

@@ -12,9 +12,10 @@ Per block (Shoeybi et al. 2019, fig. 3):
 
 Around the blocks: the token (and learned position) embedding is vocabulary-parallel (row-wise over
 the table: each rank looks up its rows, a reduce forms the embedding), the output projection is
-column-parallel over the vocabulary, and the loss is computed from vocabulary-sharded logits under
-`loss_parallel()` (a distributed log-softmax: max and sum-exp all-reduced), so the full
-(batch, seq, vocab) logits never exist on one rank.
+column-parallel over the vocabulary, and the loss is computed from vocabulary-sharded logits:
+chunk by chunk with the output projection (parallel/vocab.py: per-token maxima and sums all-reduced),
+or, where a pipeline stage returns its logits, under `loss_parallel()` (a distributed log-softmax); the
+full (batch, seq, vocab) logits never exist on one rank.
 
 Every parameter becomes a DTensor on the tensor-parallel mesh (duplicated ones as Replicate), so
 optimizer and gradient-norm code never mixes plain tensors with DTensors. Weights are cut from the
@@ -44,8 +45,10 @@ from torch.distributed.tensor.parallel import (
 
 from launcher.model.fused import FusedLinear, converted
 from launcher.model.init import tied_output
+from launcher.model.loss import OutputLoss
 from launcher.model.moe import MoE
 from launcher.parallel.swap import swap_modules
+from launcher.parallel.vocab import VocabParallelLoss
 
 
 class Duplicate(ParallelStyle):
@@ -147,6 +150,8 @@ def apply_tensor_parallel(
     with tied_output(model):
         parallelize_module(model, mesh, plan(model, sequence_parallel, local_logits))
     local_fused(model)
+    stream = Shard(1) if sequence_parallel else Replicate()
+    swap_modules(model, OutputLoss, lambda _: VocabParallelLoss(mesh, stream))
 
 
 def loss_context(tp: int) -> contextlib.AbstractContextManager:

@@ -226,17 +226,20 @@ def in_flight(layout: Layout, rank: int) -> float:
 
 def chunked_loss(layout: Layout) -> bool:
     """The runtime's loss: chunked (model/loss.py: the output projection and the loss in chunks, each
-    chunk's gradients computed in forward) without tensor or pipeline parallelism; otherwise the
-    full logits (vocabulary-parallel under tp, the schedule's loss function under pp)."""
-    return layout.tp == 1 and layout.pp == 1
+    chunk's gradients computed in forward; under tp over each rank's vocabulary shard, parallel/vocab.py)
+    without pipeline parallelism; otherwise the full logits (the schedule's loss function under pp,
+    vocabulary-parallel under tp)."""
+    return layout.pp == 1
 
 
-def loss_chunk_bytes(m: ModelConfig, tokens: int, elem: int, flop_per_byte: float) -> float:
-    """The chunked loss's working set besides d loss / d h: a chunk's logits in fp32, with (bf16) the
-    matmul's output before it and the gradient fed back after it, each in the compute dtype; or that
-    gradient beside the chunk's weight gradient before it joins the fp32 sum (bf16; fp32 adds in place).
-    Rows per chunk: the runtime's rule, `flops.loss_chunk_rows`."""
-    rows, vocab = loss_chunk_rows(tokens, m.vocab_size, flop_per_byte), m.vocab_size
+def loss_chunk_bytes(m: ModelConfig, tokens: int, elem: int, flop_per_byte: float, tp: int = 1) -> float:
+    """The chunked loss's working set besides d loss / d h: a chunk's logits in fp32 (this rank's
+    vocabulary shard of them under `tp`), with (bf16) the matmul's output before it and the gradient fed
+    back after it, each in the compute dtype; or that gradient beside the chunk's weight gradient before
+    it joins the fp32 sum (bf16; fp32 adds in place). Rows per chunk: the runtime's rule,
+    `flops.loss_chunk_rows`."""
+    vocab = m.vocab_size // tp
+    rows = loss_chunk_rows(tokens, vocab, flop_per_byte)
     low = elem if elem < MASTER_BYTES else 0
     return float(max(rows * vocab * (MASTER_BYTES + low), low * (rows * vocab + vocab * m.dim)))
 
@@ -256,7 +259,7 @@ def loss_bytes(m: ModelConfig, layout: Layout, elem: int, kind: str, tokens: int
     log-softmax."""
     if chunked_loss(layout):
         ratio = FLOP_PER_BYTE.get(kind, FLOP_PER_BYTE["cuda"]) if flop_per_byte is None else flop_per_byte
-        return tokens * m.dim * elem + loss_chunk_bytes(m, tokens, elem, ratio)
+        return tokens * m.dim * elem + loss_chunk_bytes(m, tokens, elem, ratio, layout.tp)
     return tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * logits_in_flight(layout)
 
 
