@@ -225,19 +225,16 @@ def in_flight(layout: Layout, rank: int) -> float:
 
 
 def chunked_loss(layout: Layout) -> bool:
-    """The runtime's loss: chunked (model/loss.py: the output projection and the loss in chunks, each
-    chunk's gradients computed in forward; under tp over each rank's vocabulary shard, parallel/vocab.py)
-    without pipeline parallelism; otherwise the full logits (the schedule's loss function under pp,
-    vocabulary-parallel under tp)."""
+    """The runtime's loss: chunked (model/loss.py, each chunk's gradients computed in forward; under tp
+    on each rank's vocabulary shard) without pipelining; else the schedule's loss over whole logits."""
     return layout.pp == 1
 
 
 def loss_chunk_bytes(m: ModelConfig, tokens: int, elem: int, flop_per_byte: float, tp: int = 1) -> float:
-    """The chunked loss's working set besides d loss / d h: a chunk's logits in fp32 (this rank's
-    vocabulary shard of them under `tp`), with (bf16) the matmul's output before it and the gradient fed
-    back after it, each in the compute dtype; or that gradient beside the chunk's weight gradient before
-    it joins the fp32 sum (bf16; fp32 adds in place). Rows per chunk: the runtime's rule,
-    `flops.loss_chunk_rows`."""
+    """The chunked loss's working set besides d loss / d h: a chunk's logits in fp32 (their vocabulary
+    shard under `tp`), with (bf16) the matmul's output before it and the gradient fed back after it, each
+    in the compute dtype; or that gradient beside the chunk's weight gradient before it joins the fp32 sum
+    (bf16; fp32 adds in place). Rows per chunk: the runtime's rule, `flops.loss_chunk_rows`."""
     vocab = m.vocab_size // tp
     rows = loss_chunk_rows(tokens, vocab, flop_per_byte)
     low = elem if elem < MASTER_BYTES else 0
