@@ -101,8 +101,9 @@ def loss_traffic(m: ModelConfig, layout: Layout, machine: Machine, tokens: int) 
     """Seconds per microbatch of the chunked loss (pp = 1) moving the output weight (this rank's vocabulary
     shard under tp) and its fp32 gradient sum once per chunk (flops.loss_weight_bytes, at the runtime's
     chunk size) at the memory bandwidth, none of it hidden behind the matmuls. The logits' own
-    elementwise passes scale with tokens, as in the unchunked loss: the non-matmul share. A profile without a memory bandwidth (cpu)
-    counts none: this CPU's chunks (docs/planner.md) moved theirs in 3-4% of the loss's time."""
+    elementwise passes scale with tokens, as in the unchunked loss: the non-matmul share. A profile
+    without a memory bandwidth (cpu) counts none: this CPU's chunks (docs/planner.md) moved theirs in
+    3-4% of the loss's time."""
     if not memory.chunked_loss(layout) or not machine.memory_bandwidth:
         return 0.0
     vocab = m.vocab_size // layout.tp
