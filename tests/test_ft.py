@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from launcher.errors import LauncherError
 from launcher.extras import installed
 from launcher.ft_config import FtConfig, check_ft
 from launcher.spawn import launch
+from launcher.train.checkpoint import complete_checkpoints
+from launcher.train.replicas import TEST_KILL_ENV
 from tests.conftest import losses, run_for, tiny_config
 
 
@@ -61,3 +65,50 @@ def test_two_groups_train_as_one_layout(tmp_path: Path) -> None:
         assert losses(run_dir) == pytest.approx(expected, rel=1e-5)
     rows = [json.loads(line) for line in (ft / "metrics.jsonl").read_text().splitlines()]
     assert [row["replicas"] for row in rows] == [2, 2, 2, 2]
+
+
+def final_state(run_dir: Path) -> dict[str, Any]:
+    """The newest complete checkpoint under `run_dir`, as one plain state dict (DCP read without a process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(complete_checkpoints(run_dir / "checkpoints")[0], run_dir / "final.pt")
+    return torch.load(run_dir / "final.pt", weights_only=False)
+
+
+def assert_same(ours: Any, theirs: Any, where: str = "") -> None:
+    """Bitwise equal, through nested dicts and lists."""
+    if isinstance(ours, dict):
+        assert ours.keys() == theirs.keys(), where
+        for key in ours:
+            assert_same(ours[key], theirs[key], f"{where}.{key}")
+    elif isinstance(ours, list | tuple):
+        assert len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(ours, torch.Tensor):
+        assert torch.equal(ours, theirs), where
+    else:
+        assert ours == theirs, where
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_killed_group_restarts_and_heals_from_its_peer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group 1's worker dies at step 3 (SIGKILL, first life only): group 0 steps on alone, group 1's agent
+    restarts it, it takes group 0's state in a quorum and ends bitwise equal to it."""
+    monkeypatch.setenv(TEST_KILL_ENV, "3:1")
+    steps, timeout_s = 300, 20.0
+    overrides = (f"steps={steps}", f"checkpoint.every={steps}", "max_restarts=1", "metrics.log_every=1")
+    ft = ("ft.replicas=2", "ft.min_replicas=1", f"ft.quorum_timeout_s={timeout_s}")
+    summary = launch(run_for(tiny_config(tmp_path, *LAYOUT, *overrides, *ft), None), tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))  # each once: the survivor never restarted
+    gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:], strict=False)]
+    assert max(gaps) < timeout_s
+    alone = [row["step"] for row in rows if row["replicas"] == 1]
+    assert alone[0] == 3 and rows[-1]["replicas"] == 2  # alone from the kill until group 1 healed
+    assert alone == list(range(3, alone[-1] + 1))
+    assert summary["ft_short_steps"] == alone
+    assert summary["ft_tokens_missed"] == len(alone) * 4 * 32  # group 1's batch of each (4 sequences of 32)
+    ours, theirs = final_state(tmp_path / "run"), final_state(tmp_path / "run" / "replica_1")
+    assert_same(ours, theirs)
