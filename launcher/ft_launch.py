@@ -40,6 +40,8 @@ def group_dir(run_dir: Path, replica: int) -> Path:
 def launch_replicas(run: Run, run_dir: Path, launch: Launch) -> dict[str, Any]:
     """Start the Lighthouse and the groups, each an ordinary `launch` of its layout (passed in, so this
     module does not import the launcher that calls it); return group 0's summary once every group has ended."""
+    # torchft's Rust side logs each quorum and commit at INFO on the terminal; read when it is imported
+    os.environ.setdefault("RUST_LOG", "warn")
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 

@@ -112,3 +112,28 @@ def test_killed_group_restarts_and_heals_from_its_peer(tmp_path: Path, monkeypat
     assert summary["ft_tokens_missed"] == len(alone) * 4 * 32  # group 1's batch of each (4 sequences of 32)
     ours, theirs = final_state(tmp_path / "run"), final_state(tmp_path / "run" / "replica_1")
     assert_same(ours, theirs)
+
+
+SIX = (*LAYOUT, "steps=6", "checkpoint.every=4")
+FT = ("ft.replicas=2", "ft.min_replicas=2", "ft.quorum_timeout_s=30")
+
+
+@pytest.fixture(scope="module")
+def ft_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of 2 groups x 1 rank, 6 steps, checkpoints at steps 4 and 6."""
+    tmp = tmp_path_factory.mktemp("ft_run")
+    launch(run_for(tiny_config(tmp, *SIX, *FT), None), tmp / "run")
+    return tmp / "run"
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.parametrize("ft", [(), FT], ids=["ft_off", "ft_on"])
+def test_a_checkpoint_of_two_groups_resumes_the_whole_job(ft_run: Path, ft: tuple[str, ...], tmp_path: Path) -> None:
+    """Group 0's checkpoint at step 4 of 6 is the whole job's: resumed without ft (one layout of 2 DDP
+    ranks) or with ft (each group loads it), steps 5 and 6 have the ft run's losses."""
+    expected = losses(ft_run)
+    step4 = ft_run / "checkpoints" / "step_00000004"
+    summary = launch(run_for(tiny_config(tmp_path, *SIX, f"resume={step4}", *ft), None), tmp_path / "run")
+    assert summary["steps"] == 6
+    assert losses(tmp_path / "run") == pytest.approx({5: expected[5], 6: expected[6]}, rel=1e-5)
