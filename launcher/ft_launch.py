@@ -46,8 +46,10 @@ def launch_replicas(run: Run, run_dir: Path, launch: Launch) -> dict[str, Any]:
     from torchft.coordination import LighthouseServer
 
     # a group that heartbeats but does not join is left out before the others' quorum times out
-    join_ms = int(run.ft.quorum_timeout_s * 500)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=run.ft.min_replicas, join_timeout_ms=join_ms)
+    join_ms, heartbeat_ms = int(run.ft.quorum_timeout_s * 500), int(run.ft.heartbeat_timeout_s * 1000)
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=run.ft.min_replicas, join_timeout_ms=join_ms, heartbeat_timeout_ms=heartbeat_ms
+    )
     start = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     os.environ[LIGHTHOUSE_ENV] = lighthouse.address()  # inherited by every group's processes
     os.environ[START_ENV] = f"127.0.0.1:{start.port}"

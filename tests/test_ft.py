@@ -97,9 +97,11 @@ def test_killed_group_restarts_and_heals_from_its_peer(tmp_path: Path, monkeypat
     """Group 1's worker dies at step 3 (SIGKILL, first life only): group 0 steps on alone, group 1's agent
     restarts it, it takes group 0's state in a quorum and ends bitwise equal to it."""
     monkeypatch.setenv(TEST_KILL_ENV, "3:1")
-    steps, timeout_s = 300, 20.0
+    steps, timeout_s = 400, 20.0
     overrides = (f"steps={steps}", f"checkpoint.every={steps}", "max_restarts=1", "metrics.log_every=1")
-    ft = ("ft.replicas=2", "ft.min_replicas=1", f"ft.quorum_timeout_s={timeout_s}")
+    # the survivor stalls while the dead group still counts as alive (6 s): group 1's restart is under way
+    # then, and it must be back before the survivor's last step
+    ft = ("ft.replicas=2", "ft.min_replicas=1", f"ft.quorum_timeout_s={timeout_s}", "ft.heartbeat_timeout_s=6")
     summary = launch(run_for(tiny_config(tmp_path, *LAYOUT, *overrides, *ft), None), tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, steps + 1))  # each once: the survivor never restarted
