@@ -50,7 +50,7 @@ def launch_replicas(run: Run, run_dir: Path, launch: Launch) -> dict[str, Any]:
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=run.ft.min_replicas, join_timeout_ms=join_ms, heartbeat_timeout_ms=heartbeat_ms
     )
-    start = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    start = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # served while it lives
     os.environ[LIGHTHOUSE_ENV] = lighthouse.address()  # inherited by every group's processes
     os.environ[START_ENV] = f"127.0.0.1:{start.port}"
     spawn = multiprocessing.get_context("spawn")
