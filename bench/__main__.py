@@ -26,6 +26,7 @@ BENCHES = [
     "fsdp_accumulation",
     "spike",
     "data",
+    "ft",
 ]
 ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
 

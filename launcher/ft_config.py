@@ -18,6 +18,7 @@ class FtConfig:
     replicas: int = ranged(0, ge=0)  # replica groups; 0 or 1: off (one group, today's behaviour)
     min_replicas: int = ranged(1, ge=1)  # groups a step needs: fewer, and the quorum waits for more
     quorum_timeout_s: float = ranged(60.0, gt=0)  # how long a quorum (and a cross-group collective) may wait
+    heartbeat_timeout_s: float = ranged(2.0, gt=0)  # a silent group counts as alive this long: the others stall
 
     @property
     def on(self) -> bool:

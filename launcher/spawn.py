@@ -345,6 +345,6 @@ def launch(run: Run, run_dir: Path) -> dict[str, Any]:
         return launch_replicas(run, run_dir, launch)
     if env_rank() is not None:
         return run_rank(run, run_dir)
-    if run.layout.world_size == 1:
+    if run.layout.world_size == 1 and run.replica is None:  # ft: a group of one rank is restarted by its agent
         return train_rank(run, run_dir, 0)
     return start_local_workers(run, run_dir)

@@ -51,10 +51,11 @@ def train(run: Run, run_dir: Path, rank: int = 0, watchdog: Watchdog | Off | Non
         spikes.keep(step, run.steps)  # rollback: the in-memory snapshot, every guard.snapshot_every steps
         step += 1
         stepped = train_step(w, spikes, profiler, step, step == nan_step)
-        if stepped is None:  # rolled back: on from the snapshot's step, those batches never served again
-            step = spikes.rolled_back_to
+        if isinstance(stepped, int):  # rolled back, or an ft step to redo: on from that step
+            step = stepped
             continue
         row, loads = stepped
+        step = row["step"]  # ft: a group that healed from a peer is on the peer's step
         rows.append(row)
         if report(w, spikes, preemption, step, row, loads):  # a stop signal: every rank saved this step
             w.checkpointer.wait()
@@ -77,13 +78,14 @@ def train(run: Run, run_dir: Path, rank: int = 0, watchdog: Watchdog | Off | Non
 
 def train_step(
     w: Worker, spikes: SpikeGuard, profiler: StepProfiler, step: int, nan: bool
-) -> tuple[dict[str, Any], list[Any]] | None:
-    """One step: its metrics row and each MoE layer's load; None when the spike guard rolled back."""
+) -> tuple[dict[str, Any], list[Any]] | int:
+    """One step: its metrics row and each MoE layer's load; or the step to go on from when this one does
+    not count (the spike guard rolled back; ft: this group could not commit, and redoes it)."""
     run, runner, device = w.run, w.runner, w.device
     w.watchdog.phase("data", step)
     w.meter.start()
     profiler.begin(step)
-    w.replicas.begin()  # ft: this step's quorum of replica groups, formed during forward and backward
+    w.replicas.begin(step)  # ft: this step's quorum of replica groups, formed during forward and backward
     inputs, targets = w.train_loader.next_batch()
     w.watchdog.phase("forward_backward", step)
     with injected_nan(runner.parts, nan), spikes.poisoned(runner.parts), sources.recording(w.train_loader) as per_token:
@@ -94,15 +96,17 @@ def train_step(
     grad_norm = runner.clip_grad_norm(run.optim.grad_clip)
     lr = w.schedule.get_last_lr()[0]
     # NaN/inf: stop (exit 3), or skip the update; a spike: skip it, or roll back (launcher/train/spike.py)
-    committed = w.replicas.commit()  # ft: false when this group failed a collective (it heals from a peer)
+    # ft: not committed when this group failed a collective (the step is redone, same batch); a group that
+    # healed from a peer just now is on the peer's step
+    committed, step = w.replicas.commit(step)
     if committed and w.guard.update(step, loss, grad_norm, runner) and spikes.update(step, loss, grad_norm):
         w.optimizer.step()
         precompute_scales(runner.parts, run.options.fp8)  # FSDP2's float8 weight scales for the next step
     w.optimizer.zero_grad(set_to_none=True)
-    if spikes.rolled_back_to is not None:
+    if not committed or spikes.rolled_back_to is not None:
         precompute_scales(runner.parts, run.options.fp8)  # the restored weights'
         profiler.end(step)
-        return None
+        return spikes.rolled_back_to if spikes.rolled_back_to is not None else step - 1
     w.schedule.step()
     balance = runner.update_balance(w.per_layer)  # MoE: routing biases after the step, and their metrics
     if device.type == "cuda":
@@ -192,6 +196,7 @@ def summarize(w: Worker, rows: list[dict[str, Any]], profiled: list[str]) -> dic
         **sources.realised_shares(rows),  # a mixture's tokens and share per source
         **w.checkpointer.summary(),  # save time and bytes per rank (the planner's bytes: prediction)
         **({"profile": profiled} if profiled else {}),
+        **w.replicas.summary(rows),  # ft: the steps some replica group missed, and their tokens
     }
 
 

@@ -3,33 +3,44 @@ to the same rank of every other group that takes part in a step (the Lighthouse'
 
 Each step: `begin` asks for the quorum (asynchronously, during forward and backward); `sync` averages
 the gradients and the loss over the groups in it, in one collective; `commit` says whether every rank
-of this group may step its optimizer (a group that failed a collective skips the update, and torchft
-heals it from a peer at the next quorum). With `ft` off the loop gets `Alone`, which does nothing."""
+of this group may step its optimizer. A group that failed a collective (a peer died) redoes the step
+with the same batch; a group behind the others (restarted) gets a peer's state in that quorum (the
+model, optimizer, schedule, loader and step: `state`), contributes no gradient to that step, and then
+steps with the others. With `ft` off the loop gets `Alone`, which does nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from launcher.ft_launch import START_ENV
 from launcher.run import Run
+
+TEST_KILL_ENV = "LAUNCHER_TEST_KILL"  # tests only: "STEP:REPLICA": that group's rank 0 SIGKILLs itself (first life)
 
 
 class Alone:
     """`ft` off: the one group there is."""
 
-    def begin(self) -> None:
+    def begin(self, step: int) -> None:
         pass
 
     def sync(self, parts: list[torch.nn.Module], loss: float) -> float:
         return loss
 
-    def commit(self) -> bool:
-        return True
+    def commit(self, step: int) -> tuple[bool, int]:
+        return True, step
 
     def columns(self) -> dict[str, int]:
+        return {}
+
+    def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
 
     def close(self) -> None:
@@ -37,19 +48,22 @@ class Alone:
 
 
 class Replicas(Alone):
-    """This rank's Manager; its `state` callbacks give and take what a recovering peer needs."""
+    """This rank's Manager, and what a recovering peer receives from it: `w` is the rank's
+    launcher.train.setup.Worker (which builds this: not imported here, no circle)."""
 
-    def __init__(self, run: Run, rank: int, state: Any, load_state: Any) -> None:
+    def __init__(self, run: Run, rank: int, w: Any) -> None:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
+        self.w, self.replicas, self.kill_step = w, run.ft.replicas, injected_kill_step(run.replica, rank)
+        self.step, self.before, self.healed_to = w.start, w.train_loader.state_dict(), None
         timeout = timedelta(seconds=run.ft.quorum_timeout_s)
         world = run.layout.world_size
-        store_addr, store_port, self.store = group_store(world)
+        store_addr, store_port, self.store = group_store(rank, world)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
-            load_state_dict=load_state,
-            state_dict=state,
+            load_state_dict=self.load_state,
+            state_dict=self.state,
             min_replica_size=run.ft.min_replicas,
             timeout=timeout,
             quorum_timeout=timeout,
@@ -60,13 +74,44 @@ class Replicas(Alone):
             replica_id=f"replica_{run.replica}",
             init_sync=False,  # every group starts from the same seeded weights (or the same checkpoint)
         )
+        # The Manager counts the steps this group committed: from the step it resumed at, so that a
+        # group behind the others (restarted, or resumed from an older checkpoint) is the one healed.
+        self.manager.load_state_dict({"step": w.start, "batches_committed": 0})
+        if rank == 0:
+            wait_for_groups(run.replica or 0, run.ft.replicas, timeout)
 
-    def begin(self) -> None:
+    def state(self) -> dict[str, Any]:
+        """Read by the quorum's thread between `begin` and `commit`, while nothing here changes it."""
+        w = self.w
+        return {
+            "parts": [p.state_dict() for p in w.runner.parts],
+            "optim": w.optimizer.state_dict(),
+            "schedule": w.schedule.state_dict(),
+            "loader": self.before,  # before this step's batch: `state` runs while the main thread draws it
+            "step": self.step,
+            "skipped_steps": w.guard.skipped,
+        }
+
+    def load_state(self, sd: dict[str, Any]) -> None:
+        """A peer's state at the start of its step `sd["step"]`: applied in `commit`, on the main thread."""
+        w = self.w
+        for part, part_sd in zip(w.runner.parts, sd["parts"], strict=True):
+            part.load_state_dict(part_sd)
+        w.optimizer.load_state_dict(sd["optim"])
+        w.schedule.load_state_dict(sd["schedule"])
+        w.train_loader.load_state_dict(sd["loader"])
+        w.guard.skipped = sd["skipped_steps"]
+        self.before, self.healed_to = sd["loader"], sd["step"]
+
+    def begin(self, step: int) -> None:
+        self.step, self.before = step, self.w.train_loader.state_dict()
         self.manager.start_quorum()
 
     def sync(self, parts: list[torch.nn.Module], loss: float) -> float:
         """Average every gradient and the loss over the groups in this step's quorum (torchft divides
         by their number); a group that is only recovering contributes nothing."""
+        if self.step == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
         grads = [local(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss], dtype=grads[0].dtype)])
         self.manager.allreduce(flat).wait()
@@ -76,11 +121,29 @@ class Replicas(Alone):
             offset += g.numel()
         return float(flat[-1])
 
-    def commit(self) -> bool:
-        return self.manager.should_commit()
+    def commit(self, step: int) -> tuple[bool, int]:
+        """Whether to step the optimizer, and the step this is: a group that healed just now is on its
+        peer's step, its loader past the batch the peer drew. Not committed: the loader goes back before
+        this step's batch, for the loop to redo the step."""
+        committed = self.manager.should_commit()
+        healed, self.healed_to = self.healed_to, None
+        if not committed:
+            self.w.train_loader.load_state_dict(self.before)
+            return False, healed if healed is not None else step
+        if healed is None:
+            return True, step
+        self.w.train_loader.next_batch()  # the peer's batch of this step: its gradient came with the peer's
+        return True, healed
 
     def columns(self) -> dict[str, int]:
         return {"replicas": self.manager.num_participants()}
+
+    def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The steps some group missed (a tokens' count of its batches that no one trained on)."""
+        short = [row for row in rows if row["replicas"] < self.replicas]
+        per_group = self.w.run.layout.global_batch * self.w.run.options.seq_len
+        missed = sum((self.replicas - row["replicas"]) * per_group for row in short)
+        return {"ft_short_steps": [row["step"] for row in short], "ft_tokens_missed": missed}
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
@@ -92,26 +155,38 @@ def local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
-def group_store(world: int) -> tuple[str, int, Any]:
-    """Where this group's ranks meet their Manager: the store of the group's launcher (MASTER_ADDR and
-    MASTER_PORT), or, for a group of one rank in this process, a store of its own (kept alive here)."""
+def group_store(rank: int, world: int) -> tuple[str, int, Any]:
+    """Where this group's ranks meet their Manager: a store of this attempt's own, served by rank 0 (kept
+    alive here). The launcher's store outlives a restart: a restarted rank would read the dead Manager's
+    address from it."""
+    store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store is not None else 0]
     if world > 1:
-        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    return "127.0.0.1", store.port, store
+        dist.broadcast_object_list(port, src=0)
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), port[0], store
+
+
+def wait_for_groups(replica: int, replicas: int, timeout: timedelta) -> None:
+    """Before its first quorum, each group waits (up to the quorum timeout) until every group has its
+    Manager: else the first groups to start would step without the slower ones (ft.min_replicas < replicas).
+    A restarted group finds them all there."""
+    host, port = os.environ[START_ENV].rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    store.set(f"started/{replica}", "1")
+    with contextlib.suppress(dist.DistStoreError):
+        store.wait([f"started/{g}" for g in range(replicas)], timeout)
+
+
+def injected_kill_step(replica: int | None, rank: int) -> int | None:
+    """Tests only (LAUNCHER_TEST_KILL=STEP:REPLICA): the step at which that group's rank 0 dies, in its
+    first life (the elastic agent's restart count)."""
+    raw = os.environ.get(TEST_KILL_ENV)
+    if not raw or rank != 0 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    step, _, group = raw.partition(":")
+    return int(step) if int(group or 0) == replica else None
 
 
 def replicas_of(run: Run, rank: int, w: Any) -> Alone:
     """The loop's view of the other groups: `Alone` with `ft` off."""
-    if run.replica is None:
-        return Alone()
-
-    def state() -> dict[str, Any]:
-        return {"parts": [p.state_dict() for p in w.runner.parts], "optim": w.optimizer.state_dict()}
-
-    def load_state(sd: dict[str, Any]) -> None:
-        for part, part_sd in zip(w.runner.parts, sd["parts"], strict=True):
-            part.load_state_dict(part_sd)
-        w.optimizer.load_state_dict(sd["optim"])
-
-    return Replicas(run, rank, state, load_state)
+    return Alone() if run.replica is None else Replicas(run, rank, w)
