@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import asdict, fields, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -110,17 +110,24 @@ def _train_task(cfg: TrainConfig) -> None:
     from launcher.data.corpus import check_source
     from launcher.data.mix import check_mix
     from launcher.ft_config import check_ft
+    from launcher.ft_launch import group_dir, group_run
     from launcher.layout_config import check_environment
     from launcher.metrics.sinks import check_wandb_login
     from launcher.model.hf import check_folder
     from launcher.planner import resolve, too_big
+    from launcher.slurm import check_ft_steps
+    from launcher.slurm_job import step_replica
     from launcher.spawn import cuda_env_defaults, env_rank, launch
     from launcher.train.checkpoint import preflight_resume
 
     env = env_rank()
+    replica = step_replica() if cfg.ft.on else None  # ft under SLURM: this job step is one replica group
+    if env is not None and replica is None:
+        check_ft_steps(cfg.ft.replicas, "torchrun or one SLURM job step of every rank")
+    world = env.world_size * (cfg.ft.replicas if replica is not None else 1) if env else None
     # the run's one layout; first of all, resolve checks the ranges (validate.validate), which the
     # world size and the layout read
-    layout, prediction, options = resolve(cfg, env.world_size if env else None)
+    layout, prediction, options = resolve(cfg, world)
     check_ft(cfg.ft, layout.dp_replicate)
     if cfg.dry_run:  # shapes only: a layout that would not fit is reported, not refused
         from launcher.dryrun import dry_run
@@ -132,7 +139,7 @@ def _train_task(cfg: TrainConfig) -> None:
     if options.fp8 is not None:
         require("torchao", what="dtype=fp8")
     cuda_env_defaults(cfg.hardware.kind)  # before check_environment's first torch.cuda call
-    check_environment(cfg, layout, local=env is None)
+    check_environment(cfg, layout, local=env is None and replica is None)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
     make_dir(run_dir, "run_dir")
     if cfg.slurm.emit:
@@ -155,7 +162,11 @@ def _train_task(cfg: TrainConfig) -> None:
     # a bad path, or checkpoints none of which is readable, fails here
     preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"), every_rank=env is not None)
     # a failed worker raises WorkerFailed (exit 1); the loop puts the prediction into summary.json
-    summary = launch(run_of(cfg, layout, prediction, options), run_dir)
+    run = run_of(cfg, layout, prediction, options)
+    if replica is not None:
+        # the emitted script restarts the group's job step (max_restarts times), not an agent inside it
+        run, run_dir = replace(group_run(run, replica), max_restarts=0), group_dir(run_dir, replica)
+    summary = launch(run, run_dir)
     if "preempted_at_step" in summary:
         from launcher.slurm_job import requeue
 

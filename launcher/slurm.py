@@ -23,11 +23,12 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from launcher.config import TrainConfig
-from launcher.errors import LauncherError
+from launcher.errors import PREEMPTED, LauncherError
 from launcher.files import make_dir
 from launcher.hydra_compat import SUBMITIT_COMMAND, sbatch_script
 from launcher.layout import Layout, fixed_degrees, workers_per_node
 from launcher.layout_config import given_degrees
+from launcher.slurm_job import ATTEMPT_ENV, REPLICA_ENV
 
 RESOLVER = "slurm_job"
 
@@ -91,6 +92,7 @@ register_resolver()
 # --- preflight --------------------------------------------------------------------------------------
 def preflight(cfg: Any, tasks_per_node: int, partition: str | None) -> None:
     """Before submitting: the layout fits the nodes, sbatch exists, the partition exists. One line each."""
+    check_ft_steps(_get(cfg, "ft.replicas"), "hydra/launcher=slurm")
     hw = _get(cfg, "hardware")
     devices, name = _get(hw, "devices_per_node"), _get(hw, "name")
     need = max(tasks_needed(cfg), tasks_per_node)
@@ -111,6 +113,15 @@ def preflight(cfg: Any, tasks_per_node: int, partition: str | None) -> None:
                 f"partition '{partition}' does not exist on this cluster: set slurm.partition to one of "
                 f"{', '.join(names) or '(none found)'}"
             )
+
+
+def check_ft_steps(replicas: int, where: str) -> None:
+    """`ft` needs a job step per replica group, which only the emitted script runs: one line elsewhere."""
+    if replicas > 1:
+        raise LauncherError(
+            f"ft.replicas={replicas} under {where}: replica groups run one job step each, which the emitted "
+            f"script does: use slurm.emit=true and sbatch its job.sbatch (docs/fault-tolerance.md)"
+        )
 
 
 def partitions() -> list[str]:
@@ -156,6 +167,7 @@ def render_script(cfg: TrainConfig, run_dir: Path, config_file: Path) -> str:
     res = job_resources(cfg)
     header = sbatch_header(res, f"train-{cfg.model.name}", str(run_dir / "slurm-%j.out"), cfg.slurm.signal_delay_s)
     command = [*train_command(), "--config-dir", str(config_file.parent), "--config-name", config_file.stem]
+    run = ft_steps(cfg, res, command, run_dir) if cfg.ft.on else ["srun --kill-on-bad-exit=1 " + shlex.join(command)]
     return "\n".join(
         [
             "#!/bin/bash",
@@ -165,10 +177,60 @@ def render_script(cfg: TrainConfig, run_dir: Path, config_file: Path) -> str:
             "set -euo pipefail",
             f"cd {shlex.quote(os.getcwd())}",
             f"export OMP_NUM_THREADS={res.cpus_per_task}",
-            "srun --kill-on-bad-exit=1 " + shlex.join(command),
+            *run,
             "",
         ]
     )
+
+
+def group_nodes(nodes: int, replicas: int) -> tuple[int, int]:
+    """ft: the nodes of one replica group and how many groups share a node (1 when groups span nodes).
+    A group is whole nodes, or an equal share of one: one line otherwise."""
+    if nodes % replicas == 0:
+        return nodes // replicas, 1
+    if replicas % nodes == 0:
+        return 1, replicas // nodes
+    raise LauncherError(
+        f"ft.replicas={replicas} with nodes={nodes}: under SLURM each replica group takes whole nodes or an equal "
+        f"share of one: set nodes to a multiple or a divisor of {replicas}"
+    )
+
+
+def ft_steps(cfg: TrainConfig, res: Resources, command: list[str], run_dir: Path) -> list[str]:
+    """ft: the Lighthouse in the batch step (here, on the first node), then one job step per replica group,
+    run again alone when it fails (up to max_restarts times) while the others keep stepping."""
+    ft = cfg.ft
+    group_size, per_node = group_nodes(res.nodes, ft.replicas)
+    tasks = res.tasks_per_node * group_size // per_node
+    env_file = shlex.quote(str(run_dir / "ft_services.sh"))
+    serve = [sys.executable, "-m", "launcher.ft_launch", str(run_dir / "ft_services.sh")]
+    serve += [f"--{key}={getattr(ft, key)}" for key in ("min_replicas", "quorum_timeout_s", "heartbeat_timeout_s")]
+    step = f"srun --exact --kill-on-bad-exit=1 --nodes={group_size} --ntasks={tasks} --relative=$2"
+    step += f" --cpus-per-task={res.cpus_per_task}"
+    if res.gpus_per_node:
+        step += " --gpus-per-task=1"
+    return [
+        f"rm -f {env_file}",
+        shlex.join(serve) + " &",
+        "services=$!",
+        "trap 'kill \"$services\" 2>/dev/null || true' EXIT",
+        f'until [ -s {env_file} ]; do kill -0 "$services"; sleep 0.2; done  # up, or the script stops here',
+        f"source {env_file}",
+        "group() {  # replica group $1 on the job's nodes from $2: its ranks are one job step, run again when it fails",
+        f"  for attempt in $(seq 0 {cfg.max_restarts}); do",
+        "    code=0",
+        f'    {REPLICA_ENV}="$1" {ATTEMPT_ENV}="$attempt" {step} {shlex.join(command)} || code=$?',
+        f'    [ "$code" -eq 0 ] || [ "$code" -eq {PREEMPTED} ] && return "$code"  # done, or saved for the requeue',
+        '    echo "replica group $1 failed (exit $code, attempt $attempt)" >&2',
+        "  done",
+        "  return 1",
+        "}",
+        "pids=()",
+        f'for g in $(seq 0 {ft.replicas - 1}); do group "$g" $((g / {per_node} * {group_size})) & pids+=($!); done',
+        "status=0",
+        'for pid in "${pids[@]}"; do wait "$pid" || status=1; done',
+        'exit "$status"',
+    ]
 
 
 def emit_script(cfg: TrainConfig, run_dir: Path, layout: Layout) -> Path:

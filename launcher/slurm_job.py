@@ -20,6 +20,9 @@ import time
 from launcher.hydra_compat import submitit_requeue_signal
 
 PORT_BASE, PORT_SPAN = 20000, 20000
+STEP_PORT_STRIDE = 4099  # a prime not dividing PORT_SPAN: every step of a job gets a port of its own
+REPLICA_ENV = "LAUNCHER_FT_REPLICA"  # ft under SLURM: the replica group this job step is (launcher/slurm.py)
+ATTEMPT_ENV = "LAUNCHER_FT_ATTEMPT"  # and how often the script has started it before
 REQUEUE_WAIT_S = 120.0  # how long a task other than rank 0 waits for the requeue to stop it
 
 
@@ -40,13 +43,21 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 def rendezvous(env: dict[str, str] | os._Environ = os.environ) -> tuple[str, int]:
-    """MASTER_ADDR and MASTER_PORT for the tasks of one SLURM job: the first host of the node list
-    (127.0.0.1 on a single node) and a port derived from the job id, so every task computes the same."""
-    nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURM_NODELIST", ""))
+    """MASTER_ADDR and MASTER_PORT for the tasks of one SLURM job step: the first host of the step's node
+    list (127.0.0.1 on a single node) and a port derived from the job and step ids, so every task computes
+    the same and the steps of one job (ft's replica groups, on one node) do not meet."""
+    listed = [env.get(name, "") for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")]
+    nodes = expand_nodelist(next((nodes for nodes in listed if nodes), ""))
     addr = nodes[0] if len(nodes) > 1 else "127.0.0.1"
-    job = env.get("SLURM_JOB_ID", "0")
-    port = PORT_BASE + int(job) % PORT_SPAN if job.isdigit() else PORT_BASE
-    return addr, port
+    job, step = env.get("SLURM_JOB_ID", "0"), env.get("SLURM_STEP_ID", "0")
+    offset = int(job) + (int(step) if step.isdigit() else 0) * STEP_PORT_STRIDE if job.isdigit() else 0
+    return addr, PORT_BASE + offset % PORT_SPAN
+
+
+def step_replica() -> int | None:
+    """ft under SLURM: the replica group this job step runs (set by the emitted script); else None."""
+    replica = os.environ.get(REPLICA_ENV)
+    return int(replica) if replica else None
 
 
 def export_rendezvous() -> None:
@@ -68,9 +79,9 @@ def requeue() -> bool:
     )
     if not job_id:
         return False
-    if os.environ.get("SLURM_PROCID", "0") != "0":
-        # Rank 0 requeues, and the requeue ends this step. Exiting first could end the step before
-        # rank 0 has asked (srun --kill-on-bad-exit stops every task when one exits non-zero), so
+    if os.environ.get("SLURM_PROCID", "0") != "0" or step_replica():
+        # Rank 0 (of group 0, under ft) requeues, and the requeue ends this step. Exiting first could end
+        # the step before rank 0 has asked (srun --kill-on-bad-exit stops every task when one exits non-zero), so
         # wait for SLURM's SIGTERM, bounded in case rank 0 fails to requeue.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(REQUEUE_WAIT_S)

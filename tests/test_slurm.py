@@ -14,8 +14,9 @@ import pytest
 
 from launcher.errors import LauncherError
 from launcher.planner import resolve
-from launcher.slurm import emit_script, job_resources, preflight
+from launcher.slurm import emit_script, group_nodes, job_resources, preflight
 from launcher.slurm_job import expand_nodelist, rendezvous
+from launcher.train.replicas import TEST_KILL_ENV
 from tests.conftest import make_config, run_cli, tiny_args, tiny_config
 from tests.slurm_fixture import job_state, slurm, slurm_cluster, wait_for  # noqa: F401  (fixture)
 
@@ -48,6 +49,10 @@ def test_nodelist_and_rendezvous() -> None:
     env = {"SLURM_JOB_NODELIST": "gpu[08-09]", "SLURM_JOB_ID": "1234"}
     assert rendezvous(env) == ("gpu08", 21234)
     assert rendezvous({"SLURM_JOB_NODELIST": "vm", "SLURM_JOB_ID": "7"})[0] == "127.0.0.1"
+    # a job step (ft's replica group): its own nodes, and a port of its own among the job's steps
+    step = {**env, "SLURM_STEP_NODELIST": "gpu09", "SLURM_STEP_ID": "1"}
+    assert rendezvous(step) == ("127.0.0.1", 20000 + (1234 + 4099) % 20000)
+    assert rendezvous({**step, "SLURM_STEP_NODELIST": "gpu[10-11]"}) == ("gpu10", 25333)
 
 
 def test_resources_from_layout_and_hardware() -> None:
@@ -89,6 +94,45 @@ def test_emitted_script(tmp_path: Path) -> None:
     assert "srun --kill-on-bad-exit=1" in text and "--config-name slurm_config" in text
     pinned = (tmp_path / "run" / "slurm_config.yaml").read_text()
     assert "tp: 2" in pinned and "dp: 1" in pinned and "microbatches: 1" in pinned  # the resolved Layout
+
+
+def test_replica_groups_take_whole_nodes_or_a_share_of_one() -> None:
+    assert group_nodes(4, 2) == (2, 1) and group_nodes(1, 2) == (1, 2) and group_nodes(2, 4) == (1, 2)
+    with pytest.raises(LauncherError, match="ft.replicas=2 with nodes=3: .* set nodes to a multiple or a divisor"):
+        group_nodes(3, 2)
+
+
+FT_LAYOUT = ("dp=2", "dp_replicate=2", "dp_shard=1", "ft.replicas=2")
+
+
+def test_ft_outside_the_emitted_script_is_one_line(tmp_path: Path) -> None:
+    """Submitit's job (one step of every rank) cannot run replica groups: refused before submitting."""
+    with pytest.raises(LauncherError, match=r"ft.replicas=2 under hydra/launcher=slurm: .* use slurm.emit=true") as err:
+        preflight(make_config(*FT_LAYOUT), 2, None)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_ft_in_a_step_of_every_rank_is_one_line(tmp_path: Path, cache: str) -> None:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2"}  # as torchrun (or submitit's step) would start it
+    out = run_cli("train", *tiny_args(cache), *FT_LAYOUT, env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: ft.replicas=2 under torchrun or one SLURM job step of every rank: replica groups run one job step"
+        )
+    )
+
+
+def test_emitted_ft_script_runs_one_step_per_group(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, *FT_LAYOUT, "max_restarts=2")
+    text = emit_script(cfg, tmp_path / "run", resolve(cfg)[0]).read_text()
+    assert "--ntasks-per-node=2" in text  # the job holds every group's ranks
+    assert "-m launcher.ft_launch" in text and f"source {tmp_path / 'run' / 'ft_services.sh'}" in text
+    assert "srun --exact --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --relative=$2" in text
+    assert "for attempt in $(seq 0 2)" in text and "for g in $(seq 0 1)" in text
 
 
 # --- on the cluster -------------------------------------------------------------------------------------
@@ -229,3 +273,35 @@ def test_emitted_script_requeues_on_signal_and_resumes(tmp_path: Path, cache: st
     )
     assert state == "COMPLETED", (run / f"slurm-{job}.out").read_text()
     assert_resumed(run, job, 150)
+
+
+@pytest.mark.slow
+@on_cluster
+def test_ft_groups_are_job_steps_and_a_failed_one_heals(tmp_path: Path, cache: str) -> None:
+    """The emitted ft script: the Lighthouse in the batch step, each group a job step. Group 1's worker dies
+    at step 3 (first attempt); the script starts its step again, it heals from group 0 and both end bitwise
+    equal. min_replicas=2: group 0 waits for it (it would otherwise finish alone before the new step is up)."""
+    from tests.test_ft import assert_same, final_state
+
+    run = tmp_path / "run"
+    ft = ("ft.min_replicas=2", "ft.quorum_timeout_s=60", "max_restarts=1", "checkpoint.every=40")
+    args = [*tiny_args(cache, steps=40), *FT_LAYOUT, *ft, "metrics.log_every=1", "slurm.emit=true", f"run_dir={run}"]
+    out = run_cli("train", *args, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    env = {**os.environ, TEST_KILL_ENV: "3:1"}  # sbatch passes the environment on to the job
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", out.stdout.strip().splitlines()[-1]], env=env, capture_output=True, text=True
+    )
+    job = submitted.stdout.strip()
+    state = wait_for(
+        lambda: (s := job_state(job)) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s, 180, "the ft job"
+    )
+    log = (run / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", log
+    assert "replica group 1 failed (exit 1, attempt 0)" in log
+    rows = [line.split("|") for line in slurm("sacct", "-n", "-P", "-j", job, "-o", "JobID,State").split()]
+    groups = sorted(state for step, state in rows if step.split(".")[-1].isdigit() and "." in step)
+    assert groups == ["COMPLETED", "COMPLETED", "FAILED"], rows  # 3 job steps: group 1's was started twice
+    assert steps_of(run) == list(range(1, 41))  # group 0: each step once, never restarted
+    assert steps_of(run / "replica_1") == list(range(1, 41))  # group 1: steps 1-2, died, healed into step 3
+    assert_same(final_state(run), final_state(run / "replica_1"))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from launcher.ft_launch import START_ENV
 from launcher.run import Run
+from launcher.slurm_job import ATTEMPT_ENV
 
 TEST_KILL_ENV = "LAUNCHER_TEST_KILL"  # tests only: "STEP:REPLICA": that group's rank 0 SIGKILLs itself (first life)
 
@@ -179,9 +180,10 @@ def wait_for_groups(replica: int, replicas: int, timeout: timedelta) -> None:
 
 def injected_kill_step(replica: int | None, rank: int) -> int | None:
     """Tests only (LAUNCHER_TEST_KILL=STEP:REPLICA): the step at which that group's rank 0 dies, in its
-    first life (the elastic agent's restart count)."""
+    first life (the elastic agent's restart count, and the SLURM script's)."""
     raw = os.environ.get(TEST_KILL_ENV)
-    if not raw or rank != 0 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    restarted = (os.environ.get(name, "0") != "0" for name in ("TORCHELASTIC_RESTART_COUNT", ATTEMPT_ENV))
+    if not raw or rank != 0 or any(restarted):
         return None
     step, _, group = raw.partition(":")
     return int(step) if int(group or 0) == replica else None
