@@ -46,7 +46,7 @@ def train(run: Run, run_dir: Path, rank: int = 0, watchdog: Watchdog | Off | Non
     preemption, profiler = PreemptionFlag(), StepProfiler(run.profile, run_dir, rank, w.device)
     nan_step = injected_nan_step(rank)
     rows: list[dict[str, Any]] = []
-    step = w.start
+    step = run.steps if w.replicas.ended else w.start  # ft: restarted after the others finished the run
     while step < run.steps:
         spikes.keep(step, run.steps)  # rollback: the in-memory snapshot, every guard.snapshot_every steps
         step += 1
@@ -70,7 +70,8 @@ def train(run: Run, run_dir: Path, rank: int = 0, watchdog: Watchdog | Off | Non
     for line in profiled:
         w.view.note(line)
         log.info("profile %s", line)
-    if not rows:  # resumed at the end: nothing left to train
+    if not rows:  # resumed at the end (ft: or the run ended without this group): nothing left to train
+        w.replicas.close()
         w.view.close({"resumed_at_step": w.start})
         return {"final_loss": None, "steps": run.steps, "resumed_from": w.start}
     return finish(w, summarize(w, rows, profiled))

@@ -23,11 +23,14 @@ from launcher.ft_launch import START_ENV
 from launcher.run import Run
 from launcher.slurm_job import ATTEMPT_ENV
 
+ENDED = "ended"  # set in the meeting store by the first group to finish the run
 TEST_KILL_ENV = "LAUNCHER_TEST_KILL"  # tests only: "STEP:REPLICA": that group's rank 0 SIGKILLs itself (first life)
 
 
 class Alone:
     """`ft` off: the one group there is."""
+
+    ended = False  # ft: another group finished the run before this one (re)started: nothing left to train
 
     def begin(self, step: int) -> None:
         pass
@@ -60,7 +63,9 @@ class Replicas(Alone):
         self.step, self.before, self.healed_to = w.start, w.train_loader.state_dict(), None
         timeout = timedelta(seconds=run.ft.quorum_timeout_s)
         world = run.layout.world_size
-        store_addr, store_port, self.store = group_store(rank, world)
+        self.meeting = meeting_store(timeout) if rank == 0 else None  # where the groups meet (LAUNCHER_FT_START)
+        ended = self.meeting is not None and self.meeting.check([ENDED])
+        store_addr, store_port, self.store, self.ended = group_store(rank, world, ended)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=self.load_state,
@@ -78,8 +83,8 @@ class Replicas(Alone):
         # The Manager counts the steps this group committed: from the step it resumed at, so that a
         # group behind the others (restarted, or resumed from an older checkpoint) is the one healed.
         self.manager.load_state_dict({"step": w.start, "batches_committed": 0})
-        if rank == 0:
-            wait_for_groups(run.replica or 0, run.ft.replicas, timeout)
+        if self.meeting is not None and not self.ended:
+            wait_for_groups(self.meeting, run.replica or 0, run.ft.replicas, timeout)
 
     def state(self) -> dict[str, Any]:
         """Read by the quorum's thread between `begin` and `commit`, while nothing here changes it."""
@@ -147,6 +152,9 @@ class Replicas(Alone):
         return {"ft_short_steps": [row["step"] for row in short], "ft_tokens_missed": missed}
 
     def close(self) -> None:
+        """At the end of the run: a group (re)started from now on finds it ended, and trains nothing."""
+        if self.meeting is not None:
+            self.meeting.set(ENDED, "1")
         self.manager.shutdown(wait=False)
 
 
@@ -156,23 +164,27 @@ def local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
-def group_store(rank: int, world: int) -> tuple[str, int, Any]:
+def group_store(rank: int, world: int, ended: bool) -> tuple[str, int, Any, bool]:
     """Where this group's ranks meet their Manager: a store of this attempt's own, served by rank 0 (kept
-    alive here). The launcher's store outlives a restart: a restarted rank would read the dead Manager's
-    address from it."""
+    alive here), and whether the run has ended (rank 0's `ended`, for every rank). The launcher's store
+    outlives a restart: a restarted rank would read the dead Manager's address from it."""
     store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False) if rank == 0 else None
-    port = [store.port if store is not None else 0]
+    shared = [store.port if store is not None else 0, ended]
     if world > 1:
-        dist.broadcast_object_list(port, src=0)
-    return os.environ.get("MASTER_ADDR", "127.0.0.1"), port[0], store
+        dist.broadcast_object_list(shared, src=0)
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), shared[0], store, shared[1]
 
 
-def wait_for_groups(replica: int, replicas: int, timeout: timedelta) -> None:
+def meeting_store(timeout: timedelta) -> dist.TCPStore:
+    """The store the groups share for the whole run (served by the launcher: launcher/ft_launch.py)."""
+    host, port = os.environ[START_ENV].rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+
+
+def wait_for_groups(store: dist.TCPStore, replica: int, replicas: int, timeout: timedelta) -> None:
     """Before its first quorum, each group waits (up to the quorum timeout) until every group has its
     Manager: else the first groups to start would step without the slower ones (ft.min_replicas < replicas).
     A restarted group finds them all there."""
-    host, port = os.environ[START_ENV].rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
     store.set(f"started/{replica}", "1")
     with contextlib.suppress(dist.DistStoreError):
         store.wait([f"started/{g}" for g in range(replicas)], timeout)
