@@ -143,10 +143,13 @@ def test_a_checkpoint_of_two_groups_resumes_the_whole_job(ft_run: Path, ft: tupl
 
 @needs_torchft
 @pytest.mark.slow
-def test_a_group_back_after_the_run_ended_trains_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_group_back_after_the_run_ended_trains_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
     """Group 1 dies at step 3 of 30; group 0 steps on alone and finishes before group 1's agent has it back
     (a restart takes seconds). The restarted group finds the run ended: it trains nothing, and `train`
-    returns without waiting for it to train the run alone."""
+    returns without waiting for it to train the run alone. The death is two lines on the terminal (the
+    agent's and the survivor's), no tracebacks."""
     monkeypatch.setenv(TEST_KILL_ENV, "3:1")
     overrides = ("steps=30", "checkpoint.every=30", "max_restarts=1", "metrics.log_every=1")
     ft = ("ft.replicas=2", "ft.min_replicas=1", "ft.quorum_timeout_s=60", "ft.heartbeat_timeout_s=1")
@@ -155,3 +158,6 @@ def test_a_group_back_after_the_run_ended_trains_nothing(tmp_path: Path, monkeyp
     assert [row["step"] for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open())] == list(range(1, 31))
     # group 1: its first life's two steps, then nothing (its second life found the run ended)
     assert list(losses(tmp_path / "run" / "replica_1")) == [1, 2]
+    err = capfd.readouterr().err
+    assert "failed (exitcode: -9)" in err and "got exception waiting for work" in err
+    assert "Traceback" not in err and "flight recorder" not in err, err

@@ -11,6 +11,7 @@ steps with the others. With `ft` off the loop gets `Alone`, which does nothing."
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 from datetime import timedelta
@@ -61,6 +62,7 @@ class Replicas(Alone):
 
         self.w, self.replicas, self.kill_step = w, run.ft.replicas, injected_kill_step(run.replica, rank)
         self.step, self.before, self.healed_to = w.start, w.train_loader.state_dict(), None
+        quiet_torchft()
         timeout = timedelta(seconds=run.ft.quorum_timeout_s)
         world = run.layout.world_size
         self.meeting = meeting_store(timeout) if rank == 0 else None  # where the groups meet (LAUNCHER_FT_START)
@@ -156,6 +158,20 @@ class Replicas(Alone):
         if self.meeting is not None:
             self.meeting.set(ENDED, "1")
         self.manager.shutdown(wait=False)
+
+
+def quiet_torchft() -> None:
+    """torchft's Manager warns at every new quorum that it cannot reset NCCL's flight recorder (none on
+    gloo), and logs a whole traceback when a peer group dies, which `ft` expects and handles: the first
+    is dropped, the second kept as its one line."""
+    manager_log = logging.getLogger("torchft.manager")
+    if one_line not in manager_log.filters:
+        manager_log.addFilter(one_line)
+
+
+def one_line(record: logging.LogRecord) -> bool:
+    record.exc_info = record.exc_text = None
+    return "flight recorder" not in record.getMessage()
 
 
 def local(grad: torch.Tensor) -> torch.Tensor:
