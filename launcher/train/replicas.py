@@ -5,8 +5,8 @@ Each step: `begin` asks for the quorum (asynchronously, during forward and backw
 the gradients and the loss over the groups in it, in one collective; `commit` says whether every rank
 of this group may step its optimizer. A group that failed a collective (a peer died) redoes the step
 with the same batch; a group behind the others (restarted) gets a peer's state in that quorum (the
-model, optimizer, schedule, loader and step: `state`), contributes no gradient to that step, and then
-steps with the others. With `ft` off the loop gets `Alone`, which does nothing."""
+model, optimizer, schedule, loader, step and spike guard: `state`), contributes no gradient to that
+step, and then steps with the others. With `ft` off the loop gets `Alone`, which does nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import contextlib
 import os
 import signal
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,17 @@ import torch.distributed as dist
 from launcher.ft_launch import START_ENV
 from launcher.run import Run
 
+if TYPE_CHECKING:
+    from launcher.train.spike import SpikeGuard
+
 TEST_KILL_ENV = "LAUNCHER_TEST_KILL"  # tests only: "STEP:REPLICA": that group's rank 0 SIGKILLs itself (first life)
 
 
 class Alone:
     """`ft` off: the one group there is."""
+
+    def share(self, spikes: SpikeGuard) -> None:
+        """The spike guard, which the loop builds after this: a group healing from this one receives its state."""
 
     def begin(self, step: int) -> None:
         pass
@@ -57,6 +63,7 @@ class Replicas(Alone):
 
         self.w, self.replicas, self.kill_step = w, run.ft.replicas, injected_kill_step(run.replica, rank)
         self.step, self.before, self.healed_to = w.start, w.train_loader.state_dict(), None
+        self.spikes: SpikeGuard | None = None  # `share`, before the first step
         timeout = timedelta(seconds=run.ft.quorum_timeout_s)
         world = run.layout.world_size
         store_addr, store_port, self.store = group_store(rank, world)
@@ -90,6 +97,7 @@ class Replicas(Alone):
             "loader": self.before,  # before this step's batch: `state` runs while the main thread draws it
             "step": self.step,
             "skipped_steps": w.guard.skipped,
+            "spike": self.spikes.peer_state() if self.spikes is not None else None,  # window; rollback: snapshot
         }
 
     def load_state(self, sd: dict[str, Any]) -> None:
@@ -101,7 +109,12 @@ class Replicas(Alone):
         w.schedule.load_state_dict(sd["schedule"])
         w.train_loader.load_state_dict(sd["loader"])
         w.guard.skipped = sd["skipped_steps"]
+        if self.spikes is not None and sd["spike"] is not None:
+            self.spikes.load_peer_state(sd["spike"])
         self.before, self.healed_to = sd["loader"], sd["step"]
+
+    def share(self, spikes: SpikeGuard) -> None:
+        self.spikes = spikes
 
     def begin(self, step: int) -> None:
         self.step, self.before = step, self.w.train_loader.state_dict()
