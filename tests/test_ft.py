@@ -177,14 +177,18 @@ def test_a_healing_group_takes_its_peers_spike_guard() -> None:
     assert_same(everything(healed), everything(peer))
 
 
+# 2 groups x 2 ranks: FSDP over each group's 2 ranks, so that each rank heals its own shards
+TWO_RANKS = ("dp=4", "dp_replicate=2", "dp_shard=2")
 # (ranks a group, steps, ft.heartbeat_timeout_s): the survivor stalls while the dead group still counts as
-# alive (6 s): group 1's restart is under way then, and it must be back before the survivor's last step
-KILLED = [(1, 400, 6)]
+# alive; 1 rank: 6 s, while group 1's restart is under way (it must be back before the survivor's last
+# step); 2 ranks: 2 s, so that the group heals while the survivor steps (the survivor's quorum, and its
+# `state` for the peer, overlap its FSDP forward: launcher/train/replicas.py)
+KILLED = [(1, 400, 6), (2, 300, 2)]
 
 
 @needs_torchft
 @pytest.mark.slow
-@pytest.mark.parametrize(("ranks", "steps", "heartbeat_s"), KILLED, ids=["1_rank"])
+@pytest.mark.parametrize(("ranks", "steps", "heartbeat_s"), KILLED, ids=["1_rank", "2_ranks"])
 def test_killed_group_restarts_and_heals_from_its_peer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: int, steps: int, heartbeat_s: int
 ) -> None:
@@ -194,7 +198,7 @@ def test_killed_group_restarts_and_heals_from_its_peer(
     (no warm-up, a window of every step: a healed group that started its own would differ)."""
     monkeypatch.setenv(TEST_KILL_ENV, "3:1")
     timeout_s = 20.0
-    layout = LAYOUT
+    layout = LAYOUT if ranks == 1 else TWO_RANKS
     overrides = (f"steps={steps}", f"checkpoint.every={steps}", "max_restarts=1", "metrics.log_every=1")
     overrides += ("guard.warmup=0", f"guard.window={steps}")
     ft = ("ft.replicas=2", "ft.min_replicas=1", f"ft.quorum_timeout_s={timeout_s}")

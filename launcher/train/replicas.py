@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +65,9 @@ class Replicas(Alone):
         self.w, self.replicas, self.kill_step = w, run.ft.replicas, injected_kill_step(run.replica, rank)
         self.step, self.before, self.healed_to = w.start, w.train_loader.state_dict(), None
         self.spikes: SpikeGuard | None = None  # `share`, before the first step
+        self.backward_done = threading.Event()  # this step's: `state` may read the model (set in `sync`)
         timeout = timedelta(seconds=run.ft.quorum_timeout_s)
+        self.timeout_s = timeout.total_seconds()
         world = run.layout.world_size
         store_addr, store_port, self.store = group_store(rank, world)
         self.manager = Manager(
@@ -88,7 +91,11 @@ class Replicas(Alone):
             wait_for_groups(run.replica or 0, run.ft.replicas, timeout)
 
     def state(self) -> dict[str, Any]:
-        """Read by the quorum's thread between `begin` and `commit`, while nothing here changes it."""
+        """Read by the quorum's thread between `begin` and `commit`, while nothing here changes it; the model
+        once this step's backward is done: FSDP's `state_dict` swaps the sharded parameters back in, which
+        would break a forward under way (the main thread sets the event before it waits for the quorum)."""
+        if not self.backward_done.wait(self.timeout_s):
+            raise TimeoutError(f"step {self.step}: no backward done within the quorum timeout for a peer's state")
         w = self.w
         return {
             "parts": [p.state_dict() for p in w.runner.parts],
@@ -118,6 +125,7 @@ class Replicas(Alone):
 
     def begin(self, step: int) -> None:
         self.step, self.before = step, self.w.train_loader.state_dict()
+        self.backward_done.clear()
         self.manager.start_quorum()
 
     def sync(self, parts: list[torch.nn.Module], loss: float) -> float:
@@ -125,6 +133,7 @@ class Replicas(Alone):
         by their number); a group that is only recovering contributes nothing."""
         if self.step == self.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        self.backward_done.set()  # the parameters are sharded again: the quorum's thread may read them
         grads = [local(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss], dtype=grads[0].dtype)])
         self.manager.allreduce(flat).wait()
