@@ -4,20 +4,25 @@ without `ft` (one DDP layout of 2 ranks)."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from launcher.data import BatchLoader
 from launcher.errors import LauncherError
 from launcher.extras import installed
 from launcher.ft_config import FtConfig, check_ft
 from launcher.spawn import launch
 from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.replicas import TEST_KILL_ENV
-from tests.conftest import losses, run_for, tiny_config
+from launcher.train.spike import SpikeGuard, Trainee
+from launcher.train.untrusted import EXTRAS
+from tests.conftest import losses, make_config, run_for, tiny_config
 
 
 def test_ft_off_by_default_and_at_one_replica() -> None:
@@ -68,11 +73,14 @@ def test_two_groups_train_as_one_layout(tmp_path: Path) -> None:
 
 
 def final_state(run_dir: Path) -> dict[str, Any]:
-    """The newest complete checkpoint under `run_dir`, as one plain state dict (DCP read without a process group)."""
+    """The newest complete checkpoint under `run_dir`, as one plain state dict (DCP read without a process
+    group: every rank's shards), with its extras (loader, schedule, spike guard)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(complete_checkpoints(run_dir / "checkpoints")[0], run_dir / "final.pt")
-    return torch.load(run_dir / "final.pt", weights_only=False)
+    newest = complete_checkpoints(run_dir / "checkpoints")[0]
+    dcp_to_torch_save(newest, run_dir / "final.pt")
+    extras = json.loads((newest / EXTRAS).read_text())
+    return torch.load(run_dir / "final.pt", weights_only=False) | {"extras": extras}
 
 
 def assert_same(ours: Any, theirs: Any, where: str = "") -> None:
@@ -91,18 +99,111 @@ def assert_same(ours: Any, theirs: Any, where: str = "") -> None:
         assert ours == theirs, where
 
 
+class Quiet:
+    """A spike guard's checkpointer (never due) and console (notes dropped), in one process without a run."""
+
+    root = Path("no-checkpoints")
+
+    def due(self, step: int, last_step: int) -> bool:
+        return False
+
+    def wait(self) -> None:
+        pass
+
+    def note(self, line: str) -> None:
+        pass
+
+
+def spike_guard(seed: int) -> SpikeGuard:
+    """`guard.spike=rollback` on a linear model and AdamW (weights from `seed`): checked from step 4 (a window
+    of 3, no warm-up), a snapshot every 4 steps."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    loader = BatchLoader(np.arange(5000, dtype=np.uint16), 8, 4)
+    trainee = Trainee([model], optimizer, schedule, loader, torch.device("cpu"))
+    cfg = make_config("guard.spike=rollback", "guard.warmup=0", "guard.window=3", "guard.snapshot_every=4").guard
+    return SpikeGuard(cfg, trainee, Quiet(), [], Quiet(), None)
+
+
+def train(spikes: SpikeGuard, step: int, losses: list[float]) -> list[int]:
+    """The loop's order (launcher/train/loop.py) from `step` on, each step's loss (also its gradient norm,
+    and every gradient) given: the steps trained, in order."""
+    t, trained = spikes.state, []
+    for loss in losses:
+        spikes.keep(step, 100)
+        step += 1
+        t.loader.next_batch()
+        for p in t.parts[0].parameters():
+            p.grad = torch.full_like(p, loss)
+        if spikes.update(step, loss, loss):
+            t.optimizer.step()
+        t.optimizer.zero_grad()
+        if spikes.rolled_back_to is not None:
+            step = spikes.rolled_back_to
+            continue
+        t.schedule.step()
+        trained.append(step)
+    return trained
+
+
+def everything(spikes: SpikeGuard) -> list[Any]:
+    """What a peer sends: the model, optimizer, schedule, loader and spike guard."""
+    t = spikes.state
+    parts = (t.parts[0], t.optimizer, t.schedule, t.loader)
+    return [part.state_dict() for part in parts] + [spikes.peer_state()]
+
+
+def test_a_healing_group_takes_its_peers_spike_guard() -> None:
+    """A group healing from a peer (launcher/train/replicas.py, `state` and `load_state`) takes the peer's
+    spike guard with the rest: the window (its own restarted empty), the rollback count and, under
+    `rollback`, the snapshot (its own is of its step 0). Then both decide alike: the spike at step 7 rolls
+    both back to the peer's snapshot of step 4, their second rollback, and they end equal."""
+    peer, healed = spike_guard(0), spike_guard(1)
+    assert train(peer, 0, [1.0, 1.0, 1.0, 1.0, 50.0, 1.0]) == [1, 2, 3, 4, 5]  # step 5 spikes: back to 4
+    healed.keep(0, 100)  # restarted: its snapshot before its first step
+    sent = io.BytesIO()  # torchft's transport: a copy
+    torch.save(everything(peer), sent)
+    sent.seek(0)
+    model, optim, schedule, loader, spike = torch.load(sent, weights_only=False)
+    t = healed.state
+    t.parts[0].load_state_dict(model), t.optimizer.load_state_dict(optim), t.schedule.load_state_dict(schedule)
+    t.loader.load_state_dict(loader)
+    healed.load_peer_state(spike)
+    steps = [1.0, 50.0, 1.0, 1.0]  # step 7 spikes
+    assert train(peer, 5, steps) == train(healed, 5, steps) == [6, 5, 6]
+    assert peer.rollbacks == healed.rollbacks == 2 and healed.state.loader.skipped == [[5, 5], [5, 8]]
+    assert_same(everything(healed), everything(peer))
+
+
+# 2 groups x 2 ranks: FSDP over each group's 2 ranks, so that each rank heals its own shards
+TWO_RANKS = ("dp=4", "dp_replicate=2", "dp_shard=2")
+# (ranks a group, steps, ft.heartbeat_timeout_s): the survivor stalls while the dead group still counts as
+# alive; 1 rank: 6 s, while group 1's restart is under way (it must be back before the survivor's last
+# step); 2 ranks: 2 s, so that the group heals while the survivor steps (the survivor's quorum, and its
+# `state` for the peer, overlap its FSDP forward: launcher/train/replicas.py)
+KILLED = [(1, 400, 6), (2, 300, 2)]
+
+
 @needs_torchft
 @pytest.mark.slow
-def test_killed_group_restarts_and_heals_from_its_peer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Group 1's worker dies at step 3 (SIGKILL, first life only): group 0 steps on alone, group 1's agent
-    restarts it, it takes group 0's state in a quorum and ends bitwise equal to it."""
+@pytest.mark.parametrize(("ranks", "steps", "heartbeat_s"), KILLED, ids=["1_rank", "2_ranks"])
+def test_killed_group_restarts_and_heals_from_its_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: int, steps: int, heartbeat_s: int
+) -> None:
+    """Group 1's rank 0 dies at step 3 (SIGKILL, first life only; its agent ends the group's other rank):
+    group 0 steps on alone, group 1's agent restarts the group, each of its ranks takes the same rank's
+    state of group 0 in a quorum, and it ends bitwise equal to group 0, the spike guard's window included
+    (no warm-up, a window of every step: a healed group that started its own would differ)."""
     monkeypatch.setenv(TEST_KILL_ENV, "3:1")
-    steps, timeout_s = 400, 20.0
+    timeout_s = 20.0
+    layout = LAYOUT if ranks == 1 else TWO_RANKS
     overrides = (f"steps={steps}", f"checkpoint.every={steps}", "max_restarts=1", "metrics.log_every=1")
-    # the survivor stalls while the dead group still counts as alive (6 s): group 1's restart is under way
-    # then, and it must be back before the survivor's last step
-    ft = ("ft.replicas=2", "ft.min_replicas=1", f"ft.quorum_timeout_s={timeout_s}", "ft.heartbeat_timeout_s=6")
-    summary = launch(run_for(tiny_config(tmp_path, *LAYOUT, *overrides, *ft), None), tmp_path / "run")
+    overrides += ("guard.warmup=0", f"guard.window={steps}")
+    ft = ("ft.replicas=2", "ft.min_replicas=1", f"ft.quorum_timeout_s={timeout_s}")
+    ft += (f"ft.heartbeat_timeout_s={heartbeat_s}",)
+    summary = launch(run_for(tiny_config(tmp_path, *layout, *overrides, *ft), None), tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, steps + 1))  # each once: the survivor never restarted
     gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:], strict=False)]
@@ -111,8 +212,9 @@ def test_killed_group_restarts_and_heals_from_its_peer(tmp_path: Path, monkeypat
     assert alone[0] == 3 and rows[-1]["replicas"] == 2  # alone from the kill until group 1 healed
     assert alone == list(range(3, alone[-1] + 1))
     assert summary["ft_short_steps"] == alone
-    assert summary["ft_tokens_missed"] == len(alone) * 4 * 32  # group 1's batch of each (4 sequences of 32)
+    assert summary["ft_tokens_missed"] == len(alone) * ranks * 4 * 32  # group 1's batch of each (4 x 32 a rank)
     ours, theirs = final_state(tmp_path / "run"), final_state(tmp_path / "run" / "replica_1")
+    assert len(ours["extras"]["spike"]["window"]["losses"]) == steps
     assert_same(ours, theirs)
 
 

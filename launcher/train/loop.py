@@ -43,6 +43,7 @@ def train(run: Run, run_dir: Path, rank: int = 0, watchdog: Watchdog | Off | Non
     spikes = SpikeGuard(
         run.guard, trainee, w.checkpointer, w.sinks, w.view, w.resumed
     )  # guard.spike: skip or roll back
+    w.replicas.share(spikes)  # ft: a group healing from this one gets the guard's state too
     preemption, profiler = PreemptionFlag(), StepProfiler(run.profile, run_dir, rank, w.device)
     nan_step = injected_nan_step(rank)
     rows: list[dict[str, Any]] = []

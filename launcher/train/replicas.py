@@ -5,8 +5,8 @@ Each step: `begin` asks for the quorum (asynchronously, during forward and backw
 the gradients and the loss over the groups in it, in one collective; `commit` says whether every rank
 of this group may step its optimizer. A group that failed a collective (a peer died) redoes the step
 with the same batch; a group behind the others (restarted) gets a peer's state in that quorum (the
-model, optimizer, schedule, loader and step: `state`), contributes no gradient to that step, and then
-steps with the others. With `ft` off the loop gets `Alone`, which does nothing."""
+model, optimizer, schedule, loader, step and spike guard: `state`), contributes no gradient to that
+step, and then steps with the others. With `ft` off the loop gets `Alone`, which does nothing."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ import torch.distributed as dist
 from launcher.ft_launch import START_ENV
 from launcher.run import Run
 from launcher.slurm_job import ATTEMPT_ENV
+
+if TYPE_CHECKING:
+    from launcher.train.spike import SpikeGuard
 
 ENDED = "ended"  # set in the meeting store by the first group to finish the run
 TEST_KILL_ENV = "LAUNCHER_TEST_KILL"  # tests only: "STEP:REPLICA": that group's rank 0 SIGKILLs itself (first life)
@@ -32,6 +36,9 @@ class Alone:
     """`ft` off: the one group there is."""
 
     ended = False  # ft: another group finished the run before this one (re)started: nothing left to train
+
+    def share(self, spikes: SpikeGuard) -> None:
+        """The spike guard, which the loop builds after this: a group healing from this one receives its state."""
 
     def begin(self, step: int) -> None:
         pass
@@ -63,7 +70,10 @@ class Replicas(Alone):
         self.w, self.replicas, self.kill_step = w, run.ft.replicas, injected_kill_step(run.replica, rank)
         self.step, self.before, self.healed_to = w.start, w.train_loader.state_dict(), None
         quiet_torchft()
+        self.spikes: SpikeGuard | None = None  # `share`, before the first step
+        self.backward_done = threading.Event()  # this step's: `state` may read the model (set in `sync`)
         timeout = timedelta(seconds=run.ft.quorum_timeout_s)
+        self.timeout_s = timeout.total_seconds()
         world = run.layout.world_size
         self.meeting = meeting_store(timeout) if rank == 0 else None  # where the groups meet (LAUNCHER_FT_START)
         ended = self.meeting is not None and self.meeting.check([ENDED])
@@ -89,7 +99,11 @@ class Replicas(Alone):
             wait_for_groups(self.meeting, run.replica or 0, run.ft.replicas, timeout)
 
     def state(self) -> dict[str, Any]:
-        """Read by the quorum's thread between `begin` and `commit`, while nothing here changes it."""
+        """Read by the quorum's thread between `begin` and `commit`, while nothing here changes it; the model
+        once this step's backward is done: FSDP's `state_dict` swaps the sharded parameters back in, which
+        would break a forward under way (the main thread sets the event before it waits for the quorum)."""
+        if not self.backward_done.wait(self.timeout_s):
+            raise TimeoutError(f"step {self.step}: no backward done within the quorum timeout for a peer's state")
         w = self.w
         return {
             "parts": [p.state_dict() for p in w.runner.parts],
@@ -98,6 +112,7 @@ class Replicas(Alone):
             "loader": self.before,  # before this step's batch: `state` runs while the main thread draws it
             "step": self.step,
             "skipped_steps": w.guard.skipped,
+            "spike": self.spikes.peer_state() if self.spikes is not None else None,  # window; rollback: snapshot
         }
 
     def load_state(self, sd: dict[str, Any]) -> None:
@@ -109,10 +124,16 @@ class Replicas(Alone):
         w.schedule.load_state_dict(sd["schedule"])
         w.train_loader.load_state_dict(sd["loader"])
         w.guard.skipped = sd["skipped_steps"]
+        if self.spikes is not None and sd["spike"] is not None:
+            self.spikes.load_peer_state(sd["spike"])
         self.before, self.healed_to = sd["loader"], sd["step"]
+
+    def share(self, spikes: SpikeGuard) -> None:
+        self.spikes = spikes
 
     def begin(self, step: int) -> None:
         self.step, self.before = step, self.w.train_loader.state_dict()
+        self.backward_done.clear()
         self.manager.start_quorum()
 
     def sync(self, parts: list[torch.nn.Module], loss: float) -> float:
@@ -120,6 +141,7 @@ class Replicas(Alone):
         by their number); a group that is only recovering contributes nothing."""
         if self.step == self.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        self.backward_done.set()  # the parameters are sharded again: the quorum's thread may read them
         grads = [local(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss], dtype=grads[0].dtype)])
         self.manager.allreduce(flat).wait()

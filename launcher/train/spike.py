@@ -176,6 +176,19 @@ class Snapshot:
         set_rng_states(rest["rng"], state.device)
         return self.step
 
+    def state_dict(self) -> dict[str, Any]:
+        """The snapshot as it is (its tensors, not copies): what a replica group healing from this one takes."""
+        return {"step": self.step, "model": self.model, "optim": self.optim, "rest": self.rest}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A peer's snapshot copied into this one's buffers on `where`."""
+        self.model = copy_into(self.model, state["model"], self.where)
+        self.optim = copy_into(self.optim, state["optim"], self.where)
+        self.rest, self.step = copy.deepcopy(state["rest"]), state["step"]
+        if self.where.type == "cuda":  # the copies ran asynchronously
+            torch.cuda.synchronize(self.where)
+
 
 class SpikeGuard:
     """`guard.spike` for the loop: checks each finite step, skips or rolls back a spike, keeps the snapshot.
@@ -194,8 +207,7 @@ class SpikeGuard:
         self.detector = Detector(cfg)
         self.rollbacks = 0
         if resumed is not None and "spike" in resumed.extras:
-            self.detector.load_state_dict(resumed.extras["spike"]["window"])
-            self.rollbacks = resumed.extras["spike"]["rollbacks"]
+            self.load_state_dict(resumed.extras["spike"])
         state.loader.skipped += [pair for pair in cfg.skip_batches if pair not in state.loader.skipped]
         where = state.device if cfg.snapshot == "device" else torch.device("cpu")
         self.snapshot = Snapshot(where) if cfg.spike == "rollback" else None
@@ -205,6 +217,21 @@ class SpikeGuard:
     def state_dict(self) -> dict[str, Any]:
         """For the checkpoint's extras (the skipped batches are in the loader's)."""
         return {"window": self.detector.state_dict(), "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state["window"])
+        self.rollbacks = state["rollbacks"]
+
+    def peer_state(self) -> dict[str, Any]:
+        """What a replica group healing from this one receives (`ft`, launcher/train/replicas.py), so that both
+        decide every later step alike: the window and rollback count, and under `rollback` the snapshot."""
+        snapshot = {"snapshot": self.snapshot.state_dict()} if self.snapshot is not None else {}
+        return self.state_dict() | snapshot
+
+    def load_peer_state(self, state: dict[str, Any]) -> None:
+        self.load_state_dict(state)
+        if self.snapshot is not None:
+            self.snapshot.load_state_dict(state["snapshot"])
 
     def keep(self, step: int, last_step: int) -> None:
         """Before step+1: snapshot when none is kept yet, every `snapshot_every` steps and at checkpoint steps."""
