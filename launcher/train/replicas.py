@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -185,7 +186,9 @@ class Replicas(Alone):
 def quiet_torchft() -> None:
     """torchft's Manager warns at every new quorum that it cannot reset NCCL's flight recorder (none on
     gloo), and logs a whole traceback when a peer group dies, which `ft` expects and handles: the first
-    is dropped, the second kept as its one line."""
+    is dropped, the second kept as its one line. Healing, torch warns that the received state's buffer is
+    read-only (the tensors are loaded into the model's own, never written in place): dropped too."""
+    warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
     manager_log = logging.getLogger("torchft.manager")
     if one_line not in manager_log.filters:
         manager_log.addFilter(one_line)
