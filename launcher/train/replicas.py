@@ -121,12 +121,12 @@ class Replicas(Alone):
         w = self.w
         for part, part_sd in zip(w.runner.parts, sd["parts"], strict=True):
             part.load_state_dict(part_sd)
-        w.optimizer.load_state_dict(sd["optim"])
+        w.optimizer.load_state_dict(owned(sd["optim"]))
         w.schedule.load_state_dict(sd["schedule"])
         w.train_loader.load_state_dict(sd["loader"])
         w.guard.skipped = sd["skipped_steps"]
         if self.spikes is not None and sd["spike"] is not None:
-            self.spikes.load_peer_state(sd["spike"])
+            self.spikes.load_peer_state(owned(sd["spike"]))
         self.before, self.healed_to = sd["loader"], sd["step"]
 
     def share(self, spikes: SpikeGuard) -> None:
@@ -187,7 +187,7 @@ def quiet_torchft() -> None:
     """torchft's Manager warns at every new quorum that it cannot reset NCCL's flight recorder (none on
     gloo), and logs a whole traceback when a peer group dies, which `ft` expects and handles: the first
     is dropped, the second kept as its one line. Healing, torch warns that the received state's buffer is
-    read-only (the tensors are loaded into the model's own, never written in place): dropped too."""
+    read-only: nothing writes to it (`owned`), so that warning is dropped too."""
     warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
     manager_log = logging.getLogger("torchft.manager")
     if one_line not in manager_log.filters:
@@ -197,6 +197,19 @@ def quiet_torchft() -> None:
 def one_line(record: logging.LogRecord) -> bool:
     record.exc_info = record.exc_text = None
     return "flight recorder" not in record.getMessage()
+
+
+def owned(state: Any) -> Any:
+    """`state` with every tensor copied: torchft's transport hands over tensors on its read-only receive
+    buffer, and an optimizer keeps the tensors it loads (and steps them in place). Model parameters copy
+    on load, so they need no copy here."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {key: owned(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(owned(value) for value in state)
+    return state
 
 
 def local(grad: torch.Tensor) -> torch.Tensor:
