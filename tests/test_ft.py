@@ -52,16 +52,20 @@ def test_ft_without_torchft_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
 
 needs_torchft = pytest.mark.skipif(not installed("torchft"), reason="the ft extra (torchft) is not installed")
 LAYOUT = ("dp=2", "dp_replicate=2", "dp_shard=1", "steps=4", "checkpoint.every=0")
+# 2 groups x 2 ranks: FSDP over each group's 2 ranks, so that each rank heals its own shards
+TWO_RANKS = ("dp=4", "dp_replicate=2", "dp_shard=2")
 
 
 @needs_torchft
 @pytest.mark.slow
-def test_two_groups_train_as_one_layout(tmp_path: Path) -> None:
-    """2 groups x 1 rank (ft) against one layout of 2 DDP ranks: the same samples, the same losses."""
+@pytest.mark.parametrize("shape", [(), TWO_RANKS], ids=["1_rank", "2_ranks"])
+def test_two_groups_train_as_one_layout(tmp_path: Path, shape: tuple[str, ...]) -> None:
+    """2 groups x 1 rank (ft) against one layout of 2 DDP ranks, and 2 groups x 2 FSDP ranks against one
+    HSDP layout of 4 ranks: the same samples, the same losses."""
     plain = tmp_path / "plain"
-    launch(run_for(tiny_config(tmp_path, *LAYOUT), None), plain)
+    launch(run_for(tiny_config(tmp_path, *LAYOUT, *shape), None), plain)
     ft = tmp_path / "ft"
-    cfg = tiny_config(tmp_path, *LAYOUT, "ft.replicas=2", "ft.min_replicas=2", "ft.quorum_timeout_s=30")
+    cfg = tiny_config(tmp_path, *LAYOUT, *shape, "ft.replicas=2", "ft.min_replicas=2", "ft.quorum_timeout_s=30")
     summary = launch(run_for(cfg, None), ft)
     assert summary["replicas"] == 2
     expected = losses(plain)
@@ -177,8 +181,6 @@ def test_a_healing_group_takes_its_peers_spike_guard() -> None:
     assert_same(everything(healed), everything(peer))
 
 
-# 2 groups x 2 ranks: FSDP over each group's 2 ranks, so that each rank heals its own shards
-TWO_RANKS = ("dp=4", "dp_replicate=2", "dp_shard=2")
 # (ranks a group, steps, ft.heartbeat_timeout_s): the survivor stalls while the dead group still counts as
 # alive; 1 rank: 6 s, while group 1's restart is under way (it must be back before the survivor's last
 # step); 2 ranks: 2 s, so that the group heals while the survivor steps (the survivor's quorum, and its
