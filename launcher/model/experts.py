@@ -10,6 +10,8 @@ the path once per run (`select_impl`); the summary records it as `expert_impl`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,6 +76,21 @@ def grouped_swiglu(
     return out if dest is None else out[dest]
 
 
+class GradDivide(torch.autograd.Function):
+    """The experts' weights outside FSDP (edp = 1): FSDP's part done here. Forward passes the weight (cast
+    to the input's dtype: FSDP's parameter dtype, or theirs); backward divides its gradient by the
+    data-parallel ranks, as FSDP divides each micro-batch's reduced gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.factor, None
+
+
 class Experts(nn.Module):
     """Routed SwiGLU experts stacked along dim 0: w1, w3 (E, dim, hidden), w2 (E, hidden, dim)."""
 
@@ -83,9 +100,13 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
         self.impl = "loop"  # or "grouped_mm": `select_impl`, set once by `parallelize`
+        self.grad_divide = 1.0  # outside FSDP: FSDP's division of the gradients (launcher/parallel/expert.py)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: rows grouped by local expert, counts[e] rows for expert e."""
         # no rows at all (an ep rank sent nothing this micro-batch): the loop, not a grouped GEMM of none
         compute = grouped_swiglu if self.impl == "grouped_mm" and x.shape[0] else loop_swiglu
-        return compute(x, counts, local(self.w1), local(self.w3), local(self.w2))
+        weights = [local(w) for w in (self.w1, self.w3, self.w2)]
+        if self.grad_divide != 1.0:  # outside FSDP (edp = 1: launcher/parallel/expert.py): do its part
+            weights = [GradDivide.apply(w.to(x.dtype), self.grad_divide) for w in weights]
+        return compute(x, counts, *weights)

@@ -59,9 +59,9 @@ def apply_data_parallel(
     else:
         replicate(model, mesh=mesh["dp_replicate"])
     if dist.get_backend(mesh.get_group(shard_dim(layout) if layout.fsdp_shard > 1 else "dp_replicate")) == "gloo":
-        # experts' units over one edp rank excepted: no reduce-scatter, so no PREMUL_SUM to avoid; and
-        # under forced sums torch 2.13 divides such a unit's gradients twice (in place of the
-        # reduce-scatter, and after)
+        # experts' units over one edp rank (HSDP: replicated only) excepted: no reduce-scatter, so no
+        # PREMUL_SUM to avoid; and under forced sums torch 2.13 divides such a unit's gradients twice
+        # (in place of the reduce-scatter, and after)
         one_rank = expert_mesh is not None and layout.edp == 1
         skip = {id(moe.experts) for moe in moe_layers([model])} if one_rank else set()
         for module in model.modules():
@@ -85,11 +85,12 @@ def shard_blocks(
     """FSDP2 over `dp_mesh`: each block one unit, the rest the root unit; with `expert_mesh`, each
     MoE layer's experts a unit of their own over it (gradients / `ranks`: the data-parallel ranks)."""
     fsdp = {"reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    ignored: set[nn.Parameter] = set()  # experts outside FSDP (edp = 1: `shard_experts`)
     for block in model.layers.values():
-        if expert_mesh is not None:
-            shard_experts(block, expert_mesh, ranks, **fsdp)
-        fully_shard(block, mesh=dp_mesh, **fsdp)
-    fully_shard(model, mesh=dp_mesh, **fsdp)
+        own = shard_experts(block, expert_mesh, ranks, **fsdp) if expert_mesh is not None else set()
+        fully_shard(block, mesh=dp_mesh, ignored_params=own or None, **fsdp)
+        ignored |= own
+    fully_shard(model, mesh=dp_mesh, ignored_params=ignored or None, **fsdp)
 
 
 def set_gradient_sync(model: nn.Module, layout: Layout, last: bool) -> None:

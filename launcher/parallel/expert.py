@@ -111,17 +111,28 @@ def expert_data_mesh(emesh: DeviceMesh, dp_replicate: int) -> DeviceMesh:
     return sub_mesh(emesh, "dp_replicate", "edp") if dp_replicate > 1 else emesh["edp"]
 
 
-def shard_experts(block: nn.Module, mesh: DeviceMesh, divide_factor: int, **fsdp: Any) -> None:
+def shard_experts(block: nn.Module, mesh: DeviceMesh, divide_factor: int, **fsdp: Any) -> set[nn.Parameter]:
     """FSDP over `mesh` (`expert_data_mesh`) for each MoE layer's experts in `block`, before the block
     is wrapped (so the block's unit leaves them out). Their gradients already hold the ep ranks'
     tokens (the all-to-all's backward): summed over `mesh` and divided by every data-parallel rank
     (`divide_factor`), they are the global mean, as for the rest. Dim 0 (experts) is cut when each
-    edp rank gets at least one of the rank's experts, else dim 1 (as torchtitan: no idle shards)."""
+    edp rank gets at least one of the rank's experts, else dim 1 (as torchtitan: no idle shards).
+
+    Over a mesh of one rank (edp = 1, no dp_replicate) there is nothing to shard or reduce: FSDP's unit
+    would only copy the weights and gradients through its buffers (about a tenth of an ep=2 step on
+    this CPU), so the experts stay out of FSDP: returned, for the block's and the root's units to ignore;
+    `Experts.forward` divides their gradients as FSDP would and casts their weights to the input's dtype
+    (FSDP's parameter dtype)."""
+    if mesh.size() == 1:
+        for moe in moe_layers([block]):
+            moe.experts.grad_divide = float(divide_factor)
+        return {p for moe in moe_layers([block]) for p in moe.experts.parameters()}
     for moe in moe_layers([block]):
         held = local(moe.experts.w1).shape[0]
         dim = 0 if held >= mesh.size(mesh.ndim - 1) else 1
         fully_shard(moe.experts, mesh=mesh, shard_placement_fn=lambda _, d=dim: Shard(d), **fsdp)
         moe.experts.set_gradient_divide_factor(float(divide_factor))
+    return set()
 
 
 def parallelize_experts(
