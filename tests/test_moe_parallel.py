@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from launcher.config import compose_config
-from launcher.model.moe import local
+from launcher.model.moe import local, moe_layers
 from tests.conftest import selected_cases
 from tests.dist import run_many
 from tests.test_parallel import train_case as parallel_case
@@ -38,6 +39,8 @@ CASES = {
 }
 # each rank's (experts, dim, hidden) shard of w1: 8 / ep experts, unless FSDP cuts them over edp > 1
 W1_SHARD = {"ep2-edp2": (2, 64, 64), "two-experts-ep2-edp2": (1, 32, 64)}
+# experts in an FSDP unit of their own: where their mesh (dp_replicate x edp) has more than one rank
+FSDP_EXPERTS = {"ep2-edp2", "ep2-hsdp", "two-experts-ep2-edp2"}
 
 
 def make_cfg(moe: dict[str, Any] | None = None, **keys: Any) -> Any:
@@ -64,7 +67,8 @@ def train_case(cfg: Any, world_size: int) -> dict[str, Any]:
     out = parallel_case(cfg, world_size, each_step=each_step)
     biases = {n: b.clone() for part in parts for n, b in part.named_buffers() if n.endswith("expert_bias")}
     w1 = {tuple(local(p).shape) for part in parts for n, p in part.named_parameters() if n.endswith("experts.w1")}
-    return {**out, "imbalance": imbalance, "loads": loads, "biases": biases, "w1_shards": w1}
+    fsdp = {isinstance(moe.experts, FSDPModule) for moe in moe_layers(parts)}  # {}: a dense stage
+    return {**out, "imbalance": imbalance, "loads": loads, "biases": biases, "w1_shards": w1, "fsdp_experts": fsdp}
 
 
 def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
@@ -96,6 +100,7 @@ def test_expert_parallel_matches_one_process(results: dict[str, Any], case: str)
     assert any(b.abs().sum() > 0 for b in ref["biases"].values()), "the biases moved"
     for rank, got in enumerate(results["ranks"][case]):
         assert got["w1_shards"] <= {W1_SHARD.get(case, (4, 64, 64))}, got["w1_shards"]  # {}: a dense stage
+        assert got["fsdp_experts"] <= {case in FSDP_EXPERTS}, got["fsdp_experts"]
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-4, atol=0, msg=f"{case} rank {rank} losses")
         torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-4, atol=0)
         torch.testing.assert_close(got["imbalance"], ref["imbalance"], rtol=1e-5, atol=0)
