@@ -112,19 +112,13 @@ def _train_task(cfg: TrainConfig) -> None:
     from launcher.ft_config import check_ft
     from launcher.ft_launch import group_dir, group_run
     from launcher.layout_config import check_environment
-    from launcher.metrics.sinks import check_wandb_login
     from launcher.model.hf import check_folder
     from launcher.planner import resolve, too_big
-    from launcher.slurm import check_ft_steps
-    from launcher.slurm_job import step_replica
     from launcher.spawn import cuda_env_defaults, env_rank, launch
     from launcher.train.checkpoint import preflight_resume
 
     env = env_rank()
-    replica = step_replica() if cfg.ft.on else None  # ft under SLURM: this job step is one replica group
-    if env is not None and replica is None:
-        check_ft_steps(cfg.ft.replicas, "torchrun or one SLURM job step of every rank")
-    world = env.world_size * (cfg.ft.replicas if replica is not None else 1) if env else None
+    replica, world = ft_step(cfg, env.world_size if env else None)
     # the run's one layout; first of all, resolve checks the ranges (validate.validate), which the
     # world size and the layout read
     layout, prediction, options = resolve(cfg, world)
@@ -152,13 +146,7 @@ def _train_task(cfg: TrainConfig) -> None:
     check = check_mix if cfg.data.name == "mix" else check_source  # a mixture: each source's checks, naming it
     check(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
     check_folder(cfg.model, cfg.init.get("from"))  # init.from: a readable Llama folder of exactly the model's shapes
-    if cfg.metrics.wandb.mode != "disabled" and not installed("wandb"):
-        if cfg.metrics.wandb.mode == "online":
-            require("wandb", what="metrics.wandb.mode=online")
-        print(f"note: wandb is not installed, metrics go to metrics.jsonl only ({install_hint('wandb')})")
-        cfg.metrics.wandb.mode = "disabled"
-    if cfg.metrics.wandb.mode == "online":
-        check_wandb_login()
+    check_wandb(cfg)
     # a bad path, or checkpoints none of which is readable, fails here
     preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"), every_rank=env is not None)
     # a failed worker raises WorkerFailed (exit 1); the loop puts the prediction into summary.json
@@ -177,6 +165,31 @@ def _train_task(cfg: TrainConfig) -> None:
             file=sys.stderr,
         )
         sys.exit(PREEMPTED)
+
+
+def ft_step(cfg: TrainConfig, env_world: int | None) -> tuple[int | None, int | None]:
+    """ft under SLURM: the replica group this job step runs (None: not one), and the layout's world size
+    (the step's ranks x the groups; None: the degrees decide). `env_world`: torchrun's or SLURM's ranks."""
+    from launcher.slurm import check_ft_steps
+    from launcher.slurm_job import step_replica
+
+    replica = step_replica() if cfg.ft.on else None
+    if env_world is not None and replica is None:
+        check_ft_steps(cfg.ft.replicas, "torchrun or one SLURM job step of every rank")
+    return replica, env_world * (cfg.ft.replicas if replica is not None else 1) if env_world else None
+
+
+def check_wandb(cfg: TrainConfig) -> None:
+    """wandb asked for but not installed: online is refused, otherwise metrics go to the JSONL file only."""
+    from launcher.metrics.sinks import check_wandb_login
+
+    if cfg.metrics.wandb.mode != "disabled" and not installed("wandb"):
+        if cfg.metrics.wandb.mode == "online":
+            require("wandb", what="metrics.wandb.mode=online")
+        print(f"note: wandb is not installed, metrics go to metrics.jsonl only ({install_hint('wandb')})")
+        cfg.metrics.wandb.mode = "disabled"
+    if cfg.metrics.wandb.mode == "online":
+        check_wandb_login()
 
 
 def run_of(cfg: TrainConfig, layout: Layout, prediction: Prediction | None, options: BuildOptions) -> Run:

@@ -10,8 +10,11 @@ there, loudly, rather than somewhere in a run. torch is imported only when a tor
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from launcher.errors import CROSSING, LauncherError
 
 if TYPE_CHECKING:
     import torch
@@ -295,3 +298,22 @@ def dump_cuda_memory_snapshot(path: str) -> None:
     import torch
 
     torch.cuda.memory._dump_snapshot(path)
+
+
+def quiet_agent_logs() -> None:
+    """Drop three of the agent's log records: its warning that, off the main thread, it cannot install its
+    signal handlers (here that is the point), its traceback of a worker that stopped on bad input or a
+    non-finite loss (errors.CROSSING), which the CLI reports in one line, and its note that it terminates the
+    other workers after one failed (when every rank raises at the same step, a slower one is still on its way
+    out). A dead worker's record loses the agent's own traceback. The loggers' names and messages are torch's."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(expected_records)
+    logging.getLogger("torch.multiprocessing.spawn").addFilter(expected_records)
+
+
+def expected_records(record: logging.LogRecord) -> bool:
+    message = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+    ours = any(f"{LauncherError.__module__}.{name}:" in message for name in CROSSING)
+    noise = ("running on a child thread", "via signal SIGTERM")
+    if record.exc_info and type(record.exc_info[1]).__name__ == "ProcessExitedException":
+        record.exc_info = record.exc_text = None
+    return not ours and not any(text in message for text in noise)

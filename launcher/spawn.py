@@ -26,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from launcher.compat import bound_device, failure_line, leave_process_groups
+from launcher.compat import bound_device, failure_line, leave_process_groups, quiet_agent_logs
 from launcher.errors import CROSSING, Hung, LauncherError, WorkerFailed
 from launcher.ft_launch import launch_replicas
 from launcher.layout import owner_rank
@@ -292,27 +292,6 @@ def local_agent(run: Run, run_dir: Path) -> LocalElasticAgent:
         monitor_interval=0.1,
     )
     return LocalElasticAgent(spec, DefaultLogsSpecs(), start_method="spawn")
-
-
-def quiet_agent_logs() -> None:
-    """Drop three of the agent's log records: its warning that, off the main thread, it cannot install its
-    signal handlers (here that is the point), its traceback of a worker that stopped on bad input or a
-    non-finite loss (errors.CROSSING), which the CLI reports in one line, and its note that it terminates the
-    other workers after one failed (when every rank raises at the same step, a slower one is still on its way
-    out). A worker that died (a signal, an exit code) keeps the record's line without the agent's own
-    traceback, which says nothing about it. A private detail of torch (the loggers' names and the
-    messages): move to compat.py."""
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(expected_records)
-    logging.getLogger("torch.multiprocessing.spawn").addFilter(expected_records)
-
-
-def expected_records(record: logging.LogRecord) -> bool:
-    message = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
-    ours = any(f"{LauncherError.__module__}.{name}:" in message for name in CROSSING)
-    noise = ("running on a child thread", "via signal SIGTERM")
-    if record.exc_info and type(record.exc_info[1]).__name__ == "ProcessExitedException":
-        record.exc_info = record.exc_text = None
-    return not ours and not any(text in message for text in noise)
 
 
 def signal_workers(agent: LocalElasticAgent, sig: int, done: set[int]) -> None:

@@ -326,3 +326,25 @@ def test_in_backward_is_true_only_inside_autograd() -> None:
     assert not in_backward()
     y.sum().backward()
     assert seen == [True]
+
+
+def test_agent_records_keep_their_line_and_lose_what_is_not_news() -> None:
+    """The elastic agent's record of a worker killed by a signal keeps its line without the agent's own
+    traceback (torch's ProcessExitedException); a worker's bad input (errors.CROSSING) is the CLI's to report."""
+    import logging
+
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    def record(message: str, exc: BaseException | None) -> logging.LogRecord:
+        info = (type(exc), exc, None) if exc is not None else None
+        return logging.LogRecord(
+            "torch.distributed.elastic.multiprocessing.api", logging.ERROR, "", 0, message, (), info
+        )
+
+    killed = record(
+        "failed (exitcode: -9) local_rank: 0", ProcessExitedException("signal", 0, 5, -9, signal_name="SIGKILL")
+    )
+    assert compat.expected_records(killed) and killed.exc_info is None
+    assert logging.Formatter().format(killed) == "failed (exitcode: -9) local_rank: 0"
+    raised = record("failed (exitcode: 1)", RuntimeError("launcher.errors.LauncherError: bad input"))
+    assert not compat.expected_records(raised)

@@ -293,7 +293,7 @@ class LocalMonitor:
         self.lines: list[str] = []  # one per hang found, the last one the run's error when it fails
         self.next_check = 0.0
         self.killed: set[int] = set()
-        # the agent's traceback of each worker killed here: not news, the line says why (spawn.quiet_agent_logs)
+        # the agent's traceback of each worker killed here: not news, the line says why (compat.quiet_agent_logs)
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(self.not_killed)
 
     def not_killed(self, record: logging.LogRecord) -> bool:
