@@ -29,7 +29,6 @@ from launcher.run import Run
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 START_ENV = "LAUNCHER_FT_START"  # host:port of the store where the groups meet before their first step
 Launch = Callable[[Run, Path], dict[str, Any]]
-RUST_LOG = os.environ.get("RUST_LOG", "warn")  # torchft's Rust side logs each quorum and commit at INFO
 
 
 def group_run(run: Run, replica: int) -> Run:
@@ -49,7 +48,9 @@ def group_dir(run_dir: Path, replica: int) -> Path:
 def services(ft: FtConfig, host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
     """torchft's Lighthouse and the groups' meeting store, served while in the block; yields the
     environment that points a group's processes at them (reachable at `host`)."""
-    os.environ["RUST_LOG"] = RUST_LOG  # for the Lighthouse's side, read when torchft is imported
+    # torchft's Rust side logs each quorum and commit at INFO; read when torchft is imported (here, and
+    # in each group's processes: the environment yielded)
+    os.environ.setdefault("RUST_LOG", "warn")
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -61,7 +62,8 @@ def services(ft: FtConfig, host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
     start = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)  # served while it lives
     port = lighthouse.address().rsplit(":", 1)[1]
     try:
-        yield {LIGHTHOUSE_ENV: f"http://{host}:{port}", START_ENV: f"{host}:{start.port}", "RUST_LOG": RUST_LOG}
+        rust_log = os.environ["RUST_LOG"]
+        yield {LIGHTHOUSE_ENV: f"http://{host}:{port}", START_ENV: f"{host}:{start.port}", "RUST_LOG": rust_log}
     finally:
         lighthouse.shutdown()
 

@@ -202,8 +202,9 @@ def ft_steps(cfg: TrainConfig, res: Resources, command: list[str], run_dir: Path
     ft = cfg.ft
     group_size, per_node = group_nodes(res.nodes, ft.replicas)
     tasks = res.tasks_per_node * group_size // per_node
-    env_file = shlex.quote(str(run_dir / "ft_services.sh"))
-    serve = [sys.executable, "-m", "launcher.ft_launch", str(run_dir / "ft_services.sh")]
+    services_file = str(run_dir / "ft_services.sh")
+    env_file = shlex.quote(services_file)
+    serve = [sys.executable, "-m", "launcher.ft_launch", services_file]
     serve += [f"--{key}={getattr(ft, key)}" for key in ("min_replicas", "quorum_timeout_s", "heartbeat_timeout_s")]
     step = f"srun --exact --kill-on-bad-exit=1 --nodes={group_size} --ntasks={tasks} --relative=$2"
     step += f" --cpus-per-task={res.cpus_per_task}"

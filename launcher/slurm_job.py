@@ -49,8 +49,10 @@ def rendezvous(env: dict[str, str] | os._Environ = os.environ) -> tuple[str, int
     listed = [env.get(name, "") for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")]
     nodes = expand_nodelist(next((nodes for nodes in listed if nodes), ""))
     addr = nodes[0] if len(nodes) > 1 else "127.0.0.1"
-    job, step = env.get("SLURM_JOB_ID", "0"), env.get("SLURM_STEP_ID", "0")
-    offset = int(job) + (int(step) if step.isdigit() else 0) * STEP_PORT_STRIDE if job.isdigit() else 0
+    job, step = env.get("SLURM_JOB_ID", "0"), env.get("SLURM_STEP_ID", "0")  # the batch step's id: "batch"
+    if not job.isdigit():
+        return addr, PORT_BASE
+    offset = int(job) + (int(step) * STEP_PORT_STRIDE if step.isdigit() else 0)
     return addr, PORT_BASE + offset % PORT_SPAN
 
 

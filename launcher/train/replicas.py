@@ -126,7 +126,7 @@ class Replicas(Alone):
         w.train_loader.load_state_dict(sd["loader"])
         w.guard.skipped = sd["skipped_steps"]
         if self.spikes is not None and sd["spike"] is not None:
-            self.spikes.load_peer_state(owned(sd["spike"]))
+            self.spikes.load_peer_state(sd["spike"])  # copied into the guard's own buffers
         self.before, self.healed_to = sd["loader"], sd["step"]
 
     def share(self, spikes: SpikeGuard) -> None:
@@ -201,8 +201,8 @@ def one_line(record: logging.LogRecord) -> bool:
 
 def owned(state: Any) -> Any:
     """`state` with every tensor copied: torchft's transport hands over tensors on its read-only receive
-    buffer, and an optimizer keeps the tensors it loads (and steps them in place). Model parameters copy
-    on load, so they need no copy here."""
+    buffer, and an optimizer keeps the tensors it loads (and steps them in place). Model parameters and
+    the spike guard copy on load, so they need no copy here."""
     if isinstance(state, torch.Tensor):
         return state.clone()
     if isinstance(state, dict):
