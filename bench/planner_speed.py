@@ -5,7 +5,9 @@ end and by part. The budget: the command as a user runs it under half a second (
    of this environment), wall seconds and the child's CPU seconds, the median of `repeats` runs. Wall
    time counts other processes' load; CPU time does not.
 2. The breakdown, each part timed in this process with time.perf_counter (CPU seconds beside it): the
-   bare interpreter and the CLI's imports (fresh processes), Hydra's compose, validate, building the
+   bare interpreter and the CLI's imports (fresh processes); the floor under any `plan` that composes
+   its config with Hydra (FLOOR: a fresh process that imports the schema, composes COMMAND once and
+   imports rich, which prints the table; nothing of the planner); Hydra's compose, validate, building the
    problem and the search space, the search (of which enumerating the candidates, and the memory and
    prediction calls, timed in a separate instrumented run), rendering the table and the JSON.
 3. The largest space the planner is given (`search_405b`: 16M-token batch, seq_len 8192, tp, pp,
@@ -33,6 +35,10 @@ DEVICES = 16384
 COMMAND = ("+model=405b", "hardware=h100_sxm", f"nodes={DEVICES // 8}")
 HARDWARE = (("h100_sxm", 8), ("gb200_nvl72", 4), ("tpu_v5p", 4))  # profile, devices per node
 BIN = Path(sys.executable).parent
+FLOOR = (
+    "from launcher.config import compose_config; import rich.console, rich.table; "
+    f"compose_config(*{COMMAND!r}, config_name='plan')"
+)
 
 
 def search_405b(hardware: str, per_node: int) -> Any:
@@ -72,6 +78,7 @@ def breakdown(repeats: int) -> dict[str, tuple[float, float]]:
     parts = {"interpreter": fresh([sys.executable, "-c", "pass"], repeats)}
     cli = fresh([sys.executable, "-c", "import launcher.cli"], repeats)
     parts["imports (launcher.cli)"] = (cli[0] - parts["interpreter"][0], cli[1] - parts["interpreter"][1])
+    parts["floor: Hydra compose + rich, fresh process"] = fresh([sys.executable, "-c", FLOOR], repeats)
     from launcher.config import compose_config
     from launcher.layout_config import plan_world_size
     from launcher.planner import report, request
