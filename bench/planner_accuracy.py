@@ -217,7 +217,7 @@ def memory_rows(seq_len: int) -> dict[str, Any]:
 
 def step_time_report(console: Console, seq_len: int, batch: int, steps: int) -> None:
     """The step-time table (planner vs runtime, every layout) and the GEMM peak it was predicted with."""
-    from launcher.calibration import measure_gemm_flops
+    from launcher.calibration import measure_gemm_flops, offer_gemm_peak
     from launcher.hardware import peak_flops
 
     cores = os.cpu_count() or 1
@@ -255,6 +255,9 @@ def step_time_report(console: Console, seq_len: int, batch: int, steps: int) -> 
     worst = max(now[t] / cached[t] for t in threads)
     if worst > 1.1 or min(now[t] / cached[t] for t in threads) < 0.9:
         console.print("[yellow]the cached peak differs from now by >10%: it may come from a noisy run[/]")
+    for t in threads:  # a peak is a maximum: a clearly higher one replaces the cached one for later runs
+        if raised := offer_gemm_peak(t, base.cache_dir, now[t]):
+            console.print(raised)
 
 
 def memory_report(console: Console, seq_len: int) -> None:

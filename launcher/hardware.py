@@ -31,8 +31,8 @@ def peak_flops(hw: HardwareConfig, threads: int, cache_dir: str) -> float:
 
 def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> HardwareConfig:
     """A copy of `hw` with its null numbers calibrated on this machine (peak FLOP/s at `threads`
-    threads, its sustained share, link latency and bandwidth by message size, tensor-parallel and
-    per-block host overhead, the optimizer's and the host copies' time)."""
+    threads, its sustained share, the blocks' non-matmul width, link latency and bandwidth by message
+    size, tensor-parallel and per-block host overhead, the optimizer's and the host copies' time)."""
     peak = hw.peak_tflops if hw.peak_tflops is not None else peak_flops(hw, threads, cache_dir) / 1e12
     links = []
     for link in hw.links:
@@ -42,6 +42,7 @@ def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> Hardwa
         links.append(link)
     measures = {  # CALIBRATED's other numbers (launcher/hardware_config.py)
         "matmul_efficiency": lambda: calibration.gemm_efficiency(threads, cache_dir),
+        "nonmatmul_width": lambda: calibration.nonmatmul_width(threads, cache_dir),
         "host_overhead_us": lambda: calibration.tp_overhead_us(cache_dir),
         "block_overhead_us": lambda: calibration.block_overhead_us(cache_dir),
         "optimizer_ns_per_param": lambda: calibration.optimizer_ns_per_param(cache_dir),

@@ -53,6 +53,9 @@ class HardwareConfig:
     # device memory bandwidth (HBM), GB/s: what the work that is not matmul is bound by (planner);
     # None: the planner's per-kind constant instead (cpu)
     memory_bandwidth_gbs: float | None = ranged(None, gt=0)
+    # H0: the model width at which a block's work that is not matmul takes as long as its matmuls (planner/
+    # efficiency.py); 0: NONMATMUL x the device's FLOP per byte (accelerators). None: calibrate (cpu)
+    nonmatmul_width: float | None = ranged(0.0, ge=0)
     # host time per tensor-parallel block and microbatch that no device work hides: DTensor dispatch
     # on a CPU, where the host is the device; 0 on accelerators (launches run ahead). None: calibrate
     host_overhead_us: float | None = ranged(0.0, ge=0)
@@ -85,6 +88,7 @@ class HardwareConfig:
 CALIBRATED = (
     "peak_tflops",
     "matmul_efficiency",
+    "nonmatmul_width",
     "host_overhead_us",
     "block_overhead_us",
     "optimizer_ns_per_param",

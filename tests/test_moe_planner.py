@@ -17,11 +17,15 @@ import pytest
 from launcher.config import compose_config
 from launcher.flops import expert_params, flops_per_token
 from launcher.layout import Layout
+from launcher.layout_config import from_config
 from launcher.planner import comm, plan
+from launcher.planner.compute import pace
+from launcher.planner.cost import fsdp_copies, fsdp_time
 from launcher.planner.memory import memory
-from launcher.planner.moe import ROW_PASSES, expert_fsdp_comm, extra_routed_flops, host_copies
+from launcher.planner.moe import ROW_PASSES, expert_fsdp_comm, experts_in_fsdp, extra_routed_flops, host_copies
 from launcher.planner.predict import predict
 from launcher.planner.request import problem
+from tests import test_moe_parallel
 
 DEVICES_PER_NODE = {"h100_sxm": 8, "gb200_nvl72": 4, "tpu_v5p": 4}
 
@@ -131,3 +135,29 @@ def test_moe_routing_copies_cost_host_time_only_where_the_profile_has_a_host_cop
         assert cpu.host - gpu.host == pytest.approx(1e-9 * m.n_layers * (rows + stacked), rel=1e-9)
     dense = dataclasses.replace(copying, model=compose_config("+model=small").model)
     assert host_copies(dense.model, Layout(), dense.machine, 1024, 4, 0, 4) == 0.0
+
+
+def test_experts_cost_fsdp_copies_exactly_where_the_runtime_gives_them_an_fsdp_unit() -> None:
+    """The runtime keeps the experts out of FSDP where their mesh (edp x dp_replicate) is one rank
+    (test_moe_parallel's FSDP_EXPERTS); the planner prices their FSDP copies exactly where they are in."""
+    for case, keys in test_moe_parallel.CASES.items():
+        world = next(n for n, names in test_moe_parallel.LAUNCHES if case in names)
+        layout = from_config(test_moe_parallel.make_cfg(**keys), world)
+        assert experts_in_fsdp(layout) == (case in test_moe_parallel.FSDP_EXPERTS), case
+    prob = problem(compose_config("+model=moe_small", "hardware=h100_sxm", "seq_len=128"), 4)
+    m, elem, plain = prob.model, prob.elem, prob.machine
+    copying = dataclasses.replace(plain, host_copy_time=1e-9)
+    for lay, units in (
+        (Layout(dp_shard=2, micro=8, ep=2), False),
+        (Layout(dp_replicate=2, dp_shard=2, micro=8, ep=2), True),
+    ):
+        busy = pace(m, 128, lay, plain, elem, True)
+        copied = fsdp_time(m, lay, copying, busy, elem)[0] - fsdp_time(m, lay, plain, busy, elem)[0]
+
+        def zero3(params: int, ranks: int) -> float:  # two gathers and a reduce-scatter (one microbatch)
+            gather = fsdp_copies(copying, elem * params, ranks, "gather")
+            return 2 * gather + fsdp_copies(copying, 4 * params, ranks, "scatter")
+
+        assert busy.experts > 0 and experts_in_fsdp(lay) == units
+        expected = zero3(busy.params, 2) + (zero3(busy.experts, lay.edp) if units else 0.0)
+        assert copied == pytest.approx(expected, rel=1e-9)

@@ -22,7 +22,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert cpu.peak_tflops is None and cpu.host_overhead_us is None and cpu.block_overhead_us is None
     assert cpu.links[0].bandwidth_gbs is None and cpu.links[0].latency_us is None
     assert cpu.links[0].all_gather_gbs is None and cpu.links[0].reduce_scatter_gbs is None
-    assert cpu.links[0].by_size is None and cpu.host_copy_ns_per_byte is None
+    assert cpu.links[0].by_size is None and cpu.host_copy_ns_per_byte is None and cpu.nonmatmul_width is None
     monkeypatch.setattr(calibration.gemm, "measure_gemm_flops", lambda threads: 1e10)  # the GEMM has its own test
     resolved = hardware.resolve_hardware(cpu, 1, str(tmp_path))
     assert resolved.peak_tflops == pytest.approx(0.01)
@@ -45,6 +45,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert 50 < resolved.block_overhead_us < 100_000  # ~100 ops forward and backward: about a millisecond
     assert 0.1 < resolved.optimizer_ns_per_param < 1000  # fused AdamW streams ~28 bytes per parameter
     assert 0.1 < resolved.matmul_efficiency <= 1.0  # the sustained GEMM rate over the (mocked) peak
+    assert 10 < resolved.nonmatmul_width < 2000  # H0: 60-180 on this project's machine (planner/efficiency.py)
 
     def fail(*args, **kwargs):
         raise AssertionError("measured again")
@@ -57,6 +58,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
         (calibration.host, "measure_block_overhead"),
         (calibration.host, "measure_optimizer_step"),
         (calibration.host, "measure_host_copy"),
+        (calibration.block, "measure_nonmatmul_width"),
     ):
         monkeypatch.setattr(module, name, fail)
     again = hardware.resolve_hardware(cpu, 1, str(tmp_path))
@@ -65,6 +67,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert again.optimizer_ns_per_param == resolved.optimizer_ns_per_param
     assert again.matmul_efficiency == resolved.matmul_efficiency
     assert again.host_copy_ns_per_byte == resolved.host_copy_ns_per_byte
+    assert again.nonmatmul_width == resolved.nonmatmul_width
 
 
 def test_gemm_peak_is_recorded_with_when_and_how_and_raised_only_by_a_clear_margin(tmp_path, monkeypatch):

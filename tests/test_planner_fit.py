@@ -34,6 +34,7 @@ FIXED = (
     "hardware=cpu",
     "hardware.peak_tflops=0.1",
     "hardware.matmul_efficiency=0.5",
+    "hardware.nonmatmul_width=180",
     "hardware.host_overhead_us=3000",
     "hardware.block_overhead_us=600",
     "hardware.optimizer_ns_per_param=1",

@@ -121,6 +121,10 @@ def test_nonmatmul_work_weighs_more_on_a_device_with_less_bandwidth_per_flop():
     assert efficiency.nonmatmul_width(h100) == pytest.approx(efficiency.NONMATMUL * 989e12 / 3350e9)
     assert efficiency.nonmatmul_width(h100) > 1.9 * efficiency.nonmatmul_width(a100)
     assert math.isclose(efficiency.nonmatmul_width(a100), efficiency.NONMATMUL * 312e12 / 2039e9)
+    # a profile's own width (the cpu profile's is calibrated) wins over its memory bandwidth
+    assert efficiency.nonmatmul_width(dataclasses.replace(h100, nonmatmul_width=300.0)) == 300.0
+    cpu = dataclasses.replace(h100, kind="cpu", memory_bandwidth=None)
+    assert efficiency.nonmatmul_width(cpu) == efficiency.H0["cpu"]  # neither: the kind's constant
 
 
 def test_eager_blocks_pay_their_unfused_pointwise_bytes():

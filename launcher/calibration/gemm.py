@@ -25,7 +25,7 @@ GEMM_N, GEMM_TRIALS, GEMM_WARMUP_S, GEMM_ROUNDS = 1024, 5, 0.2, 3
 PEAK_MARGIN = 0.10  # a later GEMM measurement this much above the cached peak replaces it
 
 
-def _gemm_rates(n: int, seconds: float, rounds: int, pause: float) -> Iterator[list[float]]:
+def gemm_rates(n: int, seconds: float, rounds: int, pause: float) -> Iterator[list[float]]:
     """After GEMM_WARMUP_S of warm-up (caches, frequency), `rounds` rounds of `seconds / rounds` each,
     a pause after each (another process's burst passes): per round, the FLOP/s of each 4-matmul batch."""
     import torch
@@ -47,9 +47,9 @@ def _gemm_rates(n: int, seconds: float, rounds: int, pause: float) -> Iterator[l
 
 def measure_gemm_flops(threads: int, n: int = GEMM_N, seconds: float = 1.0, trials: int = GEMM_TRIALS) -> float:
     """Best fp32 GEMM FLOP/s with `threads` intra-op threads (the CPU's practical peak): the best
-    4-matmul time of `trials` trials (`_gemm_rates`)."""
+    4-matmul time of `trials` trials (`gemm_rates`)."""
     with torch_threads(threads):
-        return max(max(rates) for rates in _gemm_rates(n, seconds, trials, pause=0.05))
+        return max(max(rates) for rates in gemm_rates(n, seconds, trials, pause=0.05))
 
 
 def _gemm_worker(rank: int, world: int, port: int, seconds: float) -> str:
@@ -59,7 +59,7 @@ def _gemm_worker(rank: int, world: int, port: int, seconds: float) -> str:
     import torch
 
     torch.set_num_threads(int(os.environ.get("LAUNCHER_GEMM_THREADS", "1")))
-    return str(max(statistics.median(rates) for rates in _gemm_rates(GEMM_N, seconds, GEMM_ROUNDS, pause=0.2)))
+    return str(max(statistics.median(rates) for rates in gemm_rates(GEMM_N, seconds, GEMM_ROUNDS, pause=0.2)))
 
 
 def measure_gemm_sustained(threads: int, seconds: float = 2.4) -> float:

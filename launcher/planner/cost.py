@@ -167,14 +167,16 @@ def fsdp_time(
 ) -> tuple[float, float]:
     """(all, exposed) seconds per step of FSDP: ZeRO-3 gathers for forward and again for backward, ZeRO-2
     once per microbatch, pipelining once per step; HSDP's replica all-reduce; and the experts' own FSDP
-    units over edp (ep > 1: ep divides dp_shard). `fp8` tensorwise gathers the converted weights in fp8."""
+    units over edp (ep > 1: ep divides dp_shard; none over one rank, `moe.experts_in_fsdp`). `fp8`
+    tensorwise gathers the converted weights in fp8."""
     lv, t, s, rep, mb = machine.levels, layout.tp, layout.fsdp_shard, layout.dp_replicate, layout.microbatches
     params, experts, buckets, c = busy.params, busy.experts, max(1, busy.layers), contention(machine)
     e_gather, e_scatter, e_cross = moe.expert_fsdp_comm(m, layout, lv, busy.rank, elem, GRAD_BYTES)
+    expert_units = moe.experts_in_fsdp(layout)
 
     def copies(kind: str, per_param: int) -> float:  # the rank's FSDP units, then its experts' over edp
         own = fsdp_copies(machine, per_param * params, s, kind)
-        return own + fsdp_copies(machine, per_param * experts, layout.edp, kind)
+        return own + (fsdp_copies(machine, per_param * experts, layout.edp, kind) if expert_units else 0.0)
 
     gathered = elem * params - gathered_saving(fp8, m, layout, busy.layers, elem)
     gather = comm.all_gather(lv, gathered, t, s, buckets) + e_gather + copies("gather", elem)

@@ -75,3 +75,4 @@ class Machine:
     memory_bandwidth: float | None = None  # bytes/s of device memory (None: not given, cpu)
     host_copy_time: float = 0.0  # seconds per byte of FSDP's copies around its collectives (cpu)
     flop_per_byte: float = 0.0  # the profile's peak over its memory bandwidth (flops.device_flop_per_byte)
+    nonmatmul_width: float = 0.0  # H0 given or calibrated (cpu); 0: from flop_per_byte (planner/efficiency.py)

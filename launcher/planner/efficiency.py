@@ -26,11 +26,10 @@ from launcher.planner.device import Machine
 
 # Model width at which the non-matmul work takes as long as the matmuls. It scales with the device's
 # FLOP/byte ratio: accelerators (~150-300 FLOP per byte of memory traffic) share one value, set by the
-# published runs; a CPU (~5-10) does far less elementwise work per FLOP: two blocks of `small` (h 256)
-# at 2 x 256 tokens, forward + backward in one process and 1 thread, take 47.0 ms (best of 25) beside
-# 1024^3 GEMMs at 197 GFLOP/s: less the calibrated host time of 2 blocks (1.4 ms), 5.26 GFLOP at 0.59
-# of the GEMM rate, 1/(1 + 180/256). The attention kernel (SDPA on CPU: ~100 GFLOP/s) is part of it.
-H0 = {"cuda": 1024.0, "tpu": 1024.0, "cpu": 180.0}  # without a memory bandwidth in the profile
+# published runs. A CPU's is measured (the cpu profile's `nonmatmul_width`, launcher/calibration/block.py):
+# its GEMM speed against the rest moves with the host. Where a profile gives neither a width nor a memory
+# bandwidth, H0 by kind; cpu: the width measured when GEMMs ran at ~200 GFLOP/s on one thread here.
+H0 = {"cuda": 1024.0, "tpu": 1024.0, "cpu": 180.0}
 NONMATMUL = 4.0  # H0 per FLOP/byte of the device (612 on an A100, 1184 on an H100): fitted, docs/planner.md
 # GEMM narrow side at which a GEMM runs at half the speed of a wide one (accelerators: 128 x 128 or
 # 256 x 128 output tiles per SM, so a side of a few hundred already wastes a share of each wave);
@@ -52,6 +51,8 @@ def gemm_efficiency(m: ModelConfig, tp: int, tokens: int, g0: float) -> float:
 
 def nonmatmul_width(machine: Machine) -> float:
     """H0: the model width at which the work that is not matmul takes as long as the matmuls."""
+    if machine.nonmatmul_width:
+        return machine.nonmatmul_width
     if machine.memory_bandwidth:
         return NONMATMUL * machine.flop_per_byte
     return H0.get(machine.kind, H0["cuda"])

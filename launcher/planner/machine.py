@@ -84,4 +84,5 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
         host_copy_time=float(hw.host_copy_ns_per_byte) * 1e-9,
         memory_bandwidth=None if hw.memory_bandwidth_gbs is None else hw.memory_bandwidth_gbs * 1e9,
         flop_per_byte=flop_per_byte,
+        nonmatmul_width=hw.nonmatmul_width or 0.0,
     )

@@ -14,7 +14,8 @@
   to other ranks, on the link levels the ep group spans (ep ranks spaced tp apart); they do not
   overlap compute here. The experts' FSDP traffic (`expert_fsdp_comm`): all-gathers and gradient
   reduce-scatters over edp (ranks spaced tp x ep apart), with the same schedule and overlap as the
-  other FSDP units, and under HSDP an all-reduce of their shards over dp_replicate.
+  other FSDP units, and under HSDP an all-reduce of their shards over dp_replicate. Where that mesh is
+  one rank (edp = 1, no dp_replicate) the experts have no FSDP unit and cost no copies (`experts_in_fsdp`).
 - Host copies (`host_copies`, cpu): routing moves every routed row several times around the experts'
   matmuls, and the expert loop's backward stacks its experts' weight gradients; priced at the
   calibrated host copy rate, as FSDP's copies are (0 on accelerators, whose profiles have none).
@@ -57,6 +58,12 @@ def rank_expert_params(m: ModelConfig, layout: Layout, rank: int) -> int:
     """Routed-expert weights in a rank's own expert FSDP units (ep > 1): its ep-local experts, whole,
     before FSDP shards them over edp; 0 at ep=1 (FSDP shards them with the rest)."""
     return rank_moe_layers(m, layout, rank) * routed_params(m) // layout.ep if layout.ep > 1 else 0
+
+
+def experts_in_fsdp(layout: Layout) -> bool:
+    """The experts have FSDP units of their own: ep > 1 and their mesh (edp x dp_replicate) has more than
+    one rank; over one rank they stay out of FSDP (launcher/parallel/expert.py `shard_experts`)."""
+    return layout.ep > 1 and layout.edp * layout.dp_replicate > 1
 
 
 def expert_fsdp_comm(
