@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
+from launcher.allocator import allocator_mode
 from launcher.config import compose_config
 from launcher.flops import FLOP_PER_BYTE, GIB, device_flop_per_byte, loss_chunk_rows, loss_weight_bytes
 from launcher.layout import Layout
 from launcher.planner import memory
 from launcher.planner.predict import predict
 from launcher.planner.request import problem
-from launcher.train.fit import allocator_mode
 from tests.test_planner import make_cfg
 
 
@@ -73,7 +73,7 @@ def test_cpu_overhead_is_the_worker_process():
 FREED = """
 import sys
 import torch
-from launcher.train.fit import set_cpu_allocator
+from launcher.allocator import set_cpu_allocator
 
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
@@ -102,7 +102,7 @@ REUSED = """
 import resource
 import sys
 import torch
-from launcher.train.fit import set_cpu_allocator
+from launcher.allocator import set_cpu_allocator
 
 if sys.argv[1] != "glibc":
     assert set_cpu_allocator(sys.argv[1])

@@ -22,7 +22,7 @@ from launcher.compat import leave_process_groups
 from launcher.config import ModelConfig
 from launcher.flops import head_dim
 
-COPY_BYTES = 2**26  # fresh pages, as FSDP's buffers get (measure_host_copy)
+COPY_BYTES = 2**26  # 64 MiB: above glibc's default mmap threshold (measure_host_copy)
 BLOCK_PROBE_LAYERS = 4
 TP_PROBE_LAYERS = 2
 
@@ -134,16 +134,14 @@ def measure_optimizer_step(seconds: float = 1.0, numel: int = 2**22) -> float:
         return median_seconds(step, seconds, warmup=1) / numel * 1e9  # warm-up: the moments are allocated
 
 
-def measure_host_copy(seconds: float = 0.5) -> float:
-    """Nanoseconds per byte written of the copies FSDP makes around its collectives, 1 thread: a copy
-    into a freshly allocated tensor (the all-gather's copy-out into the unsharded parameters) and a
-    cat of 16 pieces (the reduce-scatter's copy-in of the gradients), COPY_BYTES each, the median of
-    the pair over the bytes. A block that size is mmap'd fresh each time and faults its pages in
-    (~2.5 GB/s here), as FSDP's gathered and gradient buffers do in a training run: moe_small at
-    dp=2 (torch.profiler, one step) spends 85 ms in `copy_` and 35 ms in `cat` on ~258 MB, 2.2 GB/s,
-    although a tight loop of fresh 8 MiB tensors gets reused heap memory from glibc at ~14 GB/s."""
+def _host_copy_worker(rank: int, world: int, port: int, seconds: float) -> str:
+    """`measure_host_copy` in a fresh interpreter under the allocator training runs with (rank, world and
+    port unused)."""
     import torch
 
+    from launcher.allocator import set_cpu_allocator
+
+    set_cpu_allocator("fast")
     with torch_threads(1):
         src = torch.randn(COPY_BYTES // 4)
         parts = list(src.chunk(16))
@@ -152,7 +150,18 @@ def measure_host_copy(seconds: float = 0.5) -> float:
             torch.empty_like(src).copy_(src)
             torch.cat(parts)
 
-        return median_seconds(step, seconds, warmup=2) / (2 * COPY_BYTES) * 1e9
+        return str(median_seconds(step, seconds, warmup=2) / (2 * COPY_BYTES) * 1e9)
+
+
+def measure_host_copy(seconds: float = 0.5) -> float:
+    """Nanoseconds per byte written of the copies FSDP makes around its collectives (and MoE's routing),
+    1 thread: a copy into a newly allocated tensor (the all-gather's copy-out into the unsharded
+    parameters) and a cat of 16 pieces (the reduce-scatter's copy-in of the gradients), COPY_BYTES
+    each, the median of the pair over the bytes, under `cpu_allocator=fast` as training runs: the
+    freed blocks come back from glibc's heap, ~0.07 ns per byte here. Under glibc's defaults each block
+    is mmapped fresh and faults its pages in, 10x that (0.72; the calibration measured this before
+    training kept its blocks, and over-predicted FSDP's and MoE's host copies by as much)."""
+    return float(run_ranks(_host_copy_worker, 1, seconds))
 
 
 def tp_overhead_us(cache_dir: str) -> float:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from launcher import flops
+from launcher.allocator import allocator_mode, set_cpu_allocator
 from launcher.data import BatchLoader, Splits, load_splits
 from launcher.data.documents import data_span
 from launcher.data.mix import MixLoader, Mixture, load_mixture, mix_loader
@@ -25,7 +26,7 @@ from launcher.parallel import parallelize
 from launcher.parallel.runner import Runner
 from launcher.run import Run
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
-from launcher.train.fit import allocator_mode, out_of_memory, set_cpu_allocator
+from launcher.train.fit import out_of_memory
 from launcher.train.guard import Guard
 from launcher.train.optim import build_optimizer
 from launcher.train.replicas import Alone, replicas_of
