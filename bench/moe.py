@@ -1,4 +1,5 @@
-"""Mixture-of-experts figures on this CPU: `python -m bench moe [--quick] [--speed]` (--speed: table 1 alone).
+"""Mixture-of-experts figures on this CPU: `python -m bench moe [--quick] [--speed] [--rounds=N]` (--speed:
+table 1 alone; --rounds: its rows N times, alternating their order, medians and each round's ratio).
 
 1. Speed: moe_small on 2 workers (FSDP over dp=2) at ep=1 and ep=2, one after the other: tokens/s,
    MFU by active FLOPs (flops.py), and the planner's predicted step time beside the measured median;
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,30 +52,45 @@ def warm_start(out: Path) -> Path:
     return out / "warm" / "checkpoints"
 
 
-def speed(out: Path, steps: int) -> None:
+ROWS = (("one process", []), ("dp=2 ep=1", ["dp=2", "ep=1"]), ("dp=2 ep=2", ["dp=2", "ep=2"]))
+
+
+def speed_row(out: Path, name: str, common: list[str], keys: list[str]) -> dict[str, float]:
+    """One timed run of a row: tokens/s, MFU, median step, the planner's step, the median imbalance."""
+    summary, rows = train(out, name, *common, *keys)
+    timed = rows[1:]
+    predicted = (summary.get("prediction") or {}).get("step_time_s")
+    return {
+        "tokens/s": summary["median_tokens_per_s"],
+        "mfu": summary["median_mfu"],
+        "step": statistics.median(r["step_time_s"] for r in timed),
+        "predicted": predicted or float("nan"),
+        # the busiest expert over the mean; the planner assumes the busiest ep rank's rows at 1.1 x the mean
+        "imbalance": statistics.median(r["moe_load_imbalance"] for r in timed),
+    }
+
+
+def speed(out: Path, steps: int, rounds: int) -> None:
+    """ROWS `rounds` times, in reverse order every other round (a drift in the machine's load hits
+    both ep rows alike); each column the median over rounds, and each round's ep=2 / ep=1 ratio."""
     common = [*SHAPE, f"steps={WARM_STEPS + steps}", f"resume={warm_start(out)}"]
-    table = Table(title="moe_small: expert parallelism on 2 workers (tokens/s, MFU by active FLOPs)")
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in ROWS}
+    for r in range(rounds):
+        for name, keys in ROWS if r % 2 == 0 else ROWS[::-1]:
+            runs[name].append(speed_row(out, f"{name.replace(' ', '_').replace('=', '')}_{r}", common, keys))
+    table = Table(title=f"moe_small: expert parallelism on 2 workers (median of {rounds} round(s))")
     cols = ("layout", "tokens/s", "MFU", "step s measured", "step s predicted", "predicted / measured", "imbalance")
     for col in cols:
         table.add_column(col, justify="right")
-    measured = {}
-    for name, keys in (("one process", []), ("dp=2 ep=1", ["dp=2", "ep=1"]), ("dp=2 ep=2", ["dp=2", "ep=2"])):
-        summary, rows = train(out, name.replace(" ", "_").replace("=", ""), *common, *keys)
-        step_s = sorted(r["step_time_s"] for r in rows[1:])[len(rows[1:]) // 2]
-        predicted = (summary.get("prediction") or {}).get("step_time_s")
-        measured[name] = summary["median_tokens_per_s"]
-        table.add_row(
-            name,
-            f"{summary['median_tokens_per_s']:,.0f}",
-            f"{summary['median_mfu']:.2%}",
-            f"{step_s:.3f}",
-            f"{predicted:.3f}" if predicted else "-",
-            f"{predicted / step_s:.2f}" if predicted else "-",
-            # the busiest expert over the mean; the planner assumes the busiest ep rank's rows at 1.1 x the mean
-            f"{sorted(r['moe_load_imbalance'] for r in rows[1:])[len(rows[1:]) // 2]:.2f}",
-        )
+    for name, got in runs.items():
+        med = {key: statistics.median(run[key] for run in got) for key in got[0]}
+        ratio = med["predicted"] / med["step"]
+        table.add_row(name, f"{med['tokens/s']:,.0f}", f"{med['mfu']:.2%}", f"{med['step']:.3f}",
+                      f"{med['predicted']:.3f}", f"{ratio:.2f}", f"{med['imbalance']:.2f}")  # fmt: skip
     Console().print(table)
-    print(f"ep=2 / ep=1 tokens/s on 2 workers: {measured['dp=2 ep=2'] / measured['dp=2 ep=1']:.2f}")
+    ratios = [a["tokens/s"] / b["tokens/s"] for a, b in zip(runs["dp=2 ep=2"], runs["dp=2 ep=1"])]
+    each = ", ".join(f"{x:.2f}" for x in ratios)
+    print(f"ep=2 / ep=1 tokens/s on 2 workers: {statistics.median(ratios):.2f} (median; each round: {each})")
 
 
 def balance(out: Path, steps: int) -> None:
@@ -97,7 +114,8 @@ def balance(out: Path, steps: int) -> None:
 
 def main(argv: list[str]) -> None:
     quick = "--quick" in argv
+    rounds = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--rounds=")), 1)
     with tempfile.TemporaryDirectory(prefix="bench_moe_") as tmp:
-        speed(Path(tmp), 6 if quick else 12)
+        speed(Path(tmp), 6 if quick else 12, rounds)
         if "--speed" not in argv:  # the speed table alone
             balance(Path(tmp), 20 if quick else 100)
