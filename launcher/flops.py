@@ -151,6 +151,11 @@ def document_span(lengths: list[int], seq_len: int) -> float:
     return sum(n * min(n, seq_len) for n in lengths) / tokens if tokens else float(seq_len)
 
 
+def blocks_flops_per_token(m: ModelShape, seq_len: int) -> float:
+    """FLOPs per token of all the blocks, forward + backward: the model's without the output projection."""
+    return 6.0 * param_counts(m).layers_active_matmul + attention_flops_per_token(m, seq_len)
+
+
 def flops_per_token(m: ModelShape, seq_len: int) -> float:
     """Model FLOPs per trained token (forward + backward), the numerator of MFU."""
     pc = param_counts(m)
@@ -169,8 +174,7 @@ def hardware_flops_per_token(m: ModelShape, seq_len: int, recomputed_layers: flo
     base = flops_per_token(m, seq_len)
     if not recomputed_layers:
         return base
-    block = 6.0 * param_counts(m).layers_active_matmul + attention_flops_per_token(m, seq_len)
-    return base + block / 3.0 * recomputed_layers / m.n_layers
+    return base + blocks_flops_per_token(m, seq_len) / 3.0 * recomputed_layers / m.n_layers
 
 
 def mfu(tokens_per_s_per_device: float, model_flops_per_token: float, peak_flops: float) -> float:

@@ -19,15 +19,10 @@ from launcher.calibration.gemm import GEMM_N, gemm_rates
 from launcher.calibration.harness import median_seconds, torch_threads
 from launcher.calibration.host import block_overhead_us
 from launcher.config import ModelConfig
-from launcher.flops import flops_per_token, head_dim, param_counts
+from launcher.flops import blocks_flops_per_token, head_dim
 
 PROBE = ModelConfig(name="probe", n_layers=2)  # the schema's default model: `small`'s blocks
 PROBE_BATCH, PROBE_SEQ = 2, 256
-
-
-def block_flops(m: ModelConfig, seq: int) -> float:
-    """FLOPs per token of one block, forward and backward (the model's less its output projection)."""
-    return (flops_per_token(m, seq) - 6.0 * param_counts(m).output_matmul) / m.n_layers
 
 
 def measure_nonmatmul_width(threads: int, host_s: float, seconds: float = 1.5) -> float:
@@ -50,12 +45,13 @@ def measure_nonmatmul_width(threads: int, host_s: float, seconds: float = 1.5) -
 
         block_s = median_seconds(step, seconds, warmup=3) / PROBE.n_layers - host_s
         gemm = statistics.median(next(gemm_rates(GEMM_N, seconds / 2, 1, pause=0.0)))
-    matmul_s = block_flops(PROBE, PROBE_SEQ) * PROBE_BATCH * PROBE_SEQ / gemm
+    matmul_s = blocks_flops_per_token(PROBE, PROBE_SEQ) / PROBE.n_layers * PROBE_BATCH * PROBE_SEQ / gemm
     return max(0.0, PROBE.dim * (block_s / matmul_s - 1.0))
 
 
 def nonmatmul_width(threads: int, cache_dir: str) -> float:
     """H0 of this CPU at `threads` threads, measured once, cached."""
-    host_s = block_overhead_us(cache_dir) * 1e-6
     key = f"nonmatmul_width|threads={threads}"
-    return float(cached_measure(cache_dir, key, lambda: measure_nonmatmul_width(threads, host_s)))
+    return float(
+        cached_measure(cache_dir, key, lambda: measure_nonmatmul_width(threads, block_overhead_us(cache_dir) * 1e-6))
+    )
