@@ -25,6 +25,13 @@ from launcher.planner import build_options
 GQA = dict(n_heads=8, n_kv_heads=2)
 
 
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """RoPE as the textbook chain of ops (Llama's halves): x cos + rotate_half(x) sin."""
+    cos, sin = rope[0, : x.shape[-2]], rope[1, : x.shape[-2]]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
 def unfused_attention(
     self: transformer.Attention, x: torch.Tensor, rope: torch.Tensor | None, mask: None = None
 ) -> torch.Tensor:
@@ -32,7 +39,7 @@ def unfused_attention(
     b, s, _ = x.shape
     q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
     if rope is not None:
-        q, k = transformer.apply_rope(q, rope), transformer.apply_rope(k, rope)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -102,7 +102,7 @@ def test_activations_reproduce_korthikanti_for_gpt():
 def test_activations_swiglu_gqa_and_fused_attention():
     m = make_cfg("8b").model  # h 4096, 32 heads / 8 kv heads (h_kv 1024), SwiGLU f 14336, no dropout
     h, f = 4096, 14336
-    expected = 2 * (4 * h) + 2 * (2 * h + 2 * 1024) + 4 * 2 * f + 4 * 32  # + fp32 log-sum-exp per head
+    expected = 2 * (4 * h) + 2 * (2 * h + 2 * 1024) + 3 * 2 * f + 4 * 32  # + fp32 log-sum-exp per head
     expected += 2 * 2 * (h + 1)  # the two RMSNorms' saved x * rstd and rstd (bf16)
     assert memory.layer_activation_bytes(m, 8192, gpt_layout(), 2)[0] == pytest.approx(expected)
 
@@ -350,7 +350,7 @@ def test_partial_recompute_lies_between_none_and_full():
     # a full block costs 4/3 of its FLOPs: 16 of 32 blocks cost half of full recompute's extra
     assert times[1] - none.time.compute == pytest.approx((full.time.compute - none.time.compute) / 2)
     sel = pred(recompute="selective")  # no matmul repeated: a few percent, far less memory
-    assert sel.memory.activations < 0.6 * none.memory.activations
+    assert sel.memory.activations < 0.7 * none.memory.activations
     assert 1.0 < sel.time.compute / none.time.compute < 1.1
 
 

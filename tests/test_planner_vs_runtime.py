@@ -6,8 +6,8 @@ dp=2 in two gloo processes.
 
 Activations: `layer_activation_bytes` against the bytes autograd saves for one block forward,
 counted with saved-tensor hooks (parameters and the RoPE table excluded, each storage once).
-How the `small` model's SwiGLU and GQA are counted: SwiGLU saves w1 x, w3 x, silu(w1 x) and their
-product (4 f, as the planner says). GQA: SDPA runs with enable_gqa, so K and V are saved n_kv_heads
+How the `small` model's SwiGLU and GQA are counted: SwiGLU saves the fused product [w1 x | w3 x]
+and silu(w1 x) x w3 x (3 f, as the planner says). GQA: SDPA runs with enable_gqa, so K and V are saved n_kv_heads
 wide, as the planner counts them. nn.RMSNorm saves x * rstd (h) and rstd (1) besides its input, which
 the planner counts too. The tests ask for exact equality, so a change on either side shows up here.
 

@@ -86,31 +86,31 @@ def converted(linears: tuple[nn.Linear, ...]) -> bool:
 
 
 class FusedLinear(nn.Module):
-    """`x` through several `nn.Linear`s that share it, as one matmul; returns each layer's output."""
+    """`x` through several `nn.Linear`s that share it, as one matmul; returns their outputs side by
+    side on the last dimension (the product itself: the pointwise nodes of launcher/model/pointwise.py
+    read it whole, and their gradients for it need no concatenation)."""
 
-    def forward(self, x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-        if converted(linears):
-            return tuple(lin(x) for lin in linears)
+    def forward(self, x: torch.Tensor, *linears: nn.Linear) -> torch.Tensor:
+        if converted(linears):  # one by one, concatenated: fp8 only
+            return torch.cat([lin(x) for lin in linears], dim=-1)
         weights = [lin.weight for lin in linears]
         biases = [lin.bias for lin in linears if lin.bias is not None]
         return self.project(x, weights, biases)
 
-    def project(self, x: torch.Tensor, weights: list, biases: list) -> tuple[torch.Tensor, ...]:
-        """x @ [w_1; w_2; ...].T + [b_1; b_2; ...], split back into the layers' outputs."""
+    def project(self, x: torch.Tensor, weights: list, biases: list) -> torch.Tensor:
+        """x @ [w_1; w_2; ...].T + [b_1; b_2; ...]."""
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             out = StackedLinear.apply(x, dtype, True, *weights)
-            out = out + torch.cat(biases).to(dtype) if biases else out
-        return out.split([w.shape[0] for w in weights], dim=-1)
+            return out + torch.cat(biases).to(dtype) if biases else out
 
 
 class SplitFusedLinear(FusedLinear):
     """`FusedLinear` whose weights' gradients are a node of their own, for a zero-bubble schedule's
     separate input and weight passes (same FLOPs, same gradients)."""
 
-    def project(self, x: torch.Tensor, weights: list, biases: list) -> tuple[torch.Tensor, ...]:
+    def project(self, x: torch.Tensor, weights: list, biases: list) -> torch.Tensor:
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             product = StackedLinear.apply(x, dtype, False, *(w.detach() for w in weights))
-            out = product + StackedLinearWeights.apply(x.detach(), dtype, len(weights), *weights, *biases)
-        return out.split([w.shape[0] for w in weights], dim=-1)
+            return product + StackedLinearWeights.apply(x.detach(), dtype, len(weights), *weights, *biases)

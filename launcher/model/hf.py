@@ -1,7 +1,7 @@
 """Hugging Face Llama folders both ways: our parameter names and config beside HF's, and each rank's
 piece of a parameter read straight from the folder's safetensors shards.
 
-RoPE needs no conversion: `apply_rope` rotates the two halves of a head (dims i and i + head_dim/2
+RoPE needs no conversion: `pointwise.rotate` turns the two halves of a head (dims i and i + head_dim/2
 share an angle) with tables that repeat the frequencies (`cat(f, f)`), exactly as HF's `rotate_half`
 does, so q and k weights keep their row order. (Meta's original checkpoints pair adjacent dims; HF's
 own converter permutes those rows into this layout once.) tests/test_hf.py checks the logits.

@@ -22,6 +22,7 @@ from launcher.model.documents import attention_mask, document_ids, document_posi
 from launcher.model.fused import FusedLinear
 from launcher.model.loss import OutputLoss
 from launcher.model.moe import MoE, is_moe_layer
+from launcher.model.pointwise import heads, rotary_qkv, swiglu
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -36,18 +37,6 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return torch.stack([angles.cos(), angles.sin()])
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, heads, seq, head_dim) by the tables' first `seq` rows, or by per-token rows
-    (2, batch, seq, head_dim) (document positions: launcher/model/documents.py)."""
-    if rope.dim() == 4:
-        cos, sin = rope[0, :, None].to(x.dtype), rope[1, :, None].to(x.dtype)
-    else:
-        cos, sin = rope[0, : x.shape[-2]].to(x.dtype), rope[1, : x.shape[-2]].to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class Positions(nn.Module):
@@ -90,11 +79,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: Any = None) -> torch.Tensor:
         b, s, _ = x.shape
+        qkv = self.qkv(x, self.wq, self.wk, self.wv)
+        # each projection's share of the product: under tensor parallelism the same part of each
+        widths = [lin.weight.shape[0] for lin in (self.wq, self.wk, self.wv)]
+        widths = [w * qkv.shape[-1] // sum(widths) for w in widths]
         # (batch, heads, seq, head_dim): SDPA's fast path wants 4-D inputs
-        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x, self.wq, self.wk, self.wv))
         if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
-            v = v.contiguous()  # SDPA saves v: a view of the fused output would keep pre-rotation q, k alive
+            q, k, v = rotary_qkv(qkv, rope, widths, self.head_dim)
+        else:
+            q, k, v = (heads(t, self.head_dim) for t in qkv.split(widths, dim=-1))
         return self.wo(self.core(q, k, v, mask).transpose(1, 2).reshape(b, s, -1))
 
 
@@ -110,8 +103,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x, self.w1, self.w3)
-            return self.w2(F.silu(gate) * up)
+            return self.w2(swiglu(self.gate_up(x, self.w1, self.w3)))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 

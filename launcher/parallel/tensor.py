@@ -80,9 +80,9 @@ class LocalFusedLinear(nn.Module):
         super().__init__()
         self.fused = fused  # zero-bubble schedules swap it for their split one (parallel/pipeline.py)
 
-    def forward(self, x: DTensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: DTensor, *linears: nn.Linear) -> torch.Tensor:
         if converted(linears):  # float8 layers through their own ColwiseParallel hooks, on the DTensors
-            return tuple(lin(x) for lin in linears)
+            return self.fused(x, *linears)
         weights = [lin.weight.to_local() for lin in linears]
         biases = [lin.bias.to_local() for lin in linears if lin.bias is not None]
         return self.fused.project(x.to_local(grad_placements=[Partial()]), weights, biases)

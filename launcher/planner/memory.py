@@ -28,9 +28,10 @@ activations and dropout), rebuilt term by term so that other shapes fit:
   replicated across TP ranks (divided by t only with sequence parallelism): the inputs of the two
   norms, of the QKV projection and of the MLP (4 tensors of h), and the two dropout masks (1 B each);
   sharded by t: Q (h_q), K and V (h_kv each: GQA stores fewer), the output projection's input (h_q),
-  the MLP's intermediates (GELU: its input and output, 2f; SwiGLU: gate, up, silu(gate) and their
-  product, 4f); and the attention core: the softmax output (a s elements), with dropout also its mask
-  and output. With fused attention (SDPA flash / memory-efficient kernels, which the runtime uses)
+  the MLP's intermediates (GELU: its input and output, 2f; SwiGLU: the gate|up product and
+  silu(gate) x up, 3f, as its node recomputes silu(gate) in backward (launcher/model/pointwise.py);
+  a MoE layer's routed experts run the chain op by op and save silu(gate) too, 4f); and the
+  attention core: the softmax output (a s elements), with dropout also its mask and output. With fused attention (SDPA flash / memory-efficient kernels, which the runtime uses)
   the a s-sized tensors are never stored, only a log-sum-exp per head (fp32).
 For GPT (f = 4h, h_q = h_kv = h, dropout, 2-byte activations) this gives exactly 10 + 24/t and
 5as/(ht). Full recompute keeps each layer's input (2sbh, /t with sequence parallelism) and needs one
@@ -168,10 +169,10 @@ def layer_activation_bytes(
     """(saved bytes per token of one layer under `layout.recompute`, bytes per token of one layer's
     full working set); `fused_attention`: SDPA's kernels, which the runtime calls (False: the score
     matrix stored, Megatron before FlashAttention)."""
-    h, t, f = m.dim, layout.tp, m.ffn_dim
-    routed = 0.0
+    h, t = m.dim, layout.tp
+    mlp, routed = (3 if m.mlp == "swiglu" else 2) * m.ffn_dim, 0.0
     if m.moe.experts:  # a token's MLP: top_k routed + shared experts; its k dispatched copies, there and back
-        f = (m.moe.top_k + m.moe.shared_experts) * expert_width(m)
+        mlp = (4 * m.moe.top_k + 3 * m.moe.shared_experts) * expert_width(m)
         routed = 2 * elem * m.moe.top_k * h * t  # not split by tp: the MoE layer runs whole on each tp rank
     hq, hkv, a = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m), m.n_heads
     mask = 1 if m.dropout > 0 else 0
@@ -179,7 +180,7 @@ def layer_activation_bytes(
     # attention saves K and V as its core reads them: all-gathered over the cp ranks (cp x the local ones);
     # under cp each local chunk's output is saved, and their concatenation (the output projection's input)
     cp_out = hq if layout.cp > 1 else 0
-    sharded = elem * (2 * hq + cp_out + 2 * hkv * layout.cp) + (4 if m.mlp == "swiglu" else 2) * elem * f + routed
+    sharded = elem * (2 * hq + cp_out + 2 * hkv * layout.cp + mlp) + routed
     if fused_attention:
         core = 4.0 * a
     else:
