@@ -31,8 +31,9 @@ activations and dropout), rebuilt term by term so that other shapes fit:
   the MLP's intermediates (GELU: its input and output, 2f; SwiGLU: the gate|up product and
   silu(gate) x up, 3f, as its node recomputes silu(gate) in backward (launcher/model/pointwise.py);
   a MoE layer's routed experts run the chain op by op and save silu(gate) too, 4f); and the
-  attention core: the softmax output (a s elements), with dropout also its mask and output. With fused attention (SDPA flash / memory-efficient kernels, which the runtime uses)
-  the a s-sized tensors are never stored, only a log-sum-exp per head (fp32).
+  attention core: the softmax output (a s elements), with dropout also its mask and output. With
+  fused attention (SDPA flash / memory-efficient kernels, which the runtime uses) the a s-sized
+  tensors are never stored, only a log-sum-exp per head (fp32).
 For GPT (f = 4h, h_q = h_kv = h, dropout, 2-byte activations) this gives exactly 10 + 24/t and
 5as/(ht). Full recompute keeps each layer's input (2sbh, /t with sequence parallelism) and needs one
 layer's full activations while it recomputes. Selective recompute (the op-level policy of
