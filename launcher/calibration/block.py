@@ -23,6 +23,9 @@ from launcher.flops import blocks_flops_per_token, head_dim
 
 PROBE = ModelConfig(name="probe", n_layers=2)  # the schema's default model: `small`'s blocks
 PROBE_BATCH, PROBE_SEQ = 2, 256
+# The blocks' code, in the cache key: a cached H0 measured other blocks. 2: SwiGLU and RoPE as one node
+# each (launcher/model/pointwise.py), about 5% off a block's non-matmul time
+BLOCKS = 2
 
 
 def measure_nonmatmul_width(threads: int, host_s: float, seconds: float = 1.5) -> float:
@@ -51,7 +54,7 @@ def measure_nonmatmul_width(threads: int, host_s: float, seconds: float = 1.5) -
 
 def nonmatmul_width(threads: int, cache_dir: str) -> float:
     """H0 of this CPU at `threads` threads, measured once, cached."""
-    key = f"nonmatmul_width|threads={threads}"
+    key = f"nonmatmul_width|blocks={BLOCKS}|threads={threads}"
     return float(
         cached_measure(cache_dir, key, lambda: measure_nonmatmul_width(threads, block_overhead_us(cache_dir) * 1e-6))
     )
