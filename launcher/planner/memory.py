@@ -28,19 +28,17 @@ activations and dropout), rebuilt term by term so that other shapes fit:
   replicated across TP ranks (divided by t only with sequence parallelism): the inputs of the two
   norms, of the QKV projection and of the MLP (4 tensors of h), and the two dropout masks (1 B each);
   sharded by t: Q (h_q), K and V (h_kv each: GQA stores fewer), the output projection's input (h_q),
-  the MLP's intermediates (GELU: its input and output, 2f; SwiGLU: the gate|up product and
-  silu(gate) x up, 3f, as its node recomputes silu(gate) in backward (launcher/model/pointwise.py);
-  a MoE layer's routed experts run the chain op by op and save silu(gate) too, 4f); and the
-  attention core: the softmax output (a s elements), with dropout also its mask and output. With
-  fused attention (SDPA flash / memory-efficient kernels, which the runtime uses) the a s-sized
-  tensors are never stored, only a log-sum-exp per head (fp32).
+  the MLP's intermediates (GELU: input and output, 2f; SwiGLU: the gate|up product and silu(gate) x
+  up, 3f, its node recomputing silu(gate): model/pointwise.py; a MoE layer's routed experts save
+  silu(gate) too, 4f); the attention core: the softmax output (a s elements), with dropout its mask
+  and output; fused attention (SDPA's flash / memory-efficient kernels, as the runtime) stores none of
+  these a s-sized tensors, only a log-sum-exp per head (fp32).
 For GPT (f = 4h, h_q = h_kv = h, dropout, 2-byte activations) this gives exactly 10 + 24/t and
 5as/(ht). Full recompute keeps each layer's input (2sbh, /t with sequence parallelism) and needs one
 layer's full activations while it recomputes. Selective recompute (the op-level policy of
 launcher/parallel/recompute.py) keeps the layer's input and the outputs of its matmuls and of
-attention: Q, K, V, the attention output and its log-sum-exp (sharded), the MLP's up projections
-(SwiGLU: gate and up, 2f; GELU: f, sharded), and the two row-parallel results (the output and down
-projections, h each: the all-reduced, or with sequence parallelism the reduce-scattered, tensor).
+attention: Q, K, V, the attention output and its log-sum-exp, the MLP's up projections (SwiGLU 2f,
+GELU f; all sharded), and the two row-parallel results (h each: all-reduced or reduce-scattered).
 `recompute_layers=N` recomputes N blocks of each stage in full and the rest per the policy.
 Context parallelism (cp ranks, each seq / cp tokens of every sequence) divides everything per token
 by cp, except K and V: attention saves the all-gathered K and V of the whole sequence (cp times the
