@@ -55,9 +55,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     out[..., half:].addcmul_(x[..., :half], sin[..., half:], value=sign)
 
 
-def heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """(batch, seq, width) -> (batch, heads, seq, head_dim), a view."""
-    return t.view(*t.shape[:2], -1, head_dim).transpose(1, 2)
+def split_heads(t: torch.Tensor, widths: list[int], head_dim: int) -> tuple[torch.Tensor, ...]:
+    """(batch, seq, sum(widths)) -> one (batch, heads, seq, head_dim) view per width."""
+    return tuple(part.view(*t.shape[:2], -1, head_dim).transpose(1, 2) for part in t.split(widths, dim=-1))
 
 
 class RotaryQKV(torch.autograd.Function):
@@ -70,10 +70,11 @@ class RotaryQKV(torch.autograd.Function):
         cos, sin = rope[0].to(qkv.dtype), rope[1].to(qkv.dtype)
         ctx.save_for_backward(cos, sin)
         ctx.widths, ctx.head_dim = widths, head_dim
-        q, k, v = (heads(t, head_dim) for t in qkv.split(widths, dim=-1))
+        q, k, v = split_heads(qkv, widths, head_dim)
         # laid out (batch, seq, heads, head_dim) as the product is: SDPA's output then is too, and the
-        # output projection reads it through a view, not a copy that would be saved beside it
-        q_out, k_out = (heads(qkv.new_empty(*qkv.shape[:2], w), head_dim) for w in widths[:2])
+        # output projection reads it through a view, not a copy that would be saved beside it; each its
+        # own storage: context parallelism saves the all-gathered K, not this one
+        q_out, k_out = (split_heads(qkv.new_empty(*qkv.shape[:2], w), [w], head_dim)[0] for w in widths[:2])
         rotate(q, cos, sin, q_out)
         rotate(k, cos, sin, k_out)
         # contiguous: SDPA saves v, and a view of the product would keep the unrotated q and k alive
@@ -83,7 +84,7 @@ class RotaryQKV(torch.autograd.Function):
     def backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor) -> Any:
         cos, sin = ctx.saved_tensors
         out = grad_q.new_empty(grad_q.shape[0], grad_q.shape[2], sum(ctx.widths))
-        q, k, v = (heads(t, ctx.head_dim) for t in out.split(ctx.widths, dim=-1))
+        q, k, v = split_heads(out, ctx.widths, ctx.head_dim)
         rotate(grad_q, cos, sin, q, -1.0)
         rotate(grad_k, cos, sin, k, -1.0)
         v.copy_(grad_v)

@@ -22,7 +22,7 @@ from launcher.model.documents import attention_mask, document_ids, document_posi
 from launcher.model.fused import FusedLinear
 from launcher.model.loss import OutputLoss
 from launcher.model.moe import MoE, is_moe_layer
-from launcher.model.pointwise import heads, rotary_qkv, swiglu
+from launcher.model.pointwise import rotary_qkv, split_heads, swiglu
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -87,7 +87,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k, v = rotary_qkv(qkv, rope, widths, self.head_dim)
         else:
-            q, k, v = (heads(t, self.head_dim) for t in qkv.split(widths, dim=-1))
+            q, k, v = split_heads(qkv, widths, self.head_dim)
         return self.wo(self.core(q, k, v, mask).transpose(1, 2).reshape(b, s, -1))
 
 
