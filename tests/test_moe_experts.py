@@ -1,6 +1,7 @@
-"""The experts' two paths: the grouped GEMM (`torch._grouped_mm`, which runs on CPU too, as a loop
-inside the op) gives the loop's outputs and gradients, groups padded or not; and the path is chosen
-once: grouped only on a CUDA sm90/sm100 device computing in bf16 with aligned widths."""
+"""The experts' paths: the grouped GEMM (`torch._grouped_mm`, which runs on CPU too, as a loop inside
+the op) gives the loop's outputs and gradients, groups padded or not; the path is chosen once: grouped
+only on a CUDA sm90/sm100 device computing in bf16 with aligned widths. The loop is one autograd node
+(`ExpertLoop`), bitwise autograd's chain, saving gate and up only; zero-bubble schedules keep the chain."""
 
 from __future__ import annotations
 
@@ -93,3 +94,45 @@ def test_parallelize_sets_the_path_and_the_summary_records_it(tmp_path) -> None:
     assert "expert_impl" not in train(
         run_for(tiny_config(tmp_path, "steps=1", "checkpoint.every=0")), tmp_path / "dense"
     )
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_loop_node_is_the_chain_bitwise_and_saves_gate_and_up(autocast: bool) -> None:
+    """Values and every gradient bitwise equal to autograd's chain (an expert without rows too); the
+    node keeps its input rows, gate and up (2 hidden widths a row) where the chain keeps 4."""
+    x = torch.randn(sum(COUNTS), 16, generator=torch.Generator().manual_seed(1))
+    grad_out = torch.randn(sum(COUNTS), 16)
+    results, saved = [], []
+    for compute in (ex.loop_swiglu, ex.node_swiglu):
+        w, inputs, held = weights(torch.float32), x.clone().requires_grad_(), {}
+        keep = {t.untyped_storage().data_ptr() for t in (*w, inputs)}
+
+        def pack(t: torch.Tensor, held: dict = held, keep: set = keep) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in keep:  # activations only, each storage once
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = compute(inputs, COUNTS, *w)
+        (out.float() * grad_out).sum().backward()
+        results.append([out, inputs.grad, *(t.grad for t in w)])
+        saved.append(sum(held.values()))
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    elem, rows, hidden = 2 if autocast else 4, sum(COUNTS), 24
+    cast = elem * rows * 16 if autocast else 0  # the rows in bf16 (autocast's cast), saved by both
+    assert saved[1] == cast + 2 * elem * rows * hidden
+    # the chain: 4 widths, and under autocast also its bf16 copies of each expert's weights and of the rows
+    assert saved[0] >= cast + 4 * elem * rows * hidden and (autocast or saved[0] == 4 * elem * rows * hidden)
+
+
+def test_zero_bubble_keeps_the_chain(tmp_path) -> None:
+    """`split_weight_passes` turns the node off: a zero-bubble input pass would compute the weights' part too."""
+    from launcher.parallel.pipeline import split_weight_passes
+
+    layer = moe_layer("loop")
+    x = torch.randn(8, 64, requires_grad=True)
+    assert layer.experts(x, [8] + [0] * 7).grad_fn.name() == "ExpertLoopBackward"
+    split_weight_passes(layer)
+    assert layer.experts.split_weights and layer.experts(x, [8] + [0] * 7).grad_fn.name() == "CatBackward0"

@@ -120,8 +120,9 @@ def test_busiest_ep_rank_computes_and_sends_rank_imbalance_times_the_mean() -> N
 
 
 def test_moe_routing_copies_cost_host_time_only_where_the_profile_has_a_host_copy_time() -> None:
-    """A CPU step copies every routed row ROW_PASSES times per MoE layer and microbatch, and stacks the
-    ep-local experts' fp32 weight gradients once; accelerators' profiles price no host copies."""
+    """A CPU step copies every routed row ROW_PASSES times per MoE layer and microbatch; under a
+    zero-bubble schedule (autograd's chain) it also stacks the ep-local experts' fp32 weight gradients
+    once; accelerators' profiles price no host copies."""
     cfg = compose_config("+model=moe_small", "hardware=h100_sxm", "seq_len=128")
     prob = problem(cfg, 2)
     m = prob.model
@@ -131,8 +132,14 @@ def test_moe_routing_copies_cost_host_time_only_where_the_profile_has_a_host_cop
         layout = Layout(dp_shard=2, micro=8, ep=ep)
         gpu, cpu = predict(prob, layout).time, predict(copying, layout).time
         rows = ROW_PASSES * 8 * 128 * m.moe.top_k * m.dim * prob.elem  # one microbatch of 8 x 128 tokens
+        assert cpu.host - gpu.host == pytest.approx(1e-9 * m.n_layers * rows, rel=1e-9)
+        zero_bubble = dataclasses.replace(layout, pp=2, schedule="interleaved_zb")
         stacked = m.moe.experts // ep * expert_params(m) * 4
-        assert cpu.host - gpu.host == pytest.approx(1e-9 * m.n_layers * (rows + stacked), rel=1e-9)
+        args = (copying.machine, 1024, prob.elem, 0, 4)
+        split = host_copies(m, zero_bubble, *args) - host_copies(
+            m, dataclasses.replace(zero_bubble, schedule="1f1b"), *args
+        )
+        assert split == pytest.approx(1e-9 * (m.n_layers // 2) * stacked, rel=1e-9)  # rank 0: half the layers
     dense = dataclasses.replace(copying, model=compose_config("+model=small").model)
     assert host_copies(dense.model, Layout(), dense.machine, 1024, 4, 0, 4) == 0.0
 

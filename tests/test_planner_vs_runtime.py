@@ -29,9 +29,12 @@ from bench.planner_accuracy import (
     two_rank_worker,
 )
 from bench.recompute import held_bytes, memory_rows, tp2_memory_worker
+from launcher.config import compose_config
 from launcher.flops import head_dim
 from launcher.layout_config import from_config
+from launcher.model.init import initialized_model
 from launcher.model.transformer import Block, rope_tables
+from launcher.parallel.pipeline import split_weight_passes
 from launcher.planner import build_options
 from launcher.planner.memory import layer_activation_bytes
 from tests.dist import run
@@ -56,6 +59,25 @@ def test_block_activation_bytes_within_15_percent():
     predicted = layer_activation_bytes(m, SEQ, from_config(cfg, 1), 4)[0] * SEQ
     assert abs(predicted / saved - 1) <= ACT_TOLERANCE, (predicted, saved, detail)
     assert saved == predicted, detail
+
+
+@pytest.mark.parametrize("zero_bubble", [False, True], ids=["expert-node", "zero-bubble-chain"])
+def test_moe_block_activation_bytes_exact(zero_bubble: bool):
+    """A MoE block (moe_tiny: routed experts, a shared one, GQA): the routed rows, the routing's scores,
+    weights, gates and indices, the experts' gate and up (their node), or 4 widths (autograd's chain,
+    which zero-bubble schedules keep) as the planner counts them."""
+    pipelined = ("pp=2", "pp_schedule=interleaved_zb", "batch.global=2") if zero_bubble else ()
+    cfg = compose_config("+model=moe_tiny", "hardware=cpu", f"seq_len={SEQ}", "batch.micro=1", *pipelined)
+    m = cfg.model
+    block = initialized_model(m, 0, torch.device("cpu")).layers["0"]
+    if zero_bubble:
+        split_weight_passes(block)
+    rope = rope_tables(head_dim(m), m.max_seq_len, m.rope_theta, torch.device("cpu"))
+    x = torch.randn(1, SEQ, m.dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    saved, detail = block_saved_bytes(block, rope, x)
+    layout = from_config(cfg, 2 if zero_bubble else 1)
+    assert layout.zero_bubble == zero_bubble
+    assert saved == layer_activation_bytes(m, SEQ, layout, 4)[0] * SEQ, detail
 
 
 @pytest.mark.slow

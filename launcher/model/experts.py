@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from launcher.compat import grouped_mm, grouped_mm_kernel
+from launcher.model.fused import compute_dtype
 
 ALIGN = 8  # rows and widths: 16 bytes of bf16
 
@@ -56,6 +57,57 @@ def loop_swiglu(
     chunks = zip(x.split(counts), w1.unbind(0), w3.unbind(0), w2.unbind(0))
     outs = [(F.silu(c @ a) * (c @ b)) @ d for c, a, b, d in chunks]
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+
+class ExpertLoop(torch.autograd.Function):
+    """`loop_swiglu` as one autograd node: the same ops in the same order (bitwise the chain's values and
+    gradients), but backward writes x's gradient and each stacked weight's into one buffer (the chain's
+    `split` and `unbind` backwards concatenate and stack them) and recomputes silu(gate) and its product
+    with up: a routed row saves gate and up (2f), not the chain's 4f. The forward's ops are the chain's
+    (matmuls returning new tensors, no `out=`), so selective recompute saves their products as it does
+    the chain's. A zero-bubble schedule keeps the chain (`Experts.split_weights`): one node would also
+    compute the weights' gradients in the schedule's input pass."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, counts: list[int], dtype: torch.dtype, *weights: torch.Tensor) -> Any:
+        ctx.counts, ctx.dtype, ctx.x_dtype = counts, dtype, rows.dtype
+        x = rows.to(dtype)  # saved in the matmuls' dtype, as autocast's casts are
+        w1, w3, w2 = (w.to(dtype) for w in weights)
+        chunks = x.split(counts)
+        gates = [c @ a for c, a in zip(chunks, w1.unbind(0))]
+        ups = [c @ b for c, b in zip(chunks, w3.unbind(0))]
+        outs = [(F.silu(g) * u) @ d for g, u, d in zip(gates, ups, w2.unbind(0))]
+        ctx.save_for_backward(x, *weights, *gates, *ups)
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1], dtype=dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *saved = ctx.saved_tensors  # unpacked once: checkpointing's saved-tensor hooks allow no more
+        n, dtype = len(ctx.counts), ctx.dtype
+        weights, gates, ups = saved[:3], saved[3 : 3 + n], saved[3 + n :]
+        w1, w3, w2 = (w.to(dtype) for w in weights)
+        grads = [torch.empty(w.shape, dtype=dtype, device=w.device) for w in weights]
+        grad_x = torch.empty(x.shape, dtype=ctx.x_dtype, device=x.device)
+        rows = zip(x.split(ctx.counts), grad.to(dtype).split(ctx.counts), grad_x.split(ctx.counts))
+        for e, ((c, dy, dx), g, u) in enumerate(zip(rows, gates, ups)):
+            silu = F.silu(g)
+            torch.mm((silu * u).t(), dy, out=grads[2][e])
+            dh = dy @ w2[e].t()
+            d_up, d_gate = dh * silu, torch.ops.aten.silu_backward(dh * u, g)
+            torch.mm(c.t(), d_gate, out=grads[0][e])
+            torch.mm(c.t(), d_up, out=grads[1][e])
+            # the two products added in x's dtype, as the chain's two casts back from autocast's are
+            dx.copy_(d_gate @ w1[e].t()).add_(d_up @ w3[e].t())
+        return grad_x, None, None, *(g.to(w.dtype) for g, w in zip(grads, weights))
+
+
+def node_swiglu(
+    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """`ExpertLoop` in autocast's dtype where it is on (the node runs with it off and casts itself)."""
+    dtype = compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return ExpertLoop.apply(x, counts, dtype, w1, w3, w2)
 
 
 def grouped_swiglu(
@@ -101,11 +153,15 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
         self.impl = "loop"  # or "grouped_mm": `select_impl`, set once by `parallelize`
         self.grad_divide = 1.0  # outside FSDP: FSDP's division of the gradients (launcher/parallel/expert.py)
+        self.split_weights = False  # a zero-bubble schedule's: the loop as autograd's chain, not one node
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: rows grouped by local expert, counts[e] rows for expert e."""
         # no rows at all (an ep rank sent nothing this micro-batch): the loop, not a grouped GEMM of none
-        compute = grouped_swiglu if self.impl == "grouped_mm" and x.shape[0] else loop_swiglu
+        if self.impl == "grouped_mm" and x.shape[0]:
+            compute = grouped_swiglu
+        else:
+            compute = loop_swiglu if self.split_weights else node_swiglu
         weights = [local(w) for w in (self.w1, self.w3, self.w2)]
         if self.grad_divide != 1.0:  # outside FSDP (edp = 1: launcher/parallel/expert.py): do its part
             weights = [GradDivide.apply(w.to(x.dtype), self.grad_divide) for w in weights]

@@ -66,6 +66,23 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.full_like(ctx.like, ctx.scale), None
 
 
+class _Combine(torch.autograd.Function):
+    """Each token's picks summed, weighted by their gates: `index_add_` of gate x output rows. As one
+    node it saves the output rows (the gates' gradient reads them), not also the gated rows that
+    `index_add_`'s autograd keeps for their shape alone: a routed copy per pick less."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, gate: torch.Tensor, token: torch.Tensor, shape: Any, dtype: Any) -> Any:
+        ctx.save_for_backward(out, gate, token)
+        return out.new_zeros(shape, dtype=dtype).index_add_(0, token, out * gate[:, None])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out, gate, token = ctx.saved_tensors
+        picked = grad.index_select(0, token)
+        return picked * gate[:, None], (picked * out).sum(-1), None, None, None
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, shared_mlp: Callable[[ModelConfig], nn.Module], layer: int = 0) -> None:
         super().__init__()
@@ -142,7 +159,7 @@ class MoE(nn.Module):
             self.tokens_per_expert += counts
             self.dropped += routed - counts.sum()
         out = self._experts(x[token], counts)
-        return torch.zeros_like(x).index_add_(0, token, out * gate[:, None])
+        return _Combine.apply(out, gate, token, x.shape, x.dtype)
 
     def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.exchange is None:

@@ -48,6 +48,7 @@ from launcher.compat import pipeline_stage
 from launcher.layout import MULTI_STAGE, ZERO_BUBBLE, stage_layers
 from launcher.model import Transformer
 from launcher.model.fused import FusedLinear, SplitFusedLinear
+from launcher.model.moe import moe_layers
 from launcher.parallel.swap import swap_modules
 
 SCHEDULES = {
@@ -76,8 +77,10 @@ def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
 
 def split_weight_passes(model: nn.Module) -> None:
     """The fused projections of `model` give their weights' gradients in nodes of their own, for a
-    zero-bubble schedule's separate input and weight passes."""
+    zero-bubble schedule's separate input and weight passes; so do the routed experts (autograd's chain)."""
     swap_modules(model, FusedLinear, lambda _: SplitFusedLinear())
+    for moe in moe_layers([model]):
+        moe.experts.split_weights = True
 
 
 def _owned(out: Any) -> Any:

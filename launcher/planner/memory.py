@@ -29,10 +29,10 @@ activations and dropout), rebuilt term by term so that other shapes fit:
   norms, of the QKV projection and of the MLP (4 tensors of h), and the two dropout masks (1 B each);
   sharded by t: Q (h_q), K and V (h_kv each: GQA stores fewer), the output projection's input (h_q),
   the MLP's intermediates (GELU: input and output, 2f; SwiGLU: the gate|up product and silu(gate) x
-  up, 3f, its node recomputing silu(gate): model/pointwise.py; a MoE layer's routed experts save
-  silu(gate) too, 4f); the attention core: the softmax output (a s elements), with dropout its mask
-  and output; fused attention (SDPA's flash / memory-efficient kernels, as the runtime) stores none of
-  these a s-sized tensors, only a log-sum-exp per head (fp32).
+  up, 3f, its node recomputing silu(gate): model/pointwise.py; a MoE layer's routed experts gate and
+  up, 2f (model/experts.py), 4f under zero-bubble schedules); the attention core: the softmax output
+  (a s elements), with dropout its mask and output; fused attention (SDPA's flash / memory-efficient
+  kernels, as the runtime) stores none of these a s-sized tensors, only a log-sum-exp per head (fp32).
 For GPT (f = 4h, h_q = h_kv = h, dropout, 2-byte activations) this gives exactly 10 + 24/t and
 5as/(ht). Full recompute keeps each layer's input (2sbh, /t with sequence parallelism) and needs one
 layer's full activations while it recomputes. Selective recompute (the op-level policy of
@@ -69,7 +69,7 @@ from launcher.flops import (
 )
 from launcher.layout import Layout, rank_stages, stage_layers, stage_size
 from launcher.planner.memo import on_fields
-from launcher.planner.moe import mean_routed_per_layer, rank_expert_params, rank_moe_layers, routed_params
+from launcher.planner.moe import mean_routed_per_layer, rank_expert_params, rank_moe_layers, routed_params, row_bytes
 
 MASTER_BYTES = 4  # fp32 parameters
 GRAD_BYTES = 4  # fp32 gradients
@@ -161,7 +161,7 @@ def selective_bytes(m: ModelConfig, layout: Layout, elem: int) -> float:
     return (replicated / t if layout.sequence_parallel else replicated) + sharded / t
 
 
-@on_fields("tp", "cp", "sequence_parallel", "recompute")
+@on_fields("tp", "cp", "sequence_parallel", "recompute", "zero_bubble")
 def layer_activation_bytes(
     m: ModelConfig, seq: int, layout: Layout, elem: int, fused_attention: bool = True
 ) -> tuple[float, float]:
@@ -170,9 +170,9 @@ def layer_activation_bytes(
     matrix stored, Megatron before FlashAttention)."""
     h, t = m.dim, layout.tp
     mlp, routed = (3 if m.mlp == "swiglu" else 2) * m.ffn_dim, 0.0
-    if m.moe.experts:  # a token's MLP: top_k routed + shared experts; its k dispatched copies, there and back
-        mlp = (4 * m.moe.top_k + 3 * m.moe.shared_experts) * expert_width(m)
-        routed = 2 * elem * m.moe.top_k * h * t  # not split by tp: the MoE layer runs whole on each tp rank
+    if m.moe.experts:  # a token's MLP: top_k routed + shared experts; its routed rows and routing
+        mlp = ((4 if layout.zero_bubble else 2) * m.moe.top_k + 3 * m.moe.shared_experts) * expert_width(m)
+        routed = row_bytes(m, elem) * t  # not split by tp: the MoE layer runs whole on each tp rank
     hq, hkv, a = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m), m.n_heads
     mask = 1 if m.dropout > 0 else 0
     replicated = 4 * elem * h + 2 * mask * h + norm_stats_bytes(m, elem)
@@ -278,7 +278,7 @@ def memory(
     return last if last.total > first.total else first
 
 
-@on_fields("tp", "cp", "sequence_parallel", "recompute", "recompute_layers", "pp", "chunks", "v_shape")
+@on_fields("tp", "cp", "sequence_parallel", "recompute", "recompute_layers", "pp", "chunks", "v_shape", "zero_bubble")
 def rank_saved(m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, rank: int) -> tuple[float, ...]:
     """Pipeline rank `rank`'s activations per token and microbatch in flight, whatever its batch split: (saved
     bytes of one of its layers on average, one layer's full working set, its blocks recomputed in full, its blocks)."""

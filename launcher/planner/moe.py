@@ -17,7 +17,7 @@
   other FSDP units, and under HSDP an all-reduce of their shards over dp_replicate. Where that mesh is
   one rank (edp = 1, no dp_replicate) the experts have no FSDP unit and cost no copies (`experts_in_fsdp`).
 - Host copies (`host_copies`, cpu): routing moves every routed row several times around the experts'
-  matmuls, and the expert loop's backward stacks its experts' weight gradients; priced at the
+  matmuls, and under zero-bubble the expert loop's backward stacks their weight gradients; priced at the
   calibrated host copy rate, as FSDP's copies are (0 on accelerators, whose profiles have none).
 """
 
@@ -80,6 +80,15 @@ def expert_fsdp_comm(
     return gather, scatter, cross
 
 
+def row_bytes(m: ModelConfig, elem: int) -> float:
+    """Bytes per token a MoE layer saves for backward around its experts (launcher/model/moe.py,
+    balance=bias): the token's k dispatched copies there and back (its rows in expert order, the experts'
+    outputs); the router's fp32 scores (E); the picks' fp32 weights (k) and their sum; the gates (k, in
+    the activations' dtype); three int64 vectors of k (the picks, their order by expert, their tokens)."""
+    k = m.moe.top_k
+    return 2.0 * elem * k * m.dim + 4 * m.moe.experts + (4 + elem + 3 * 8) * k + 4
+
+
 def extra_routed_flops(m: ModelConfig, layout: Layout, rank: int) -> float:
     """FLOPs per token the busiest ep rank adds over the mean on pipeline rank `rank`: its MoE layers'
     routed experts at `rank_imbalance` x the mean rows (forward + backward, without recompute)."""
@@ -92,10 +101,11 @@ def host_copies(
     m: ModelConfig, layout: Layout, machine: Machine, tokens: int, elem: int, rank: int, grad_bytes: int
 ) -> float:
     """Host seconds of pipeline rank `rank`'s MoE layers' copies, one microbatch of `tokens` per rank:
-    ROW_PASSES over the routed rows, and the expert loop's backward stacking the weight gradients of
-    its ep-local experts (its `unbind`'s backward)."""
+    ROW_PASSES over the routed rows, and under a zero-bubble schedule the expert loop's backward stacking
+    the weight gradients of its ep-local experts (the chain's `unbind` backward; elsewhere the loop is one
+    node writing them in place)."""
     rows = ROW_PASSES * tokens * m.moe.top_k * m.dim * elem
-    stacked = routed_params(m) // layout.ep * grad_bytes
+    stacked = routed_params(m) // layout.ep * grad_bytes if layout.zero_bubble else 0
     return machine.host_copy_time * rank_moe_layers(m, layout, rank) * (rows + stacked)
 
 
