@@ -1,5 +1,6 @@
 """Mixture-of-experts figures on this CPU: `python -m bench moe [--quick] [--speed] [--rounds=N]` (--speed:
-table 1 alone; --rounds: its rows N times, alternating their order, medians and each round's ratio).
+table 1 alone; --rounds: its rows N times, alternating their order, medians and each round's ratio, and
+the ceiling of that ratio: ep=1's step over one process's, whose tokens and FLOPs every rank repeats).
 
 1. Speed: moe_small on 2 workers (FSDP over dp=2) at ep=1 and ep=2, one after the other: tokens/s,
    MFU by active FLOPs (flops.py), and the planner's predicted step time beside the measured median;
@@ -91,6 +92,10 @@ def speed(out: Path, steps: int, rounds: int) -> None:
     ratios = [a["tokens/s"] / b["tokens/s"] for a, b in zip(runs["dp=2 ep=2"], runs["dp=2 ep=1"])]
     each = ", ".join(f"{x:.2f}" for x in ratios)
     print(f"ep=2 / ep=1 tokens/s on 2 workers: {statistics.median(ratios):.2f} (median; each round: {each})")
+    # every rank steps the one process's tokens with the same FLOPs at ep=1 and ep=2: with no cost of
+    # communication ep=2 would step as one process does (two such processes side by side keep their pace here)
+    ceiling = statistics.median(b["step"] / a["step"] for a, b in zip(runs["one process"], runs["dp=2 ep=1"]))
+    print(f"ceiling: ep=1's step / one process's, the same tokens per rank: {ceiling:.2f}")
 
 
 def balance(out: Path, steps: int) -> None:
