@@ -1,10 +1,11 @@
 """Expert parallelism matches one process: moe_tiny (dropless, balance=bias) at ep=2, ep=2 x tp=2
-(also with sequence parallelism), ep=2 x pp=2, ep=2 on dp_shard=4 (experts FSDP-sharded over edp=2)
-and ep=2 under HSDP gives the single-process losses and gradient norms of 5 steps (rtol 1e-4), the same
-gradients after step 1, and the same routing biases after the last step (the token counts are summed
-over the data-parallel ranks, so every rank moves its biases alike). Also with a first pipeline stage
-of dense layers only (`first_dense_layers`): it joins the balance step's sum over stages (a stage
-that skipped it hung the job; the launch's timeout fails such a hang fast)."""
+(also with sequence parallelism), ep=2 x pp=2 (1F1B, and zero-bubble, where the experts' loop is
+autograd's chain), ep=2 on dp_shard=4 (experts FSDP-sharded over edp=2) and ep=2 under HSDP gives
+the single-process losses and gradient norms of 5 steps (rtol 1e-4), the same gradients after step
+1, and the same routing biases after the last step (the token counts are summed over the
+data-parallel ranks, so every rank moves its biases alike). Also with a first pipeline stage of dense
+layers only (`first_dense_layers`): it joins the balance step's sum over stages (a stage that skipped
+it hung the job; the launch's timeout fails such a hang fast)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ CASES = {
     "ep2-tp2": dict(ep=2, tp=2),
     "ep2-tp2-sp": dict(ep=2, tp=2, sequence_parallel=True),
     "ep2-pp2": dict(ep=2, pp=2, **MICRO2),
+    # zero-bubble: the routed experts run as autograd's chain, whose weight passes the schedule splits off
+    "ep2-pp2-zb": dict(ep=2, pp=2, pp_schedule="interleaved_zb", **MICRO2),
     "dense-stage-ep2-pp2": dict(ep=2, pp=2, moe=DENSE_FIRST, **MICRO2),
     "ep2-edp2": dict(ep=2, **MICRO2),  # dp_shard=4: experts FSDP-sharded over edp=2
     "ep2-hsdp": dict(ep=2, dp_replicate=2, dp_shard=2, **MICRO2),  # edp=1, replicated over dp_replicate
@@ -68,7 +71,11 @@ def train_case(cfg: Any, world_size: int) -> dict[str, Any]:
     biases = {n: b.clone() for part in parts for n, b in part.named_buffers() if n.endswith("expert_bias")}
     w1 = {tuple(local(p).shape) for part in parts for n, p in part.named_parameters() if n.endswith("experts.w1")}
     fsdp = {isinstance(moe.experts, FSDPModule) for moe in moe_layers(parts)}  # {}: a dense stage
-    return {**out, "imbalance": imbalance, "loads": loads, "biases": biases, "w1_shards": w1, "fsdp_experts": fsdp}
+    chain = {moe.experts.split_weights for moe in moe_layers(parts)}  # the loop as autograd's chain
+    return {
+        **out, "imbalance": imbalance, "loads": loads, "biases": biases, "w1_shards": w1, "fsdp_experts": fsdp,
+        "chain": chain,
+    }  # fmt: skip
 
 
 def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
@@ -78,7 +85,7 @@ def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
 # what runs where: one launch after another
 LAUNCHES = [
     (2, ["ep2"]),
-    (4, ["ep2-tp2", "ep2-tp2-sp", "ep2-pp2", "dense-stage-ep2-pp2"]),
+    (4, ["ep2-tp2", "ep2-tp2-sp", "ep2-pp2", "ep2-pp2-zb", "dense-stage-ep2-pp2"]),
     (4, ["ep2-edp2", "ep2-hsdp", "two-experts-ep2-edp2"]),
 ]
 
@@ -101,6 +108,7 @@ def test_expert_parallel_matches_one_process(results: dict[str, Any], case: str)
     for rank, got in enumerate(results["ranks"][case]):
         assert got["w1_shards"] <= {W1_SHARD.get(case, (4, 64, 64))}, got["w1_shards"]  # {}: a dense stage
         assert got["fsdp_experts"] <= {case in FSDP_EXPERTS}, got["fsdp_experts"]
+        assert got["chain"] <= {case.endswith("-zb")}, got["chain"]  # else one node per layer's loop
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-4, atol=0, msg=f"{case} rank {rank} losses")
         torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-4, atol=0)
         torch.testing.assert_close(got["imbalance"], ref["imbalance"], rtol=1e-5, atol=0)
