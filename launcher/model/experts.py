@@ -50,13 +50,22 @@ def group_offsets(counts: list[int], device: torch.device) -> tuple[torch.Tensor
     return ends[1].to(torch.int32), sum(padded), dest
 
 
+def expert_products(
+    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per expert: its rows' gate (x w1) and up (x w3), and its output silu(gate) x up through w2."""
+    # unbind, not w[e]: indexing's backward writes a whole (E, ...) zero gradient per expert
+    chunks = x.split(counts)
+    gates = [c @ a for c, a in zip(chunks, w1.unbind(0))]
+    ups = [c @ b for c, b in zip(chunks, w3.unbind(0))]
+    return gates, ups, [(F.silu(g) * u) @ d for g, u, d in zip(gates, ups, w2.unbind(0))]
+
+
 def loop_swiglu(
     x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
-    # unbind, not w[e]: indexing's backward writes a whole (E, ...) zero gradient per expert
-    chunks = zip(x.split(counts), w1.unbind(0), w3.unbind(0), w2.unbind(0))
-    outs = [(F.silu(c @ a) * (c @ b)) @ d for c, a, b, d in chunks]
-    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+    """The experts as autograd's chain of ops (every rank holds an expert: the outputs are never none)."""
+    return torch.cat(expert_products(x, counts, w1, w3, w2)[2])
 
 
 class ExpertLoop(torch.autograd.Function):
@@ -72,13 +81,9 @@ class ExpertLoop(torch.autograd.Function):
     def forward(ctx: Any, rows: torch.Tensor, counts: list[int], dtype: torch.dtype, *weights: torch.Tensor) -> Any:
         ctx.counts, ctx.dtype, ctx.x_dtype = counts, dtype, rows.dtype
         x = rows.to(dtype)  # saved in the matmuls' dtype, as autocast's casts are
-        w1, w3, w2 = (w.to(dtype) for w in weights)
-        chunks = x.split(counts)
-        gates = [c @ a for c, a in zip(chunks, w1.unbind(0))]
-        ups = [c @ b for c, b in zip(chunks, w3.unbind(0))]
-        outs = [(F.silu(g) * u) @ d for g, u, d in zip(gates, ups, w2.unbind(0))]
+        gates, ups, outs = expert_products(x, counts, *(w.to(dtype) for w in weights))
         ctx.save_for_backward(x, *weights, *gates, *ups)
-        return torch.cat(outs)  # every rank holds an expert at least: outs is never empty
+        return torch.cat(outs)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
