@@ -317,3 +317,11 @@ def expected_records(record: logging.LogRecord) -> bool:
     if record.exc_info and type(record.exc_info[1]).__name__ == "ProcessExitedException":
         record.exc_info = record.exc_text = None
     return not ours and not any(text in message for text in noise)
+
+
+def stop_forkserver() -> None:
+    """multiprocessing's forkserver stopped, if one runs (private: `ForkServer._stop`, CPython's own tests
+    use it): the next process it is asked for starts a new one, with this process's environment then."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()

@@ -109,18 +109,17 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def worker_pids(parent: int) -> list[int]:
-    """Local workers of a `train` process: its multiprocessing-spawned children."""
-    pids = []
+    """Local workers of a `train` process: the children of its forkserver (launcher/spawn.py)."""
+    procs = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                cmdline = (entry / "cmdline").read_bytes()
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                procs.append((int(entry.name), ppid, (entry / "cmdline").read_bytes()))
             except OSError:
                 continue
-            if int(stat[1]) == parent and b"spawn_main" in cmdline:
-                pids.append(int(entry.name))
-    return pids
+    servers = {pid for pid, ppid, cmdline in procs if ppid == parent and b"forkserver" in cmdline}
+    return [pid for pid, ppid, _ in procs if ppid in servers]
 
 
 def assert_bad_input(result: subprocess.CompletedProcess, expected: str, where: Path) -> None:

@@ -348,3 +348,24 @@ def test_agent_records_keep_their_line_and_lose_what_is_not_news() -> None:
     assert logging.Formatter().format(killed) == "failed (exitcode: -9) local_rank: 0"
     raised = record("failed (exitcode: 1)", RuntimeError("launcher.errors.LauncherError: bad input"))
     assert not compat.expected_records(raised)
+
+
+# --- Python -------------------------------------------------------------------------------------------
+def test_a_stopped_forkserver_is_replaced_by_one_with_the_environment_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What spawn.start_local_workers relies on: a running forkserver forks with the environment it was
+    started with; once stopped, the next process comes from a new one that has this process's."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    def forked(name: str) -> str | None:
+        with ProcessPoolExecutor(1, mp_context=get_context("forkserver")) as pool:
+            return pool.submit(os.getenv, name).result()
+
+    monkeypatch.setenv("LAUNCHER_TEST_FORKSERVER", "first")
+    compat.stop_forkserver()
+    assert forked("LAUNCHER_TEST_FORKSERVER") == "first"
+    monkeypatch.setenv("LAUNCHER_TEST_FORKSERVER", "second")
+    assert forked("LAUNCHER_TEST_FORKSERVER") == "first"  # the running server's environment
+    compat.stop_forkserver()
+    assert forked("LAUNCHER_TEST_FORKSERVER") == "second"
+    compat.stop_forkserver()

@@ -30,14 +30,15 @@ SCRIPTS = tuple(sorted(e.name for e in distribution("launcher").entry_points if 
 
 
 def doc_commands() -> list[tuple[str, str]]:
-    """Every line of a ```bash block that runs one of the console scripts, or evals one's output."""
+    """Every line of a ```bash block that runs one of the console scripts, or evals one's output; a command
+    shown in several places once, named by its first."""
     found = []
     for doc in DOCS:
         for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S):
             for line in block.splitlines():
                 command = line.split(" #")[0].strip()
                 name = command.removeprefix('eval "$(').split(" ")[0]
-                if name in SCRIPTS:
+                if name in SCRIPTS and command not in {c for _, c in found}:
                     found.append((doc.name, command))
     return found
 

@@ -251,10 +251,10 @@ def test_a_group_back_after_the_run_ended_trains_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
 ) -> None:
     """Group 1 dies at step 3 of 30; group 0 steps on alone and finishes before group 1's agent has it back
-    (a restart takes seconds). The restarted group finds the run ended: it trains nothing, and `train`
-    returns without waiting for it to train the run alone. The death is two lines on the terminal (the
-    agent's and the survivor's), no tracebacks."""
-    monkeypatch.setenv(TEST_KILL_ENV, "3:1")
+    (its next life waits for that: `late`, a restart being quick). The restarted group finds the run ended:
+    it trains nothing, and `train` returns without waiting for it to train the run alone. The death is two
+    lines on the terminal (the agent's and the survivor's), no tracebacks."""
+    monkeypatch.setenv(TEST_KILL_ENV, "3:1:late")
     overrides = ("steps=30", "checkpoint.every=30", "max_restarts=1", "metrics.log_every=1")
     ft = ("ft.replicas=2", "ft.min_replicas=1", "ft.quorum_timeout_s=60", "ft.heartbeat_timeout_s=1")
     summary = launch(run_for(tiny_config(tmp_path, *LAYOUT, *overrides, *ft), None), tmp_path / "run")

@@ -29,7 +29,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     link = resolved.links[0]
     assert 0.01 < link.bandwidth_gbs < 1000  # GB/s between two local gloo processes
     assert 1 < link.latency_us < 100_000  # a 4-byte all-reduce: tens of microseconds to milliseconds
-    assert 0.01 < link.all_gather_gbs < 1000 and 0.01 < link.reduce_scatter_gbs < 1000
+    assert 0.001 < link.all_gather_gbs < 1000 and 0.001 < link.reduce_scatter_gbs < 1000  # as by_size: under load
     assert 0.01 < link.all_to_all_gbs < 1000
     # by message size: [bytes, all-reduce, all-gather, reduce-scatter, all-to-all GB/s], the largest = the above
     assert [row[0] for row in link.by_size] == [2**18, 2**21, 2**24]

@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from launcher.train.spike import SpikeGuard
 
 ENDED = "ended"  # set in the meeting store by the first group to finish the run
-TEST_KILL_ENV = "LAUNCHER_TEST_KILL"  # tests only: "STEP:REPLICA": that group's rank 0 SIGKILLs itself (first life)
+# tests only: "STEP:REPLICA[:late]": that group's rank 0 SIGKILLs itself (first life); `late`: its next life
+# comes back only once the run has ended
+TEST_KILL_ENV = "LAUNCHER_TEST_KILL"
 
 
 class Alone:
@@ -77,6 +79,8 @@ class Replicas(Alone):
         self.timeout_s = timeout.total_seconds()
         world = run.layout.world_size
         self.meeting = meeting_store(timeout) if rank == 0 else None  # where the groups meet (LAUNCHER_FT_START)
+        if self.meeting is not None and injected_late_return(run.replica):
+            self.meeting.wait([ENDED])
         ended = self.meeting is not None and self.meeting.check([ENDED])
         store_addr, store_port, self.store, self.ended = group_store(rank, world, ended)
         self.manager = Manager(
@@ -244,15 +248,31 @@ def wait_for_groups(store: dist.TCPStore, replica: int, replicas: int, timeout: 
         store.wait([f"started/{g}" for g in range(replicas)], timeout)
 
 
-def injected_kill_step(replica: int | None, rank: int) -> int | None:
-    """Tests only (LAUNCHER_TEST_KILL=STEP:REPLICA): the step at which that group's rank 0 dies, in its
-    first life (the elastic agent's restart count, and the SLURM script's)."""
+def injected_kill(replica: int | None) -> tuple[int, bool] | None:
+    """Tests only (LAUNCHER_TEST_KILL=STEP:REPLICA[:late]), when `replica` is that group: (STEP, late)."""
     raw = os.environ.get(TEST_KILL_ENV)
-    restarted = (os.environ.get(name, "0") != "0" for name in ("TORCHELASTIC_RESTART_COUNT", ATTEMPT_ENV))
-    if not raw or rank != 0 or any(restarted):
+    if not raw:
         return None
-    step, _, group = raw.partition(":")
-    return int(step) if int(group or 0) == replica else None
+    step, group, *mode = raw.split(":")
+    return (int(step), mode == ["late"]) if int(group) == replica else None
+
+
+def restarted() -> bool:
+    """A group's later life: the elastic agent's restart count, or the SLURM script's attempt."""
+    return any(os.environ.get(name, "0") != "0" for name in ("TORCHELASTIC_RESTART_COUNT", ATTEMPT_ENV))
+
+
+def injected_kill_step(replica: int | None, rank: int) -> int | None:
+    """The step at which this group's rank 0 dies, in its first life (tests only: `injected_kill`)."""
+    kill = injected_kill(replica)
+    return kill[0] if kill and rank == 0 and not restarted() else None
+
+
+def injected_late_return(replica: int | None) -> bool:
+    """This group's later life waits until the run has ended (tests only: `injected_kill`), so that a test
+    of a group that finds the run over does not race the restart, whose time varies."""
+    kill = injected_kill(replica)
+    return bool(kill and kill[1] and restarted())
 
 
 def replicas_of(run: Run, rank: int, w: Any) -> Alone:
