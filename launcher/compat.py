@@ -236,22 +236,38 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def attention_and_collective_ops() -> set[Any]:
-    """The non-matmul ops selective recompute keeps the outputs of, under their private names: the
-    attention kernels `scaled_dot_product_attention` dispatches to (CPU, flash, efficient, cuDNN),
-    and the functional all-reduce / reduce-scatter that finish a row-parallel matmul under tensor
-    (and sequence) parallelism, so that recomputation never repeats a collective."""
+def attention_ops() -> set[Any]:
+    """The attention kernels `scaled_dot_product_attention` dispatches to (CPU, flash, efficient,
+    cuDNN), under their private names."""
     import torch
 
-    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    aten = torch.ops.aten
     return {
         aten._scaled_dot_product_flash_attention_for_cpu.default,
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_flash_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,
-        c10d.all_reduce.default,
-        c10d.reduce_scatter_tensor.default,
     }
+
+
+def attention_and_collective_ops() -> set[Any]:
+    """The non-matmul ops selective recompute keeps the outputs of: the attention kernels, and the
+    functional all-reduce / reduce-scatter that finish a row-parallel matmul under tensor (and
+    sequence) parallelism, so that recomputation never repeats a collective."""
+    import torch
+
+    c10d = torch.ops._c10d_functional
+    return attention_ops() | {c10d.all_reduce.default, c10d.reduce_scatter_tensor.default}
+
+
+def compiled_recompute_keeps_attention() -> bool:
+    """Whether a compiled block recomputed in full must keep attention's output: torch 2.13's compiled
+    checkpoint of a tensor-parallel block whose backward re-runs SDPA saves the DeviceMesh among its
+    tensors and fails in the first forward ("expected all tensors_saved_with_vc_check to be Tensors");
+    2.11 and 2.15 compile the same block (tests/test_compile.py under `make test-compat`)."""
+    import torch
+
+    return torch.__version__.startswith("2.13.")
 
 
 def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:

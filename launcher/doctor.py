@@ -126,21 +126,27 @@ def check_sdpa(s: Setting) -> Finding:
 
 
 def check_compile(s: Setting) -> Finding:
-    """A transformer block compiled as training compiles it, one forward and backward."""
+    """A transformer block compiled as training compiles it, one forward and backward: its graphs and
+    graph breaks (a break leaves part of every block eager, unfused)."""
     if not s.compile:
         return Finding("ok", "compile", "off for this profile (compile=auto); doctor compile=true checks it")
     import torch
 
+    from launcher.compile_compat import reset_compile_counts
     from launcher.config import ModelConfig
     from launcher.model.transformer import Block, rope_tables
+    from launcher.parallel.compiled import CompileReport
 
     dev = device(s)
     block = Block(ModelConfig(dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256)).to(dev)
     x = torch.randn(2, 64, 128, device=dev, requires_grad=True)
     rope = rope_tables(32, 64, 10000.0, dev)
+    reset_compile_counts()
     start = time.perf_counter()
     torch.compile(block)(x, rope).sum().backward()
-    return Finding("ok", "compile", f"one block forward + backward compiled in {time.perf_counter() - start:.0f} s")
+    report = CompileReport.now(1)
+    detail = f"one block forward + backward compiled in {time.perf_counter() - start:.0f} s; {report.line()}"
+    return Finding("warning" if report.n_breaks else "ok", "compile", detail)
 
 
 def check_process_group(s: Setting) -> Finding:

@@ -36,3 +36,4 @@ class BuildOptions:
     flop_per_byte: float  # the device's peak over its memory bandwidth: the chunked loss's chunk size
     fp8: Fp8Options | None = None  # dtype=fp8; precision is then the bf16 mode for everything else
     document_eos: int | None = None  # data.document_mask: the id ending each document; None: plain causal
+    compile_backend: str = "inductor"  # torch.compile's backend (tests: aot_eager, the same graphs unfused)

@@ -15,8 +15,9 @@ cd "$(dirname "$0")/.."
 # exactly these two minors and those between (tests/test_torch_range.py checks that they agree)
 VERSIONS=(2.11.0 2.15.0)
 
-# The subset: every private-API check, then one run of each parallelism against one process (the
-# module fixtures run only the cases selected here), DCP save / resume / reshard, the CUDA path's
+# The subset: every private-API check, every block kind compiled (one graph each, tests/test_compile.py),
+# then one run of each parallelism against one process (the module fixtures run only the cases selected
+# here), DCP save / resume / reshard, the CUDA path's
 # FSDP bf16 policy and fused AdamW; tied embeddings over four stages (their pair groups); a failed save
 # (DCP's errors), a spike rolled back under tp=2, the watchdog (faulthandler, the flight recorder's
 # private dump); torchao's float8 training under FSDP's float8 all-gather, resumed as bf16 under tp=2;
@@ -24,6 +25,7 @@ VERSIONS=(2.11.0 2.15.0)
 TESTS=(
     tests/test_compat.py
     tests/test_cuda_path.py
+    tests/test_compile.py
     "tests/test_parallel.py::test_matches_single_process[tp2-sp-pre-rmsnorm]"
     "tests/test_parallel.py::test_matches_single_process[pp2-interleaved-pre-rmsnorm]"
     "tests/test_parallel.py::test_matches_single_process[dp2-ddp-post-layernorm]"

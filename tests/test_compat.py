@@ -369,3 +369,19 @@ def test_a_stopped_forkserver_is_replaced_by_one_with_the_environment_now(monkey
     compat.stop_forkserver()
     assert forked("LAUNCHER_TEST_FORKSERVER") == "second"
     compat.stop_forkserver()
+
+
+def test_compile_counts_read_dynamos_graphs_and_breaks() -> None:
+    from launcher.compile_compat import compile_counts, reset_compile_counts
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        torch._dynamo.graph_break()
+        return y.cos()
+
+    reset_compile_counts()
+    torch.compile(broken, backend="aot_eager")(torch.randn(3, requires_grad=True)).sum().backward()
+    graphs, breaks = compile_counts()
+    assert graphs == 2 and sum(breaks.values()) == 1 and "graph_break()" in next(iter(breaks))
+    reset_compile_counts()
+    assert compile_counts() == (0, {})

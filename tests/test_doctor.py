@@ -70,8 +70,25 @@ def test_a_check_that_breaks_is_its_own_fail_line(tmp_path: Path, monkeypatch: p
 def test_compile_check_compiles_a_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same code path a GPU takes; on this CPU through aot_eager (inductor's C++ build takes minutes here)."""
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    assert doctor.check_compile(setting(tmp_path, compile=True)).status == "ok"
+    found = doctor.check_compile(setting(tmp_path, compile=True))
+    assert found.status == "ok" and "1 module compiled into 1 graph, no graph break" in found.detail
     assert "compile=true checks it" in doctor.check_compile(setting(tmp_path)).detail
+
+
+def test_compile_check_warns_of_a_graph_break(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher.model import transformer
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    norm = transformer.make_norm
+
+    def breaking_norm(cfg: object) -> torch.nn.Module:  # a norm the compiler cannot trace
+        module = norm(cfg)
+        module.register_forward_hook(lambda *_: torch._dynamo.graph_break())
+        return module
+
+    monkeypatch.setattr(transformer, "make_norm", breaking_norm)
+    found = doctor.check_compile(setting(tmp_path, compile=True))
+    assert found.status == "warning" and "graph breaks: parts of blocks run eagerly" in found.detail
 
 
 @pytest.mark.parametrize(

@@ -176,5 +176,5 @@ def check(lay: Layout, m: ModelConfig, seq_len: int) -> None:
 def async_tp_applies(layout: Layout, async_tp: bool) -> bool:
     """Whether torch's async TP overlaps this layout's TP collectives (`async_tp`: asked for, and the
     config checks passed: cuda, compile, sequence parallelism): with TP, and blocks that are compiled
-    (zero-bubble schedules leave them eager; parallel/__init__.py `_compile`)."""
+    (zero-bubble schedules leave them eager; parallel/compiled.py `compile_blocks`)."""
     return async_tp and layout.tp > 1 and layout.sequence_parallel and not layout.zero_bubble

@@ -6,7 +6,12 @@ backward; splitting a fused product into its parts makes the backward concatenat
 again (a copy of the whole product). These nodes take the fused product itself, write its gradient
 into one buffer, and save nothing but what they read (peer shape, one process: SwiGLU's forward and
 backward 0.14 -> 0.07 s a layer, Q|K|V with RoPE 0.04 -> 0.03 s; docs/parallelism.md "Speed on CPU").
-Compiled blocks fuse the same chains themselves; these are what eager runs.
+
+These nodes are eager's only. Under `torch.compile` (`torch.compiler.is_compiling()`, decided at
+trace time) the same chains are written as plain ops: dynamo refuses `out=` into the nodes'
+non-contiguous views, and one such break inside a checkpointed block makes it fall back to eager
+for the whole block. The compiler fuses the plain chain itself and picks what to save
+(tests/test_compile.py holds every block kind to one graph).
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ class SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
     return SwiGLU.apply(gate_up)
 
 
@@ -96,4 +104,14 @@ def rotary_qkv(qkv: torch.Tensor, rope: torch.Tensor, widths: list[int], head_di
     (2, positions, head_dim) read from its first row, or (2, batch, seq, head_dim) per token
     (document positions: launcher/model/documents.py)."""
     angles = rope[:, :, None] if rope.dim() == 4 else rope[:, : qkv.shape[1]]
+    if torch.compiler.is_compiling():
+        cos, sin = angles[0].to(qkv.dtype), angles[1].to(qkv.dtype)
+        q, k, v = split_heads(qkv, widths, head_dim)
+        return rotated(q, cos, sin), rotated(k, cos, sin), v
     return RotaryQKV.apply(qkv, angles, widths, head_dim)
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` as plain ops, for the compiler to fuse: x cos + (-x_2, x_1) sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin

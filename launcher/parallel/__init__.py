@@ -21,6 +21,7 @@ from launcher.model.hf import init_source
 from launcher.model.init import materialize
 from launcher.model.moe import moe_layers
 from launcher.options import BuildOptions
+from launcher.parallel.compiled import compile_blocks, compiled_units
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel
 from launcher.parallel.expert import parallelize_experts
@@ -52,7 +53,15 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any, options: BuildOptio
     materialize(parts, options.seed, device, init_source(options.init_from))
     runner = _runner(model, parts, stages, layout, mesh, autocast_for(options.precision, device))
     runner.fp8 = report(fp8, options.fp8) if options.fp8 else None
+    if compiles(layout, options):
+        runner.compiled_units = sum(len(compiled_units(b)) for part in parts for b in part.layers.values())
     return runner
+
+
+def compiles(layout: Layout, options: BuildOptions) -> bool:
+    """Whether the blocks are compiled: compile on, and a schedule whose backward torch can split (a
+    zero-bubble schedule's input and weight passes need eager blocks)."""
+    return options.compile and not layout.zero_bubble
 
 
 def _runner(model: nn.Module, parts: list, stages: list[int], layout: Layout, mesh: Any, autocast: Any) -> Runner:
@@ -87,21 +96,7 @@ def shard_model(
         apply_recompute(part, layout)
         if layout.zero_bubble:
             split_weight_passes(part)
-        elif options.compile:  # torch splits no compiled backward into input and weight parts
-            _compile(part)
+        if compiles(layout, options):
+            compile_blocks(part, options.compile_backend)
         apply_data_parallel(part, mesh, layout, mp_policy=mp_policy, expert_mesh=emesh)
     return parts, stages
-
-
-def _compile(model: nn.Module) -> None:
-    """torch.compile per block (in place: names unchanged), as torchtitan does: after TP and
-    recompute (it traces the DTensor and checkpointed blocks), before FSDP (whose hooks stay outside)."""
-    for block in model.layers.values():
-        # a MoE layer's token counts and all-to-all splits are data-dependent: compile around it
-        parts = (block.attention_norm, block.attention, block.ffn_norm) if _is_moe(block) else (block,)
-        for part in parts:
-            part.compile()
-
-
-def _is_moe(block: nn.Module) -> bool:
-    return bool(moe_layers([block.feed_forward]))

@@ -18,6 +18,9 @@
 - recompute_layers=N: the first N blocks of each stage (each model chunk under interleaving) are
   recomputed in full, the rest follow `recompute` (none or selective): Megatron's partial recompute,
   a step between no recompute and full recompute for a layout that needs a little memory.
+- compiled under torch 2.13 only, full recompute keeps attention's output (one (batch, seq, heads x
+  head_dim) tensor a block): that version's compiler fails on a tensor-parallel block whose recompute
+  re-runs SDPA (launcher/compat.py `compiled_recompute_keeps_attention`).
 
 The block's `forward` is wrapped in place (no wrapper module), so parameter names do not change.
 """
@@ -32,12 +35,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from launcher.compat import attention_and_collective_ops
+from launcher.compat import attention_and_collective_ops, attention_ops, compiled_recompute_keeps_attention
 from launcher.layout import Layout
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0}  # op → index of its input
 SAVE_OPS = attention_and_collective_ops()
+ATTENTION_OPS = attention_ops()
 
 
 def _partial_sum(op: Any, args: tuple) -> bool:
@@ -54,12 +58,26 @@ def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def keep_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Full recompute but for attention's output (torch 2.13 compiled: `compiled_recompute_keeps_attention`)."""
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.MUST_RECOMPUTE
+
+
 def _selective_contexts() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
+def _full_contexts() -> Any:
+    return create_selective_checkpoint_contexts(keep_attention)
+
+
 def _checkpointed(forward: Any, selective: bool, *args: Any) -> Any:
-    extra = {"context_fn": _selective_contexts} if selective else {}
+    if selective:
+        extra = {"context_fn": _selective_contexts}
+    elif torch.compiler.is_compiling() and compiled_recompute_keeps_attention():
+        extra = {"context_fn": _full_contexts}
+    else:
+        extra = {}
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
 

@@ -48,6 +48,7 @@ class Runner:
     (the loader hands each rank `layout.microbatches` of them per step)."""
 
     fp8: dict[str, Any] | None = None  # dtype=fp8: the layers converted and kept (launcher/parallel/float8.py)
+    compiled_units: int = 0  # modules torch.compile'd on this rank (launcher/parallel/compiled.py)
 
     def __init__(self, model: nn.Module, micro: int, autocast: torch.autocast | None = None) -> None:
         self.parts: list[nn.Module] = [model]

@@ -18,6 +18,7 @@ from launcher.files import write_json
 from launcher.metrics import sources
 from launcher.metrics.meter import memory_gib, memory_measure
 from launcher.metrics.profile import StepProfiler
+from launcher.parallel.compiled import CompileReport
 from launcher.parallel.float8 import precompute_scales
 from launcher.parallel.runner import Runner
 from launcher.run import Run
@@ -57,6 +58,10 @@ def train(run: Run, run_dir: Path, rank: int = 0, watchdog: Watchdog | Off | Non
             continue
         row, loads = stepped
         step = row["step"]  # ft: a group that healed from a peer is on the peer's step
+        if not rows and w.runner.compiled_units:  # the first step compiled the blocks: say what it did
+            line = CompileReport.now(w.runner.compiled_units).line()
+            w.view.note(line)
+            log.info("%s", line)
         rows.append(row)
         if report(w, spikes, preemption, step, row, loads):  # a stop signal: every rank saved this step
             w.checkpointer.wait()
@@ -207,6 +212,8 @@ def finish(w: Worker, summary: dict[str, Any]) -> dict[str, Any]:
     run, layout, options = w.run, w.run.layout, w.run.options
     summary |= {"world_size": layout.world_size, "layout": asdict(layout), "model": run.model.name}
     summary |= {"params": flops.num_params(run.model), "precision": options.precision, "compile": options.compile}
+    if w.runner.compiled_units:  # graphs and graph breaks (launcher/parallel/compiled.py)
+        summary["compiled"] = CompileReport.now(w.runner.compiled_units).summary()
     summary |= {"optimizer_impl": optimizer_impl(w.optimizer), "wall_time_s": time.perf_counter() - w.t_start}
     summary["peak_mem_measure"] = memory_measure(w.device)
     if w.device.type == "cpu":  # how glibc's malloc was tuned (launcher/train/fit.py)

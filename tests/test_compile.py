@@ -1,0 +1,108 @@
+"""The compiled path, judged by the compiler itself: every block kind the launcher builds, cut and
+wrapped by the real `shard_model` (tensor parallelism with sequence parallelism and FSDP on a fake
+process group of two ranks), compiled by it with the `aot_eager` backend (dynamo's graphs and breaks
+are those a GPU gets; only inductor's kernels are left out), and one forward and backward of the whole
+model part: one graph per compiled unit and no graph break, under every recompute policy.
+
+Compiled and eager agree (one process, loss and gradients), so the plain chains the compiler traces
+(launcher/model/pointwise.py) are the eager nodes' maths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launcher.compat import fake_store
+from launcher.compile_compat import reset_compile_counts
+from launcher.layout import build_mesh
+from launcher.layout_config import from_config
+from launcher.model.init import materialize, meta_model
+from launcher.parallel import shard_model
+from launcher.parallel.compiled import CompileReport
+from launcher.planner import build_options
+from launcher.train.loop import train
+from tests.conftest import run_for, tiny_config
+
+KINDS = {
+    "dense": [],
+    "gpt2": ["model.positions=learned", "model.mlp=gelu", "model.norm=layernorm", "model.bias=true"],
+    "post-norm": ["model.norm_position=post"],
+    "tied": ["model.tied_embeddings=true"],
+    "moe": ["model=moe_tiny"],
+    "documents": ["data.document_mask=true"],
+    "fp8": ["dtype=fp8", "fp8.emulate=true", "fp8.min_features=16"],
+}
+LAYOUTS = {"one": [], "tp2-sp": ["tp=2", "sequence_parallel=true"], "dp_shard2": ["dp_shard=2"]}
+RECOMPUTE = ["none", "selective", "full"]
+SEQ, MICRO = 16, 2
+
+
+def build(tmp_path: Path, *keys: str, backend: str = "aot_eager") -> tuple[list, torch.Tensor, int]:
+    """This rank's model parts as `train` builds them with compile on (`backend`), on the CPU: parts,
+    a batch of tokens and the units compiled. A world of more than one rank runs on the fake group."""
+    cfg = tiny_config(tmp_path, "compile=true", f"seq_len={SEQ}", f"batch.micro={MICRO}", *keys)
+    world = cfg.tp * cfg.dp_shard if isinstance(cfg.dp_shard, int) else cfg.tp
+    layout = from_config(cfg, world)
+    options = replace(build_options(cfg, layout), compile_backend=backend)
+    mesh = None
+    if world > 1:
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
+        mesh = build_mesh(layout, "cpu")
+    parts, _ = shard_model(meta_model(cfg.model), layout, options, mesh)
+    materialize(parts, cfg.seed, torch.device("cpu"))
+    tokens = torch.randint(0, cfg.model.vocab_size, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return parts, tokens, cfg.model.n_layers * (3 if "model=moe_tiny" in keys else 1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    reset_compile_counts()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    reset_compile_counts()
+
+
+def step(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_block_compiles_to_one_graph(kind: str, layout: str, recompute: str, tmp_path: Path) -> None:
+    if layout != "one" and kind not in ("dense", "moe", "fp8"):
+        pytest.skip("the kinds' differences are inside the block: one process covers them")
+    [model], tokens, units = build(tmp_path, *KINDS[kind], *LAYOUTS[layout], f"recompute={recompute}")
+    step(model, tokens)
+    report = CompileReport.now(units)
+    assert report.breaks == {}, report.line()
+    # identical blocks share a graph; MoE's norms and attention are graphs of their own
+    assert 1 <= report.graphs <= units, report.line()
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_compiled_blocks_compute_what_eager_does(recompute: str, tmp_path: Path) -> None:
+    keys = ("model.dropout=0", f"recompute={recompute}")
+    [eager], tokens, _ = build(tmp_path, "compile=false", *keys)
+    [compiled], _, _ = build(tmp_path, *keys)
+    loss_eager, loss_compiled = step(eager, tokens), step(compiled, tokens)
+    torch.testing.assert_close(loss_compiled, loss_eager, rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_run_says_what_compile_did(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = tiny_config(tmp_path, "compile=true", "steps=2", "recompute=selective", "metrics.console=plain")
+    run = run_for(cfg)
+    run = replace(run, options=replace(run.options, compile_backend="aot_eager"))
+    summary = train(run, tmp_path / "run")
+    assert summary["compiled"] == {"units": 2, "graphs": 1, "graph_breaks": 0, "break_reasons": {}}
+    assert "compile: 2 modules compiled into 1 graph, no graph break" in capsys.readouterr().out
