@@ -18,11 +18,64 @@ from launcher.errors import LauncherError
 from launcher.extras import installed
 from launcher.ft_config import FtConfig, check_ft
 from launcher.spawn import launch
+from launcher.train import replicas
 from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.replicas import TEST_KILL_ENV
 from launcher.train.spike import SpikeGuard, Trainee
 from launcher.train.untrusted import EXTRAS
 from tests.conftest import losses, make_config, run_for, tiny_config
+
+
+class Averaging:
+    """torchft's Manager as `sync` uses it: records what it all-reduces (the other group is all zeros)."""
+
+    def __init__(self) -> None:
+        self.reduced: list[torch.Tensor] = []
+
+    def allreduce(self, flat: torch.Tensor) -> Any:
+        self.reduced.append(flat)
+        if flat.device.type != "meta":
+            flat.div_(2)
+        return DoneWork()
+
+
+class DoneWork:
+    def wait(self) -> None:
+        pass
+
+
+def group(manager: Averaging) -> replicas.Replicas:
+    """A Replicas with only what `sync` reads (its Manager a stand-in)."""
+    r = replicas.Replicas.__new__(replicas.Replicas)
+    r.step, r.kill_step, r.manager = 1, None, manager
+    r.backward_done = replicas.threading.Event()
+    return r
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_sync_reduces_on_the_gradients_device_in_buckets(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the loss and every bucket must be CUDA tensors beside the gradients (a CPU loss concatenated
+    with CUDA gradients crashed the first step): `meta` stands in for a device that is not the CPU."""
+    manager = Averaging()
+    monkeypatch.setattr(replicas, "BUCKET_BYTES", 64 * 4)  # 64 fp32 values a bucket
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 100)).to(device)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    if device == "meta":
+        with pytest.raises(RuntimeError, match="meta"):  # the loss's float() of a meta tensor: nothing else fails
+            group(manager).sync([model], 2.0)
+    else:
+        assert group(manager).sync([model], 2.0) == 1.0
+        assert all(float(p.grad.min()) == float(p.grad.max()) == 0.5 for p in model.parameters())
+    assert {t.device.type for t in manager.reduced} == {device}
+    # 32 + 4 in one bucket; 400 and 100, each over a bucket, alone (reduced in place); the loss
+    assert [t.numel() for t in manager.reduced] == [36, 400, 100, 1]
+
+
+def test_buckets_keep_order_and_dtype() -> None:
+    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(3, dtype=torch.bfloat16), torch.zeros(30), torch.zeros(5)]
+    cut = replicas.buckets(tensors, 4 * 20)
+    assert [[t.numel() for t in b] for b in cut] == [[10, 10], [3], [30], [5]]
 
 
 def test_ft_off_by_default_and_at_one_replica() -> None:

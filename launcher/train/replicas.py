@@ -10,6 +10,7 @@ step, and then steps with the others. With `ft` off the loop gets `Alone`, which
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
     from launcher.train.spike import SpikeGuard
 
 ENDED = "ended"  # set in the meeting store by the first group to finish the run
+# the gradients cross the groups in buckets of this many bytes, two in flight: the copies they take
+# are at most two buckets, not a second set of gradients (the planner counts them: planner/memory.py)
+BUCKET_BYTES = 64 * 2**20
+NCCL_NONBLOCKING_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # torchft's NCCL group: its own, set when unset
 # tests only: "STEP:REPLICA[:late]": that group's rank 0 SIGKILLs itself (first life); `late`: its next life
 # comes back only once the run has ended
 TEST_KILL_ENV = "LAUNCHER_TEST_KILL"
@@ -68,7 +73,6 @@ class Replicas(Alone):
 
     def __init__(self, run: Run, rank: int, w: Any) -> None:
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
         self.w, self.replicas, self.kill_step = w, run.ft.replicas, injected_kill_step(run.replica, rank)
         self.step, self.before, self.healed_to = w.start, w.train_loader.state_dict(), None
@@ -84,7 +88,7 @@ class Replicas(Alone):
         ended = self.meeting is not None and self.meeting.check([ENDED])
         store_addr, store_port, self.store, self.ended = group_store(rank, world, ended)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+            pg=cross_group(w.device, timeout),
             load_state_dict=self.load_state,
             state_dict=self.state,
             min_replica_size=run.ft.min_replicas,
@@ -148,13 +152,17 @@ class Replicas(Alone):
             os.kill(os.getpid(), signal.SIGKILL)
         self.backward_done.set()  # the parameters are sharded again: the quorum's thread may read them
         grads = [local(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss], dtype=grads[0].dtype)])
-        self.manager.allreduce(flat).wait()
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        return float(flat[-1])
+        total = torch.tensor([loss], dtype=grads[0].dtype, device=grads[0].device)
+        in_flight: collections.deque = collections.deque()
+        for bucket in buckets([*grads, total], BUCKET_BYTES):
+            alone = len(bucket) == 1 and bucket[0].is_contiguous()  # reduced in place, no copy
+            flat = bucket[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in bucket])
+            in_flight.append((bucket, flat, self.manager.allreduce(flat)))
+            if len(in_flight) == 2:
+                unpack(*in_flight.popleft())
+        while in_flight:
+            unpack(*in_flight.popleft())
+        return float(total)
 
     def commit(self, step: int) -> tuple[bool, int]:
         """Whether to step the optimizer, and the step this is: a group that healed just now is on its
@@ -185,6 +193,42 @@ class Replicas(Alone):
         if self.meeting is not None:
             self.meeting.set(ENDED, "1")
         self.manager.shutdown(wait=False)
+
+
+def cross_group(device: torch.device, timeout: timedelta) -> Any:
+    """torchft's process group between the groups, on the gradients' device: NCCL on CUDA (no copy of
+    the gradients through host memory), gloo on a CPU."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    if device.type != "cuda":
+        return ProcessGroupGloo(timeout=timeout)
+    os.environ.setdefault(NCCL_NONBLOCKING_ENV, str(timeout.total_seconds()))  # else torchft warns, then sets it
+    return ProcessGroupNCCL(timeout=timeout)
+
+
+def buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """`tensors` in order, cut into runs of one dtype of at most `cap` bytes (a larger tensor alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not out or out[-1][0].dtype != t.dtype or size + nbytes > cap:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
+def unpack(bucket: list[torch.Tensor], flat: torch.Tensor, work: Any) -> None:
+    """Once its all-reduce is done, the averaged values back into the bucket's tensors."""
+    work.wait()
+    if len(bucket) == 1 and flat.data_ptr() == bucket[0].data_ptr():
+        return  # reduced in place
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def quiet_torchft() -> None:
