@@ -310,13 +310,13 @@ class TrainConfig:
     # bf16 on cuda, fp32 on cpu; bf16 is FSDP2's mixed-precision policy where cuda shards with FSDP,
     # autocast elsewhere (launcher/precision.py); fp8: the blocks' matmuls in float8 (fp8.*), the rest as bf16
     dtype: str = "auto"  # auto | fp32 | bf16 | fp8
-    nccl_timeout_s: int = ranged(600, ge=1)  # a collective waiting longer fails the run (NCCL, and gloo on CPUs)
+    # a collective waiting longer fails the run (NCCL, gloo); None: 600 s or past the watchdog's first step
+    nccl_timeout_s: int | None = ranged(None, ge=1, integer=True)
     # CPU workers' glibc malloc (launcher/train/fit.py): fast keeps freed blocks for reuse (no page faults per
     # large tensor; peak RSS includes glibc's cache), lean returns blocks of 4 MiB and more to the system (peak
     # RSS is the run's tensors; slower); auto: lean for a `steps=0` memory check, fast for training
     cpu_allocator: str = "auto"
-    # torch intra-op threads per worker; None: cores / local workers
-    threads: int | None = ranged(None, ge=1, integer=True)
+    threads: int | None = ranged(None, ge=1, integer=True)  # torch intra-op threads per worker; None: cores / workers
     max_local_workers: int = ranged(8, ge=1)
     dry_run: bool = False
     force: bool = False

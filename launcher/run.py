@@ -46,7 +46,7 @@ class Run:
     smoke: bool
     resume: str  # auto | never | PATH
     cpu_allocator: str
-    nccl_timeout_s: int
+    nccl_timeout_s: int | None  # None: `watchdog.collective_timeout_s` decides
     max_restarts: int
     ft: FtConfig
     record: dict[str, Any]  # the whole config, as the wandb run records it

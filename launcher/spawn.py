@@ -34,7 +34,8 @@ from launcher.layout import owner_rank
 from launcher.quick_exit import skip_final_collections
 from launcher.run import Run
 from launcher.train.preemption import LOCAL_WORKER_ENV, STOP_SIGNALS, PreemptionFlag, local_worker_signals
-from launcher.train.watchdog import LocalMonitor, timeout_for, watching
+from launcher.train.timeouts import collective_timeout_s, timeout_for
+from launcher.train.watchdog import LocalMonitor, watching
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import RunResult
@@ -159,7 +160,9 @@ def join_group(run: Run, env: RankEnv, run_dir: Path) -> None:
         # read the dead workers' addresses and wait on them forever.
         base, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size))
         store = dist.PrefixStore(f"launcher/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base)
-    backend, timeout = ("nccl" if device is not None else "gloo"), timedelta(seconds=run.nccl_timeout_s)
+    watchdog_s = timeout_for(run.watchdog, run.options.device, run.predicted_step_s)
+    timeout = timedelta(seconds=collective_timeout_s(run.nccl_timeout_s, watchdog_s))
+    backend = "nccl" if device is not None else "gloo"
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **bound_device(device)
     )

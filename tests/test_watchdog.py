@@ -21,7 +21,8 @@ import pytest
 
 from launcher.config import WatchdogConfig
 from launcher.errors import HUNG
-from launcher.train.watchdog import TEST_HANG_ENV, Beat, describe, timeout_for
+from launcher.train.timeouts import timeout_for
+from launcher.train.watchdog import TEST_HANG_ENV, Beat, describe
 from tests.conftest import losses, tiny_args
 
 TIMEOUT_S = 5.0
@@ -183,6 +184,21 @@ def test_gloo_process_group_timeout_follows_the_config(tmp_path: Path, monkeypat
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     join_group(run_for(tiny_config(tmp_path, "nccl_timeout_s=42")), RankEnv(0, 1, 0), tmp_path)
     assert seen["backend"] == "gloo" and seen["timeout"] == timedelta(seconds=42)
+    join_group(run_for(tiny_config(tmp_path, "watchdog.timeout_s=200")), RankEnv(0, 1, 0), tmp_path)
+    assert seen["timeout"] == timedelta(seconds=5 * 200 + 120)  # past the first step's allowance
+
+
+def test_the_collective_timeout_outlasts_the_watchdogs_first_step() -> None:
+    """A GPU's default watchdog gives the first step (eight ranks compiling) 5 x 300 s: NCCL's 600 s
+    would cut the run off before the watchdog could name the rank that is stuck."""
+    from launcher.config import WatchdogConfig
+    from launcher.train.timeouts import SLOW_FACTOR, collective_timeout_s
+
+    gpu = timeout_for(WatchdogConfig(), "cuda", 0.0)
+    assert collective_timeout_s(None, gpu) > SLOW_FACTOR * gpu == 1500
+    assert collective_timeout_s(None, 0.0) == 600  # watchdog off: NCCL's default
+    assert collective_timeout_s(None, 60.0) == 600  # a CPU's: 600 s already outlasts it
+    assert collective_timeout_s(900, gpu) == 900  # given: as given
 
 
 def test_flight_recorder_trace_is_a_pickle_of_this_process() -> None:

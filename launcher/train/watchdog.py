@@ -43,6 +43,7 @@ from typing import IO, TYPE_CHECKING
 from launcher.errors import HUNG
 from launcher.files import write_atomic
 from launcher.train.preemption import LOCAL_WORKER_ENV
+from launcher.train.timeouts import PHASES, SLOW_FACTOR, SLOW_PHASES, beat_period, stale_after, timeout_for
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -51,32 +52,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("launcher")
 
-PHASES = ("setup", "data", "forward_backward", "optimizer", "eval", "checkpoint", "done")  # in a step's order
-SLOW_PHASES = {"setup", "checkpoint"}  # and the first step (allocations, compile): SLOW_FACTOR x the timeout
-SLOW_FACTOR = 5.0
-FLOOR_S = {"cpu": 60.0, "cuda": 300.0}  # the shortest automatic timeout; other kinds: cuda's
-STEP_FACTOR = 20.0  # automatic timeout: this many predicted step times (the prediction can be off)
 STACKS_SIGNAL = signal.SIGUSR2  # SIGUSR1, SIGTERM, SIGINT mean "save and stop" (train/preemption.py)
 DUMP_WAIT_S = 5.0  # how long the launcher waits for live ranks' stacks before it kills the group
 BACKSTOP_S = 60.0  # a local worker whose launcher did not kill it after its own report exits by itself
 TEST_HANG_ENV = "LAUNCHER_TEST_HANG"
-
-
-def timeout_for(cfg: WatchdogConfig, kind: str, step_s: float) -> float:
-    """Seconds a phase may last (0: off): `watchdog.timeout_s`, or STEP_FACTOR predicted steps, at least FLOOR_S."""
-    if cfg.timeout_s is not None:
-        return float(cfg.timeout_s)
-    return max(FLOOR_S.get(kind, FLOOR_S["cuda"]), STEP_FACTOR * step_s)
-
-
-def beat_period(timeout_s: float) -> float:
-    """How often a rank writes its beat: a tenth of the timeout, within [0.25 s, 5 s]."""
-    return min(max(timeout_s / 10, 0.25), 5.0)
-
-
-def stale_after(timeout_s: float) -> float:
-    """A beat older than this: its process was not scheduled for three periods (or more)."""
-    return max(3 * beat_period(timeout_s), 2.0)
 
 
 def run_attempt() -> str:
