@@ -154,6 +154,7 @@ def check_fp8(cfg: TrainConfig) -> None:
         return
     fp8 = cfg.fp8
     require_fp8_units(cfg.hardware, fp8.emulate)
+    check_fp8_tokens(cfg)
     for name, (n_in, n_out) in block_linears(cfg.model).items():
         if min(n_in, n_out) >= fp8.min_features and (n_in % 16 or n_out % 16):
             raise LauncherError(
@@ -161,6 +162,22 @@ def check_fp8(cfg: TrainConfig) -> None:
                 f"matmuls need multiples of 16: raise fp8.min_features above {min(n_in, n_out)} to keep it in "
                 "high precision, or resize the model"
             )
+
+
+def check_fp8_tokens(cfg: TrainConfig) -> None:
+    """A micro-batch's tokens on a rank (batch.micro x seq_len / cp) are the inner dimension of every
+    float8 weight-gradient matmul, which a GPU takes only in multiples of 16 (emulation takes any: it
+    rehearses the GPU's path, so it is held to the same rule). batch.micro=auto may choose 1."""
+    per_sequence = cfg.seq_len // (cfg.cp if isinstance(cfg.cp, int) else 1)
+    micro = cfg.batch.get("micro")
+    tokens = per_sequence * (micro if isinstance(micro, int) else 1)
+    if tokens % 16:
+        up = -(-per_sequence // 16) * 16 * (cfg.cp if isinstance(cfg.cp, int) else 1)
+        raise LauncherError(
+            f"dtype=fp8: a micro-batch holds {tokens} tokens a rank (batch.micro={micro} x seq_len={cfg.seq_len}"
+            f"{f' / cp={cfg.cp}' if per_sequence != cfg.seq_len else ''}) and float8 weight gradients need a "
+            f"multiple of 16: use seq_len={up}, or a batch.micro that makes one"
+        )
 
 
 def block_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:

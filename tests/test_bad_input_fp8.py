@@ -23,6 +23,15 @@ CASES = [
         ["dtype=fp8", "fp8.emulate=true", "fp8.min_features=16", "model.ffn_dim=180"],
         "fp8.min_features=16 converts feed_forward.w1 (64 -> 180 features) and float8 matmuls need multiples of 16",
     ),
+    (
+        ["dtype=fp8", "fp8.emulate=true", "seq_len=100", "batch.micro=1"],
+        "dtype=fp8: a micro-batch holds 100 tokens a rank (batch.micro=1 x seq_len=100) and float8 weight "
+        "gradients need a multiple of 16: use seq_len=112, or a batch.micro that makes one",
+    ),
+    (
+        ["dtype=fp8", "fp8.emulate=true", "seq_len=72", "batch.micro=auto"],
+        "dtype=fp8: a micro-batch holds 72 tokens a rank (batch.micro=auto x seq_len=72)",
+    ),
 ]
 
 
