@@ -1,9 +1,13 @@
-"""`make wheelhouse ARGS="--python-version=3.12 --extras=all"`: every dependency of the launcher except
-torch, as wheels for one Python version and platform, in one folder, so a cluster node without internet
-installs the launcher beside its own torch:
+"""`python scripts/wheelhouse.py --python-version=3.12` (or `make wheelhouse ARGS=...`): every dependency
+of the launcher except torch, as wheels for one Python version and platform, in one folder, so a
+cluster node without internet installs the launcher beside its own torch:
 
-    pip install --no-index --find-links wheelhouse -e .          # from the source tree
-    pip install --no-index --find-links wheelhouse 'launcher[all]'   # or from the launcher's wheel, in the folder too
+    pip install --no-index --find-links wheelhouse -e '.[fp8]'          # from the source tree
+    pip install --no-index --find-links wheelhouse 'launcher[fp8]'      # or the launcher's wheel, in the folder too
+
+The default extras are what `gpu-check` needs (fp8: torchao), 22 MiB for Python 3.12 on Linux x86-64,
+small enough to carry to a node with the source tree; `--extras=all` adds wandb, datasets, transformers,
+submitit and matplotlib (over 100 MiB: pyarrow alone is 52).
 
 Only the standard library and pip. Packages published only as source (antlr4-python3-runtime, which
 hydra-core needs) are built into pure-Python wheels here first, then pip downloads the rest for the
@@ -23,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ["setuptools>=68", "wheel"]  # the build backend, for `pip install --no-index -e .`
+DEFAULT_EXTRAS = "fp8"  # what bench/gpu_check.py runs: torchao for its fp8 row
 LINUX = ["manylinux1_x86_64", "manylinux2014_x86_64", *(f"manylinux_2_{n}_x86_64" for n in range(17, 40))]
 
 
@@ -96,13 +101,22 @@ def main() -> None:
     parser.add_argument("--out", default="wheelhouse", help="the folder (default: wheelhouse)")
     parser.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}")
     parser.add_argument("--platform", action="append", help="pip platform tags (default: Linux x86-64 manylinux)")
-    parser.add_argument("--extras", default="all", help="comma-separated extras (default all; none: the minimum)")
+    parser.add_argument(
+        "--extras",
+        default=DEFAULT_EXTRAS,
+        help=f"comma-separated extras (default {DEFAULT_EXTRAS}: gpu-check's; all; none)",
+    )
     args = parser.parse_args()
     extras = {""} | ({e for e in args.extras.split(",") if e} - {"none"})
     wheels = build(Path(args.out).resolve(), args.python_version, args.platform or LINUX, extras)
     size = sum(w.stat().st_size for w in wheels) / 2**20
     print(f"wheelhouse: {len(wheels)} wheels ({size:.0f} MiB) in {args.out} for Python {args.python_version}")
-    print(f"install beside the node's torch: pip install --no-index --find-links {args.out} -e .")
+    named = ",".join(sorted(extras - {""}))
+    print(
+        f"install beside the node's torch: pip install --no-index --find-links {args.out} -e '.[{named}]'"
+        if named
+        else f"install beside the node's torch: pip install --no-index --find-links {args.out} -e ."
+    )
 
 
 if __name__ == "__main__":
