@@ -1,6 +1,7 @@
 """gpu_check's `fp8` row: the throughput model (`1b`, compile) under dtype=fp8 against bf16 over the
 same steps: tokens/s side by side, and every step's loss within FP8_LOSS_RTOL of bf16's. The bf16
-side is the throughput check's run when it ran the same arguments (on a GPU), else its own run.
+side is the throughput check's run when it ran the same arguments (on a GPU) and logged steps past the
+warm-up, even if it was cut short (the fp8 run is compared over the steps both have), else its own run.
 On the CPU rehearsal: the tiny model with torchao's emulation and the shape filter lowered.
 """
 
@@ -14,6 +15,13 @@ from typing import Any
 FP8_LOSS_RTOL = 2e-2
 
 
+def logged(run: Path) -> list[dict[str, Any]]:
+    """A run's metrics rows so far (none when it logged nothing)."""
+    from bench.gpu_check import metrics
+
+    return metrics(run) if (run / "metrics.jsonl").exists() else []
+
+
 def bf16_args(big: tuple[str, ...]) -> tuple[str, ...]:
     return (*(a for a in big if not a.startswith("dtype=")), "dtype=bf16")
 
@@ -23,7 +31,7 @@ def fp8_vs_bf16(out: Path, t: Any, clock: Any) -> list[Any]:
 
     runs: dict[str, tuple[Path, dict[str, Any]]] = {}
     reuse = out / "throughput"
-    if t.big == bf16_args(t.big) and (reuse / "summary.json").exists():
+    if t.big == bf16_args(t.big) and any(r["step"] > t.warmup for r in logged(reuse)):
         runs["bf16"] = reuse, {}
     for dtype, args in (("bf16", bf16_args(t.big)), ("fp8", (*bf16_args(t.big)[:-1], *t.fp8))):
         if dtype in runs:
@@ -33,8 +41,10 @@ def fp8_vs_bf16(out: Path, t: Any, clock: Any) -> list[Any]:
             return [Check(f"fp8: {dtype} run", "FAIL", f"exit {rc}: {why}")]
         runs[dtype] = out / f"fp8_{dtype}", summary
 
+    both = {r["step"] for r in metrics(runs["fp8"][0])} & {r["step"] for r in metrics(runs["bf16"][0])}
+
     def timed(dtype: str, key: str) -> float:
-        return median([r[key] for r in metrics(runs[dtype][0]) if r["step"] > t.warmup])
+        return median([r[key] for r in metrics(runs[dtype][0]) if r["step"] > t.warmup and r["step"] in both])
 
     ok, worst = close(losses(runs["fp8"][0]), losses(runs["bf16"][0]), FP8_LOSS_RTOL)
     speedup = timed("fp8", "tokens_per_s") / timed("bf16", "tokens_per_s")
