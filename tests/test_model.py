@@ -85,6 +85,24 @@ def test_init_is_a_function_of_seed_and_name() -> None:
     assert name_seed(1, "output.weight") == 0xA6F49C65F17E59EB, "a stable hash: the same in every process"
 
 
+def test_init_draws_the_same_values_on_any_number_of_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocks are drawn in parallel (torch's intra-op threads): the values are each block's own
+    generator's, whatever the thread count; blocks smaller than a parameter, so a matrix is several."""
+    from launcher.model import init
+
+    monkeypatch.setattr(init, "BLOCK", 1000)  # the small model's matrices in many blocks each
+    run_jobs, pieces = init.run_jobs, []
+
+    def on(threads: int) -> torch.nn.Module:
+        monkeypatch.setattr(init, "run_jobs", lambda jobs, _: (pieces.append(len(jobs)), run_jobs(jobs, threads)))
+        return initialized(ModelConfig(), 3)
+
+    one, four = on(1), on(4)
+    assert pieces[0] > 100, pieces  # the work came in many pieces
+    for (name, a), b in zip(one.named_parameters(), four.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_tied_embeddings_stay_tied_after_materializing() -> None:
     model = initialized(dataclasses.replace(ModelConfig(), tied_embeddings=True), 1)
     assert model.output.weight is model.tok_embeddings.weight

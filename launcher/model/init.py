@@ -4,18 +4,23 @@
 A rank holds its parameters as meta tensors (shapes only, after `parallelize` cut them); `materialize`
 allocates its local shards (`to_empty`) and fills each from the parameter's values, generated on the
 CPU in blocks of rows, each block from its own generator seeded by (seed, name, block): a rank draws
-only the blocks its shard overlaps, one at a time, so initializing adds one block (`BLOCK`), neither a
-whole parameter nor the model. Names are the full model's (`layers.5.wo.weight`, also on a pipeline
-stage), so the same name gives the same values wherever it lives.
+only the blocks its shard overlaps (a row-parallel shard, a slice of columns, still draws its rows'
+blocks whole: a generator cannot skip), so initializing adds one block (`BLOCK`) per drawing thread,
+neither a whole parameter nor the model. The blocks are independent, so torch's intra-op threads draw
+them in parallel (the same values whatever the thread count). Names are the full model's
+(`layers.5.wo.weight`, also on a pipeline stage), so the same name gives the same values wherever it
+lives.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -53,19 +58,22 @@ def block_rows(shape: tuple[int, ...]) -> int:
     return max(1, BLOCK // math.prod(shape[1:]))
 
 
-def fill_(local: torch.Tensor, cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...], offset: tuple) -> None:
-    """Write the box of parameter `name` (global `shape`) at `offset`, of `local`'s shape, into `local`.
+def fill_jobs(
+    local: torch.Tensor, cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...], offset: tuple
+) -> list[Callable[[], None]]:
+    """Writing the box of parameter `name` (global `shape`) at `offset`, of `local`'s shape, into
+    `local`, as independent pieces of work, each writing its own rows.
 
     Norm weights are 1, biases 0; matrices N(0, init_std), residual projections N(0, init_std /
     sqrt(2 n_layers)) (GPT-2). A matrix is drawn in blocks of `block_rows` rows, block b from its own
-    generator seeded by (seed, name, b): a rank draws only the blocks its rows overlap, one at a time."""
+    generator seeded by (seed, name, b): a rank draws only the blocks its rows overlap."""
     if len(shape) == 1:
-        local.fill_(1.0 if name.endswith("norm.weight") else 0.0)
-        return
+        return [lambda: local.fill_(1.0 if name.endswith("norm.weight") else 0.0)]
     std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(RESIDUAL) else cfg.init_std
     rows = block_rows(shape)
     first, last = offset[0], offset[0] + local.shape[0]  # this rank's rows: [first, last)
-    for b in range(first // rows, -(-last // rows)):
+
+    def draw(b: int) -> None:
         lo, hi = b * rows, min((b + 1) * rows, shape[0])
         gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, f"{name}/{b}"))
         with allocating((hi - lo) * math.prod(shape[1:]) * 4, f"a block of {name} (fp32, to initialize)"):
@@ -74,7 +82,24 @@ def fill_(local: torch.Tensor, cfg: ModelConfig, seed: int, name: str, shape: tu
         for dim in range(1, len(shape)):
             piece = piece.narrow(dim, offset[dim], local.shape[dim])
         local[max(lo, first) - first : min(hi, last) - first].copy_(piece)
-        del block, piece  # before the next block is drawn: one alive at a time
+
+    return [functools.partial(draw, b) for b in range(first // rows, -(-last // rows))]
+
+
+def run_jobs(jobs: list[Callable[[], None]], threads: int) -> None:
+    """Every job, on `threads` threads (torch's kernels release the GIL); the first failure is raised."""
+    if threads <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="init") as pool:
+        for done in [pool.submit(without_grad, job) for job in jobs]:
+            done.result()
+
+
+@torch.no_grad()  # grad mode is per thread: the pool's start with it on
+def without_grad(job: Callable[[], None]) -> None:
+    job()
 
 
 def extent(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -142,6 +167,7 @@ def materialize(parts: list[nn.Module], seed: int, device: torch.device, source:
     `device` and initialize them, from `source` when given (each rank reads only its own boxes), else
     seeded random; recompute their buffers (RoPE tables)."""
     done: set[int] = set()
+    jobs: list[Callable[[], None]] = []
     for part in parts:
         with allocating(sum(local_bytes(p) for p in part.parameters()), "this rank's shards"), tied_output(part):
             part.to_empty(device=device)
@@ -155,7 +181,9 @@ def materialize(parts: list[nn.Module], seed: int, device: torch.device, source:
             if source is not None:
                 source.fill_(local, name, offset)
             else:
-                fill_(local, part.cfg, seed, init_name(part.cfg, name), tuple(p.shape), offset)
+                jobs += fill_jobs(local, part.cfg, seed, init_name(part.cfg, name), tuple(p.shape), offset)
+    run_jobs(jobs, torch.get_num_threads())
+    for part in parts:
         part.reset_buffers()
         for module in part.modules():  # MoE routing biases and counters start at zero
             if isinstance(module, MoE):
