@@ -121,9 +121,9 @@ def rows(steps: int) -> list[dict[str, Any]]:
 def timeline_text(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> str:
     """The schedule's timeline as the docs show it: torch's action order for each rank, timed by the
     planner's timeline (forward = input gradient = weight gradient = 1 cell, full backward 2)."""
-    from launcher.compat import schedule_actions
     from launcher.layout import Layout
     from launcher.parallel.pipeline import SCHEDULES
+    from launcher.pipeline_compat import schedule_actions
     from launcher.planner.timeline import render, simulate
 
     lay = Layout(pp=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)

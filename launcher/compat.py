@@ -1,5 +1,5 @@
 """Every private PyTorch API the project uses, in one place (Hydra's and submitit's: hydra_compat.py;
-DCP's reading side: dcp_compat.py).
+DCP's reading side: dcp_compat.py; pipelining's: pipeline_compat.py; the compiler's: compile_compat.py).
 
 Each is used here for a reason (no public API does the same) and has a test in tests/test_compat.py
 that checks the signature or behaviour the project relies on, so an upgrade that changes one fails
@@ -9,7 +9,6 @@ there, loudly, rather than somewhere in a run. torch is imported only when a tor
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,7 +21,6 @@ if TYPE_CHECKING:
     from torch.distributed import Store
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-    from torch.distributed.pipelining import PipelineStage
 
 
 # --- PyTorch ------------------------------------------------------------------------------------------
@@ -128,51 +126,6 @@ def fake_store() -> Store:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
-
-
-def schedule_actions(schedule: type, pp: int, stages: list[list[int]], microbatches: int) -> dict[int, list]:
-    """The compute actions torch's `schedule` (a PipelineScheduleMulti class) runs on each pipeline
-    rank, in order, as plain (kind, microbatch, stage) tuples: kind F, B, I or W; an overlapped
-    forward-backward pair (DualPipeV) as its two parts. `pipeline_order` and `_Action` are private;
-    the schedule is built (not run) for rank 0 of a fake process group, every rank's order being
-    computed on each rank. `stages[r]`: the stages rank r holds."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage
-
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=pp)
-    try:
-        n = sum(map(len, stages))
-        parts = [PipelineStage(nn.Identity(), s, n, torch.device("cpu")) for s in stages[0]]
-        built = schedule(parts, n_microbatches=microbatches, loss_fn=lambda out, target: out.sum())
-        kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-        out: dict[int, list] = {}
-        for rank, actions in built.pipeline_order.items():
-            flat = [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))]
-            out[rank] = [(kinds[a.computation_type.name], a.microbatch_index, a.stage_index) for a in flat]
-        return out
-    finally:
-        dist.destroy_process_group()
-
-
-def pipeline_stage(module: nn.Module, index: int, n_stages: int, device: torch.device, group: Any) -> PipelineStage:
-    """torch's `PipelineStage`, minus torch 2.11's sends to its own rank: 2.11's multi-stage schedules
-    open each stage's links with a send and a receive to each neighbour stage
-    (`_get_init_p2p_neighbors_ops`), also to one on the same rank (the V placement holds stages 1 and
-    2 on rank 1), which gloo refuses ("Pair is not connected"). 2.15 has no such method."""
-    return _pipeline_stage_class()(module, index, n_stages, device, group=group)
-
-
-@functools.cache
-def _pipeline_stage_class() -> type:
-    from torch.distributed.pipelining import PipelineStage
-
-    class Stage(PipelineStage):
-        def _get_init_p2p_neighbors_ops(self) -> list:
-            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
-
-    return Stage
 
 
 def local_shard_extent(

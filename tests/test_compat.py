@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from launcher import compat
+from launcher import compat, pipeline_compat
 from launcher.dcp_compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items
 from launcher.model.init import initialized_model
 from launcher.train.checkpoint import Checkpointer, Stateful
@@ -142,10 +142,10 @@ def test_local_shard_extent_follows_dtensor_chunking() -> None:
 def test_schedule_actions_reads_torchs_pipeline_order() -> None:
     from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleaved1F1B
 
-    orders = compat.schedule_actions(ScheduleInterleaved1F1B, 2, [[0, 2], [1, 3]], 2)
+    orders = pipeline_compat.schedule_actions(ScheduleInterleaved1F1B, 2, [[0, 2], [1, 3]], 2)
     assert orders[0][:4] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 2), ("F", 1, 2)]
     assert sorted(orders[1]) == sorted([(k, mb, s) for k in "FB" for mb in (0, 1) for s in (1, 3)])
-    dual = compat.schedule_actions(ScheduleDualPipeV, 2, [[0, 3], [1, 2]], 4)  # overlapped pairs unfolded
+    dual = pipeline_compat.schedule_actions(ScheduleDualPipeV, 2, [[0, 3], [1, 2]], 4)  # overlapped pairs unfolded
     for r, stages in enumerate([[0, 3], [1, 2]]):
         for s in stages:
             for mb in range(4):
@@ -164,7 +164,7 @@ def test_pipeline_stage_opens_no_link_to_its_own_rank() -> None:
         return
     dist.init_process_group("fake", store=compat.fake_store(), rank=1, world_size=2)
     try:
-        stages = [compat.pipeline_stage(nn.Identity(), s, 4, torch.device("cpu"), None) for s in (1, 2)]
+        stages = [pipeline_compat.pipeline_stage(nn.Identity(), s, 4, torch.device("cpu"), None) for s in (1, 2)]
         for stage in stages:
             stage.stage_index_to_group_rank = {0: 0, 1: 1, 2: 1, 3: 0}  # what a V schedule sets
         assert [op.group_peer for stage in stages for op in stage._get_init_p2p_neighbors_ops()] == [0] * 4

@@ -52,7 +52,7 @@ def runnable(command: str, tmp: Path) -> str | None:
         return command
     quick = [
         "steps=2",
-        "eval.every=0",
+        "eval.batches=1",  # evaluated once, at the last step: the docs' runs evaluate as a user's do
         "metrics.wandb.mode=disabled",
         f"data.cache_dir={tmp / 'cache'}",
         "data.max_bytes=200000",

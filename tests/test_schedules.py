@@ -1,6 +1,7 @@
 """Zero-bubble pipeline schedules (interleaved_zb, zbv, dualpipev) match one process: the losses and
-gradient norms of 5 steps and the gradients after step 1 (fp32, rtol 1e-4), at pp=2 and at pp=2
-with tp=2, on gloo; and a checkpoint written under one schedule resumes under another.
+gradient norms of 5 steps, the gradients after step 1 and a validation loss after every step (fp32,
+rtol 1e-4), at pp=2 and at pp=2 with tp=2, on gloo; and a checkpoint written under one schedule
+resumes under another.
 
 Cases run in one launch: two 2-rank worlds (pp=2) side by side would need 4 processes already, so
 the pp=2 cases share one 2-rank world and the tp=2 x pp=2 cases one 4-rank world, one after the
@@ -20,7 +21,7 @@ from launcher.layout_config import from_config
 from tests.conftest import losses
 from tests.dist import run
 from tests.test_layout import error
-from tests.test_parallel import make_cfg, train_case
+from tests.test_parallel import batch, make_cfg, train_case
 
 SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
 VARIANT = "pre-rmsnorm"  # SwiGLU, GQA, RoPE: the shapes the planner's memory model is exact for
@@ -32,13 +33,21 @@ def case(schedule: str, tp: int) -> dict[str, Any]:
     return dict(tp=tp, pp=2, pp_schedule=schedule, batch=BATCH, **v)
 
 
+def evaluated(cfg: Any, world_size: int) -> dict[str, Any]:
+    """`train_case`, and the validation loss of one batch after every step (`runner.evaluate`: the V
+    schedules' own evaluation crashed at the first one)."""
+    x, y = batch(99)  # no data parallelism in these cases: the whole batch on every rank
+    evals: list[float] = []
+    return train_case(cfg, world_size, each_step=lambda runner: evals.append(runner.evaluate(x, y))) | {"evals": evals}
+
+
 def run_schedules(rank: int, world_size: int, tp: int) -> dict[str, Any]:
-    return {s: train_case(make_cfg(VARIANT, case(s, tp)), world_size) for s in SCHEDULES}
+    return {s: evaluated(make_cfg(VARIANT, case(s, tp)), world_size) for s in SCHEDULES}
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
-    return train_case(make_cfg(VARIANT, {"batch": BATCH}), 1)
+    return evaluated(make_cfg(VARIANT, {"batch": BATCH}), 1)
 
 
 @pytest.mark.slow
@@ -52,6 +61,7 @@ def test_zero_bubble_schedules_match_single_process(reference: dict[str, Any], t
             msg = f"{schedule} rank {rank}"
             torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-4, atol=0, msg=msg)
             torch.testing.assert_close(got["norms"], reference["norms"], rtol=1e-4, atol=0, msg=msg)
+            torch.testing.assert_close(got["evals"], reference["evals"], rtol=1e-4, atol=0, msg=f"{msg}: eval")
             grads.update(got["grads"])
         assert sorted(grads) == sorted(reference["grads"]), schedule
         for name, grad in grads.items():
@@ -138,8 +148,8 @@ def test_planner_bubble_and_in_flight_match_torchs_action_orders() -> None:
     """The planner's closed forms against the timeline of the orders torch runs (forward, input and
     weight gradient equally long): the busiest rank's idle time, and each rank's peak of microbatch
     activations held (in units of all its layers)."""
-    from launcher.compat import schedule_actions
     from launcher.parallel.pipeline import SCHEDULES as CLASSES
+    from launcher.pipeline_compat import schedule_actions
     from launcher.planner.cost import bubble_slots
     from launcher.planner.memory import in_flight, logits_in_flight
     from launcher.planner.timeline import peak_in_flight, simulate

@@ -27,6 +27,7 @@ from launcher.parallel.data import set_gradient_sync
 from launcher.parallel.pipeline import build_schedule
 from launcher.parallel.tensor import loss_context
 from launcher.parallel.tied import output_copies, sum_tied_grads, tie_group, tied_copies
+from launcher.pipeline_compat import forward_only
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -298,4 +299,6 @@ class PipelineRunner(DistributedRunner):
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return self._run(self.schedule.eval, inputs, targets)
+        # the V schedules evaluate on their forwards alone (torch's eval runs their backward hand-offs)
+        with forward_only(self.schedule) if self.layout.v_shape else contextlib.nullcontext():
+            return self._run(self.schedule.eval, inputs, targets)
