@@ -79,8 +79,9 @@ def from_config(cfg: TrainConfig, world: int | None) -> Layout:
     return lay
 
 
-def check_environment(cfg: TrainConfig, layout: Layout, local: bool) -> None:
-    """What this machine must offer to start the layout's workers here (`local`: not torchrun/SLURM)."""
+def check_environment(cfg: TrainConfig, layout: Layout, local: bool, here: bool = True) -> None:
+    """What this machine must offer to start the layout's workers here (`local`: not torchrun/SLURM);
+    `here=False`: they start elsewhere (slurm.emit writes a script on a login node, often GPU-less)."""
     per_node = workers_per_node(layout.world_size, cfg.nodes)
     if local and per_node > cfg.max_local_workers and cfg.hardware.kind == "cpu":
         raise LauncherError(
@@ -92,7 +93,7 @@ def check_environment(cfg: TrainConfig, layout: Layout, local: bool) -> None:
             f"hardware={cfg.hardware.name} is a planner-only profile (kind {cfg.hardware.kind}): `train` runs on "
             f"CPUs and CUDA GPUs: use `plan` with it, or dry_run=true to only check the layout"
         )
-    if cfg.hardware.kind == "cuda":
+    if cfg.hardware.kind == "cuda" and here:
         import torch
 
         if not torch.cuda.is_available():

@@ -96,6 +96,17 @@ def test_emitted_script(tmp_path: Path) -> None:
     assert "tp: 2" in pinned and "dp: 1" in pinned and "microbatches: 1" in pinned  # the resolved Layout
 
 
+def test_a_gpu_job_script_is_written_on_a_machine_without_a_gpu(tmp_path: Path) -> None:
+    """Login nodes, where job scripts are written, have no GPU: the CUDA checks belong to the job."""
+    from launcher.cli import train_task
+
+    run = tmp_path / "run"
+    cfg = tiny_config(tmp_path, "hardware=h100_sxm", "nodes=2", "tp=2", "slurm.emit=true", f"run_dir={run}")
+    train_task(cfg)
+    text = (run / "job.sbatch").read_text()
+    assert "--nodes=2" in text and "--gpus-per-node=8" in text, text
+
+
 def test_replica_groups_take_whole_nodes_or_a_share_of_one() -> None:
     assert group_nodes(4, 2) == (2, 1) and group_nodes(1, 2) == (1, 2) and group_nodes(2, 4) == (1, 2)
     with pytest.raises(LauncherError, match="ft.replicas=2 with nodes=3: .* set nodes to a multiple or a divisor"):
