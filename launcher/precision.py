@@ -40,6 +40,22 @@ def precision_mode(dtype: str, kind: str, layout: Layout) -> str:
     return "fsdp_bf16" if cuda and layout.fsdp_shard > 1 else "autocast_bf16"
 
 
+COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")  # out sharded by TP
+ROW = ("attention.wo", "feed_forward.w2")  # in sharded by TP
+
+
+def fp8_layer(kind: str, n_in: int, n_out: int, min_features: int, tp: int) -> str:
+    """dtype=fp8's decision for one block linear (`kind`: COLUMN or ROW, features of the whole layer):
+    "fp8", or why it stays high precision. The runtime converts by it (launcher/parallel/float8.py) and
+    the planner prices by it (launcher/planner/fp8.py)."""
+    if min(n_in, n_out) < min_features:
+        return f"features below fp8.min_features={min_features}"
+    local = (n_in, n_out // tp) if kind in COLUMN else (n_in // tp, n_out)
+    if local[0] % 16 or local[1] % 16:
+        return f"tp={tp} shard {local[0]}x{local[1]} not a multiple of 16"
+    return "fp8"
+
+
 def fp8_options(dtype: str, fp8: Fp8Config, hw: HardwareConfig, layout: Layout) -> Fp8Options | None:
     """dtype=fp8's options (None otherwise). FSDP2 gathers float8 weights with tensorwise scales (one
     scale per tensor, precomputed for all layers at once; gloo carries the float8 bytes too); rowwise

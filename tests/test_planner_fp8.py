@@ -28,7 +28,7 @@ def pair(recipe: str = "tensorwise", model: str = "8b", **hardware):
     hw = {**SYNTHETIC, "memory_bandwidth_gbs": 1000.0, **hardware}
     cfg = make_cfg(model, "h100_sxm", dtype="fp8", seq_len=4096)
     cfg.hardware = dataclasses.replace(cfg.hardware, **hw)
-    cfg.fp8 = SimpleNamespace(recipe=recipe, emulate=False)
+    cfg.fp8 = SimpleNamespace(recipe=recipe, emulate=False, min_features=1024)
     fp8 = problem(cfg, 1)
     return dataclasses.replace(fp8, fp8=None), fp8
 
@@ -41,7 +41,7 @@ def test_fp8_term_on_a_synthetic_profile_is_exact(monkeypatch):
     lay = Layout()
     a, b = predict(bf16, lay).time, predict(fp8, lay).time
     h, q, kv, f, tokens, layers = 4096, 4096, 1024, 14336, 4096, 32
-    shapes = ((h, q + 2 * kv), (q, h), (h, 2 * f), (f, h))  # qkv, o, gate+up, down
+    shapes = ((h, q), (h, kv), (h, kv), (q, h), (h, f), (f, h), (h, f))  # q, k, v, o, gate, down, up: each casts its input
     params = sum(k * n for k, n in shapes)
     bf16_matmul_s = 6 * params * tokens * layers / (100e12 * 0.8)
     assert a.compute - b.compute == pytest.approx(bf16_matmul_s * (1 - 1 / 1.25), rel=1e-9)
@@ -79,7 +79,7 @@ def test_fp8_memory_holds_the_weight_copies_and_scales():
     """No FSDP: one fp8 copy of each converted weight (rowwise: two) and their scales beside the bf16
     state; FSDP tensorwise gathers in fp8 (the gathered copy is the fp8 one): the scales alone."""
     params = 4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096  # one 8b block's converted weights
-    for recipe, extra in (("tensorwise", 32 * (params + 4 * 4)), ("rowwise", None)):
+    for recipe, extra in (("tensorwise", 32 * (params + 7 * 4)), ("rowwise", None)):  # a scale per layer
         bf16, fp8 = pair(recipe)
         grown = predict(fp8, Layout()).memory.buffers - predict(bf16, Layout()).memory.buffers
         if extra is not None:
@@ -89,7 +89,19 @@ def test_fp8_memory_holds_the_weight_copies_and_scales():
     bf16, fp8 = pair()
     fsdp = Layout(dp_shard=8)
     grown = predict(fp8, fsdp).memory.buffers - predict(bf16, fsdp).memory.buffers
-    assert grown == pytest.approx(32 * 4 * 4)
+    assert grown == pytest.approx(32 * 7 * 4)  # q, k, v, o, gate, up, down
+
+
+def test_fp8_is_priced_only_on_the_layers_the_runtime_converts():
+    """1b's wk and wv (2048 -> 512 features) stay bf16 under fp8.min_features=1024, as the runtime
+    decides (precision.fp8_layer): the planner's fp8 weights are the others'."""
+    from launcher.planner.fp8 import converted_params
+
+    _, fp8 = pair(model="1b")
+    h, f = 2048, 8192
+    assert converted_params(fp8.fp8, fp8.model, 1) == h * h + h * h + 3 * h * f  # q, o and the MLP
+    low = dataclasses.replace(fp8.fp8, min_features=16)
+    assert converted_params(low, fp8.model, 1) == h * h + 2 * h * 512 + h * h + 3 * h * f
 
 
 def test_fsdp_gathers_tensorwise_weights_in_fp8():
@@ -139,7 +151,7 @@ def test_fp8_on_hardware_without_fp8_units_is_one_line_naming_the_profile():
 
 def test_emulated_fp8_predicts_no_speed_up():
     cfg = make_cfg("8b", "a100", seq_len=4096, dtype="fp8")
-    cfg.fp8 = SimpleNamespace(recipe="tensorwise", emulate=True)
+    cfg.fp8 = SimpleNamespace(recipe="tensorwise", emulate=True, min_features=1024)
     fp8 = problem(cfg, 8)
     bf16 = dataclasses.replace(fp8, fp8=None)
     lay = Layout(dp_shard=8)

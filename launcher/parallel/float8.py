@@ -34,10 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from launcher.model.moe import MoE
 from launcher.options import Fp8Options
-
-COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")  # out sharded by TP
-ROW = ("attention.wo", "feed_forward.w2")  # in sharded by TP
-
+from launcher.precision import COLUMN, ROW, fp8_layer
 
 MOE = "MoE layer: high precision (torchao's float8 grouped GEMM, CUDA only, is not used)"
 
@@ -61,12 +58,7 @@ def _why(fqn: str, mod: nn.Linear, options: Fp8Options, tp: int) -> str:
         return "output projection" if fqn == "output" else "outside the blocks"
     if kind not in COLUMN + ROW:
         return MOE
-    if min(mod.in_features, mod.out_features) < options.min_features:
-        return f"features below fp8.min_features={options.min_features}"
-    local = (mod.in_features, mod.out_features // tp) if kind in COLUMN else (mod.in_features // tp, mod.out_features)
-    if local[0] % 16 or local[1] % 16:
-        return f"tp={tp} shard {local[0]}x{local[1]} not a multiple of 16"
-    return "fp8"
+    return fp8_layer(kind, mod.in_features, mod.out_features, options.min_features, tp)
 
 
 def convert(part: nn.Module, decisions: dict[str, str], options: Fp8Options) -> None:

@@ -129,7 +129,7 @@ def pace(
     full = full_layers(m.n_layers, layout, busiest)
     if fp8 is not None:  # the matmul-only rate: compute_efficiency less the non-matmul work
         rate = t * flop_rate * (1.0 + non_matmul_share(machine, m, layout))
-        compute -= matmul_saving(fp8, m, tokens, layers + full / 3.0, rate)
+        compute -= matmul_saving(fp8, m, t, tokens, layers + full / 3.0, rate)
     if not fused_attention:
         compute += tokens * layers * unfused_attention_seconds(m, seq, layout, machine, elem)
     compiled = compiled and not layout.zero_bubble

@@ -1,9 +1,11 @@
 """FP8 matmuls (dtype=fp8: torchao's float8 training of the blocks' linear layers): what the planner
 predicts they save and cost. Pure Python.
 
-Which layers: every block's attention projections (q, k, v, o) and its dense MLP, as the runtime converts
-them; the output projection and the router stay bf16, and so do MoE's routed and shared experts (the
-planner does not count FP8 grouped GEMMs: a MoE model's prediction is conservative).
+Which layers: those of every block's attention projections (q, k, v, o) and dense MLP that the runtime
+converts, by its own rule (`precision.fp8_layer`: fp8.min_features, TP shards of multiples of 16; 1b's
+wk and wv, 512 features, stay bf16); the output projection and the router stay bf16, and so do MoE's
+routed and shared experts (the planner does not count FP8 grouped GEMMs: a MoE model's prediction is
+conservative).
 
 Time, per microbatch of the busiest pipeline rank (launcher/planner/compute.py, cost.py):
 - Matmuls: the converted layers' FLOPs run at peak_tflops_fp8 x fp8_matmul_efficiency instead of
@@ -28,8 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.config import ModelConfig
-from launcher.flops import head_dim, kv_heads, moe_layer_count
+from launcher.flops import moe_layer_count
 from launcher.layout import Layout
+from launcher.precision import COLUMN, fp8_layer
+from launcher.validate import block_linears
 
 # Bytes of memory traffic per converted element and microbatch (bf16 in, fp8 out). tensorwise: amax
 # (read 2) + scale-and-cast (read 2, write 1) + the transposed fp8 copy the backward GEMMs read (read 1,
@@ -53,30 +57,34 @@ class Fp8:
     recipe: str
     speedup: float  # (peak_tflops_fp8 x fp8_matmul_efficiency) / (peak_tflops x matmul_efficiency); 1 emulated
     peak_flops: float | None  # the dense fp8 peak, FLOP/s (None: no FP8 units, emulated)
+    min_features: int = 1024  # fp8.min_features: smaller layers stay bf16
 
     @property
     def float8_all_gather(self) -> bool:
         return self.recipe == "tensorwise"
 
 
-def linears(m: ModelConfig) -> tuple[tuple[int, int], ...]:
+def linears(fp8: Fp8, m: ModelConfig, tp: int) -> tuple[tuple[int, int], ...]:
     """(K, N) of the converted layers of one block, the mean over blocks (MoE blocks keep their MLP in bf16)."""
-    h, hq, hkv = m.dim, m.n_heads * head_dim(m), kv_heads(m) * head_dim(m)
     dense = (m.n_layers - moe_layer_count(m)) / m.n_layers
-    mlp_in = (2 if m.mlp == "swiglu" else 1) * m.ffn_dim
-    attn = ((h, hq + 2 * hkv), (hq, h))
-    return (*attn, (h, round(mlp_in * dense)), (round(m.ffn_dim * dense), h))
+    out = []
+    for kind, (k, n) in block_linears(m).items():
+        if fp8_layer(kind, k, n, fp8.min_features, tp) != "fp8":
+            continue
+        share = dense if kind.startswith("feed_forward") else 1.0  # the MLP's sharded side, by the dense share
+        out.append((k, round(n * share)) if kind in COLUMN else (round(k * share), n))
+    return tuple(out)
 
 
-def converted_params(m: ModelConfig) -> int:
+def converted_params(fp8: Fp8, m: ModelConfig, tp: int) -> int:
     """Weights of one block's converted layers (the mean over blocks)."""
-    return sum(k * n for k, n in linears(m))
+    return sum(k * n for k, n in linears(fp8, m, tp))
 
 
-def matmul_saving(fp8: Fp8, m: ModelConfig, tokens: int, blocks: float, rate: float) -> float:
+def matmul_saving(fp8: Fp8, m: ModelConfig, tp: int, tokens: int, blocks: float, rate: float) -> float:
     """Seconds per microbatch the fp8 matmuls save over `blocks` block-equivalents (recomputed forwards
     counted) of `tokens` tokens each, whose linear FLOPs run at `rate` FLOP/s per device in bf16."""
-    bf16 = 6.0 * converted_params(m) * tokens * blocks / rate
+    bf16 = 6.0 * converted_params(fp8, m, tp) * tokens * blocks / rate
     return bf16 * FP8_FLOP_SHARE[fp8.recipe] * (1.0 - 1.0 / fp8.speedup)
 
 
@@ -89,7 +97,7 @@ def cast_seconds(
     if not bandwidth:
         return 0.0
     weights = 2.0 / layout.fsdp_shard if fp8.float8_all_gather and layout.fsdp_shard > 1 else 1.0
-    per_block = sum(tokens * (k + n) + weights * k * n for k, n in linears(m)) / layout.tp
+    per_block = sum(tokens * (k + n) + weights * k * n for k, n in linears(fp8, m, layout.tp)) / layout.tp
     return CAST_BYTES[fp8.recipe] * per_block * blocks / bandwidth
 
 
@@ -97,15 +105,15 @@ def gathered_saving(fp8: Fp8 | None, m: ModelConfig, layout: Layout, layers: int
     """Bytes the float8 all-gather saves per gather of a rank's `layers` blocks (0 without it)."""
     if fp8 is None or not fp8.float8_all_gather:
         return 0.0
-    return (elem - 1) * layers * converted_params(m) / layout.tp
+    return (elem - 1) * layers * converted_params(fp8, m, layout.tp) / layout.tp
 
 
 def weight_bytes(fp8: Fp8, m: ModelConfig, layout: Layout, layers: int) -> float:
     """Bytes per device of the fp8 weight copies and scales of a rank's `layers` blocks."""
-    shapes = linears(m)
+    shapes = linears(fp8, m, layout.tp)
     if fp8.recipe == "tensorwise":
         scales = SCALE_BYTES * len(shapes)
     else:
         scales = SCALE_BYTES * 2 * sum(k + n for k, n in shapes) / layout.tp
     copies = 0 if fp8.float8_all_gather and layout.fsdp_shard > 1 else COPIES[fp8.recipe]
-    return layers * (copies * converted_params(m) / layout.tp + scales)
+    return layers * (copies * converted_params(fp8, m, layout.tp) / layout.tp + scales)

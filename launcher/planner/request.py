@@ -54,14 +54,14 @@ def elem_bytes(cfg: TrainConfig) -> int:
     return 4 if cfg.dtype == "fp32" else 2
 
 
-def fp8_term(hw: HardwareConfig, recipe: str, emulate: bool) -> Fp8:
+def fp8_term(hw: HardwareConfig, recipe: str, emulate: bool, min_features: int) -> Fp8:
     """dtype=fp8 on `hw`: its fp8 matmul rate over its bf16 one; emulated (fp8.emulate=true): none faster."""
     require_fp8_units(hw, emulate)  # a profile plan.compare names too
     if emulate or hw.peak_tflops_fp8 is None or hw.peak_tflops is None or hw.matmul_efficiency is None:
-        return Fp8(recipe, 1.0, None)
+        return Fp8(recipe, 1.0, None, min_features)
     fp8_rate = hw.peak_tflops_fp8 * (hw.fp8_matmul_efficiency or hw.matmul_efficiency)
     speedup = RECIPE_RATE[recipe] * fp8_rate / (hw.peak_tflops * hw.matmul_efficiency)
-    return Fp8(recipe, speedup, hw.peak_tflops_fp8 * 1e12)
+    return Fp8(recipe, speedup, hw.peak_tflops_fp8 * 1e12, min_features)
 
 
 def fp8_of(cfg: TrainConfig, auto: bool = False) -> Fp8 | None:
@@ -69,9 +69,9 @@ def fp8_of(cfg: TrainConfig, auto: bool = False) -> Fp8 | None:
     `plan` to rank beside bf16); None otherwise. The recipe and emulation come from the `fp8` section."""
     hw, recipe, emulate = cfg.hardware, cfg.fp8.recipe, cfg.fp8.emulate
     if cfg.dtype == "fp8":
-        return fp8_term(hw, recipe, emulate)
+        return fp8_term(hw, recipe, emulate, cfg.fp8.min_features)
     if auto and cfg.dtype == "auto" and hw.kind == "cuda" and hw.peak_tflops_fp8 is not None:
-        return fp8_term(hw, recipe, False)
+        return fp8_term(hw, recipe, False, cfg.fp8.min_features)
     return None
 
 
