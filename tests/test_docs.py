@@ -108,7 +108,8 @@ def test_documented_command_runs(doc: str, command: str, tmp_path: Path) -> None
     line = runnable(command, tmp_path)
     if line is None:
         pytest.skip(COVERED.get(command, "placeholder path, or a SLURM submission (tests/test_slurm.py)"))
-    (np.arange(4096, dtype=np.uint16) % 256).tofile(tmp_path / "train.bin")  # for `data=tokens data.path=train.bin`
+    # for `data=tokens data.path=train.bin`: 2% of it (the validation split) holds a 256-token sequence
+    (np.arange(16384, dtype=np.uint16) % 256).tofile(tmp_path / "train.bin")
     # corpus/ (.jsonl, .txt, .parquet), tokenizer.json and a model folder my-model/ (data=text, or a mixture's)
     if "data=text" in line or "name: text" in line:
         write_corpus(tmp_path / "corpus", max_chars=100_000)
