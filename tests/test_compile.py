@@ -81,7 +81,13 @@ def test_every_block_compiles_to_one_graph(kind: str, layout: str, recompute: st
     if layout != "one" and kind not in ("dense", "moe", "fp8"):
         pytest.skip("the kinds' differences are inside the block: one process covers them")
     [model], tokens, units = build(tmp_path, *KINDS[kind], *LAYOUTS[layout], f"recompute={recompute}")
-    step(model, tokens)
+    if kind == "moe" and layout != "one" and recompute == "full":
+        # the fake group's collectives return uninitialized memory, so a full recompute of the block
+        # routes its tokens anew, differently, and the checkpoint refuses it (torch 2.11); the graphs and
+        # breaks are decided at the first forward (AOT autograd traces forward and backward there)
+        model(tokens[:, :-1], tokens[:, 1:])
+    else:
+        step(model, tokens)
     report = CompileReport.now(units)
     assert report.breaks == {}, report.line()
     # identical blocks share a graph; MoE's norms and attention are graphs of their own
