@@ -12,6 +12,11 @@ from launcher.errors import LauncherError
 from launcher.extras import require
 from launcher.ranges import ranged
 
+# the gradients cross the groups in buckets of this many bytes, two in flight (launcher/train/replicas.py):
+# the copies they take, which the planner counts, are two buckets, not a second set of gradients
+BUCKET_BYTES = 64 * 2**20
+BUCKETS_IN_FLIGHT = 2
+
 
 @dataclass
 class FtConfig:

@@ -41,7 +41,9 @@ def test_fp8_term_on_a_synthetic_profile_is_exact(monkeypatch):
     lay = Layout()
     a, b = predict(bf16, lay).time, predict(fp8, lay).time
     h, q, kv, f, tokens, layers = 4096, 4096, 1024, 14336, 4096, 32
-    shapes = ((h, q), (h, kv), (h, kv), (q, h), (h, f), (f, h), (h, f))  # q, k, v, o, gate, down, up: each casts its input
+    # q, k, v, o, gate, down, up: each layer casts its own input
+    # q, k, v, o, gate, down, up: each layer casts its own input
+    shapes = ((h, q), (h, kv), (h, kv), (q, h), (h, f), (f, h), (h, f))
     params = sum(k * n for k, n in shapes)
     bf16_matmul_s = 6 * params * tokens * layers / (100e12 * 0.8)
     assert a.compute - b.compute == pytest.approx(bf16_matmul_s * (1 - 1 / 1.25), rel=1e-9)

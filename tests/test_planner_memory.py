@@ -145,3 +145,21 @@ def test_tensor_parallel_embedding_backward_builds_the_whole_table_gradient():
     extra = table * (1 + 1 / 4) - (first.activations + first.logits)  # the activations are freed by then
     assert first.grads == pytest.approx(memory.GRAD_BYTES * memory.rank_params(m, lay, 0) + extra)
     assert plain.grads == memory.GRAD_BYTES * memory.rank_params(m, Layout(), 0)
+
+
+def test_a_device_snapshot_and_replica_groups_buckets_are_counted():
+    """guard.snapshot=device (under rollback) keeps each rank's weights and Adam moments a second time
+    on the device, 12 bytes a parameter; ft.replicas' cross-group all-reduce two 64 MiB buckets. Both
+    count toward `fits`, as the runtime holds them."""
+    lay = Layout(dp_shard=8)
+    base = predict(problem(make_cfg(model="8b", hardware="h100_sxm"), 8), lay).memory
+    snap_cfg = make_cfg(model="8b", hardware="h100_sxm")
+    snap_cfg.guard.spike, snap_cfg.guard.snapshot = "rollback", "device"
+    snap = predict(problem(snap_cfg, 8), lay).memory
+    assert snap.held == pytest.approx(12 * 8_030_261_248 / 8, rel=1e-3) == base.params + base.optimizer
+    assert snap.total - base.total == pytest.approx(snap.held)
+    snap_cfg.guard.snapshot = "host"
+    assert predict(problem(snap_cfg, 8), lay).memory.held == 0
+    ft_cfg = make_cfg(model="8b", hardware="h100_sxm")
+    ft_cfg.ft.replicas = 2
+    assert predict(problem(ft_cfg, 8), lay).memory.held == 2 * 64 * 2**20

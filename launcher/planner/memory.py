@@ -75,6 +75,7 @@ MASTER_BYTES = 4  # fp32 parameters
 GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
+PARTS = ("params", "grads", "optimizer", "buffers", "activations", "logits", "overhead", "held")  # Memory's, in order
 OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.35}  # context, collective buffers, workspaces; cpu: the process
 
 
@@ -89,11 +90,11 @@ class Memory:
     activations: float
     logits: float
     overhead: float
+    held: float = 0.0  # what the run keeps beside: a device rollback snapshot, replica groups' buckets
 
     @property
     def total(self) -> float:
-        state = self.params + self.grads + self.optimizer + self.buffers
-        return state + self.activations + self.logits + self.overhead
+        return sum(getattr(self, k) for k in PARTS)
 
     @property
     def checkpoint(self) -> float:
@@ -101,8 +102,7 @@ class Memory:
         return self.params + self.optimizer
 
     def as_gib(self) -> dict[str, float]:
-        parts = ("params", "grads", "optimizer", "buffers", "activations", "logits", "overhead")
-        out = {k: round(getattr(self, k) / GIB, 3) for k in parts}
+        out = {k: round(getattr(self, k) / GIB, 3) for k in PARTS}
         out["total"] = round(self.total / GIB, 3)
         return out
 

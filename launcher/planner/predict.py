@@ -9,6 +9,7 @@ from typing import Any
 
 from launcher.config import ModelConfig
 from launcher.flops import GIB, mfu
+from launcher.ft_config import BUCKET_BYTES, BUCKETS_IN_FLIGHT
 from launcher.layout import Layout
 from launcher.planner.cost import StepTime, step_time
 from launcher.planner.device import Machine
@@ -32,6 +33,8 @@ class Problem:
     compiled: bool = True  # blocks compiled (config compile; XLA on a TPU): eager pays unfused pointwise passes
     span: float = 0.0  # keys per query under document masking (flops.document_span); 0: the sequence
     fp8: Fp8 | None = None  # dtype=fp8: the blocks' linear layers in fp8 (launcher/planner/fp8.py)
+    device_snapshot: bool = False  # guard.snapshot=device under rollback: each rank's weights and Adam moments again
+    ft: bool = False  # ft.replicas: the cross-group all-reduce's buckets (ft_config.BUCKET_BYTES)
 
     @property
     def dtype(self) -> str:
@@ -123,6 +126,9 @@ def problem_memory(problem: Problem, layout: Layout) -> Memory:
     """Memory of the busiest device of `layout` for `problem`."""
     m, mach = problem.model, problem.machine
     mem = memory(m, problem.seq, layout, problem.elem, mach.kind, mach.flop_per_byte, problem.fused_attention)
+    held = mem.checkpoint if problem.device_snapshot else 0.0  # what a checkpoint of this rank holds, on the device
+    held += BUCKET_BYTES * BUCKETS_IN_FLIGHT if problem.ft else 0.0
+    mem = replace(mem, held=held)
     if problem.fp8 is None:
         return mem
     layers = max(rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape))

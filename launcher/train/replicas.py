@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from launcher.ft_config import BUCKET_BYTES, BUCKETS_IN_FLIGHT
 from launcher.ft_launch import START_ENV
 from launcher.run import Run
 from launcher.slurm_job import ATTEMPT_ENV
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
     from launcher.train.spike import SpikeGuard
 
 ENDED = "ended"  # set in the meeting store by the first group to finish the run
-# the gradients cross the groups in buckets of this many bytes, two in flight: the copies they take
-# are at most two buckets, not a second set of gradients (the planner counts them: planner/memory.py)
-BUCKET_BYTES = 64 * 2**20
 NCCL_NONBLOCKING_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # torchft's NCCL group: its own, set when unset
 # tests only: "STEP:REPLICA[:late]": that group's rank 0 SIGKILLs itself (first life); `late`: its next life
 # comes back only once the run has ended
@@ -158,7 +156,7 @@ class Replicas(Alone):
             alone = len(bucket) == 1 and bucket[0].is_contiguous()  # reduced in place, no copy
             flat = bucket[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in bucket])
             in_flight.append((bucket, flat, self.manager.allreduce(flat)))
-            if len(in_flight) == 2:
+            if len(in_flight) == BUCKETS_IN_FLIGHT:
                 unpack(*in_flight.popleft())
         while in_flight:
             unpack(*in_flight.popleft())
