@@ -13,6 +13,7 @@ first step. One graph per compiled unit and no break is what every block kind gi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +34,26 @@ def compiled_units(block: nn.Module) -> tuple[nn.Module, ...]:
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     """Compile every block of `model` (a whole model or a pipeline stage) in place; the number of units."""
     units = [unit for block in model.layers.values() for unit in compiled_units(block)]
+    quiet_checkpoint_notice()
     for unit in units:
         unit.compile(backend=backend)
     embedding = model.tok_embeddings
     if embedding is not None and isinstance(embedding.weight, DTensor):
         embedding.register_forward_hook(_fresh_output)
     return len(units)
+
+
+def quiet_checkpoint_notice() -> None:
+    """torch warns, on every rank, that a checkpoint with a policy (selective recompute) is compiled and
+    must hold no in-place op: the compiled blocks hold none (launcher/model/pointwise.py's in-place
+    nodes are eager's only), so the four lines a rank are dropped; every other warning stays."""
+    wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
+    if checkpoint_notice not in wrap_log.filters:
+        wrap_log.addFilter(checkpoint_notice)
+
+
+def checkpoint_notice(record: logging.LogRecord) -> bool:
+    return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
 
 
 def _fresh_output(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
