@@ -145,7 +145,8 @@ def check_compile(s: Setting) -> Finding:
     start = time.perf_counter()
     torch.compile(block)(x, rope).sum().backward()
     report = CompileReport.now(1)
-    detail = f"one block forward + backward compiled in {time.perf_counter() - start:.0f} s; {report.line()}"
+    took = f"one block forward + backward compiled in {time.perf_counter() - start:.0f} s"
+    detail = f"{took}: {report.line().removeprefix('compile: ')}"
     return Finding("warning" if report.n_breaks else "ok", "compile", detail)
 
 
