@@ -115,26 +115,30 @@ def test_fsdp_gathers_tensorwise_weights_in_fp8():
     assert b < 0.8 * a and c == pytest.approx(a)
 
 
-def test_plan_ranks_bf16_and_fp8_and_shows_them_side_by_side(capsys):
-    cfg = make_cfg("8b", "h100_sxm", plan={"top": 40})
+def test_plan_ranks_what_train_runs_and_shows_fp8_as_the_option(capsys):
+    """dtype=auto trains bf16: `plan` ranks and budgets bf16 (a ranking of fp8 layouts priced a run
+    `train` would not do), and shows layout #1 in fp8 beside it, labelled as the option."""
+    cfg = make_cfg("8b", "h100_sxm", plan={"top": 40, "tokens": 1e12})
     planner.run_plan(cfg)
     out = capsys.readouterr().out
-    assert "dtype" in out and "layout #1 in bf16 and fp8" in out and "MFU fp8 peak" in out
-    table = out.split("layout #1")[0]
-    assert " fp8 " in table and " bf16 " in table
+    table, side = out.split("layout #1 in bf16")
+    assert " bf16 " in table and " fp8 " not in table
+    assert "(dtype=auto trains it) and fp8 (dtype=fp8)" in " ".join(side.split()) and "MFU fp8 peak" in side
+    best = planner.resolve(dataclasses.replace(cfg, tp="auto", pp="auto", cp="auto"), 8)[1]
+    assert best.time.fp8_cast == 0  # what train resolves: bf16
 
 
 def test_plan_json_carries_the_dtype_and_the_fp8_peak_mfu(capsys):
-    cfg = make_cfg("8b", "h100_sxm", plan={"format": "json", "top": 0})
-    planner.run_plan(cfg)
-    rows = json.loads(capsys.readouterr().out)
-    dtypes = {row["dtype"] for row in rows}
-    assert dtypes == {"bf16", "fp8"}
-    for row in rows:
-        if row["dtype"] == "fp8":  # the same model FLOPs against twice the peak
-            assert row["mfu_fp8_peak"] == pytest.approx(row["mfu"] * 989.0 / 1979.0)
-        else:
-            assert row["mfu_fp8_peak"] is None
+    for dtype, fp8 in (("auto", False), ("fp8", True)):
+        cfg = make_cfg("8b", "h100_sxm", dtype=dtype, plan={"format": "json", "top": 0})
+        planner.run_plan(cfg)
+        rows = json.loads(capsys.readouterr().out)
+        assert {row["dtype"] for row in rows} == ({"fp8"} if fp8 else {"bf16"})
+        for row in rows:
+            if fp8:  # the same model FLOPs against twice the peak
+                assert row["mfu_fp8_peak"] == pytest.approx(row["mfu"] * 989.0 / 1979.0)
+            else:
+                assert row["mfu_fp8_peak"] is None
 
 
 def test_train_with_dtype_auto_stays_bf16_and_dtype_fp8_is_planned_in_fp8():

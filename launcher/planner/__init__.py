@@ -35,7 +35,7 @@ from launcher.planner.budget import Row, budget, compared_nodes, ft_budget
 from launcher.planner.predict import Prediction, Problem, predict
 from launcher.planner.report import budget_block, compare_table, precision_table, to_json, to_table
 from launcher.planner.request import fp8_of, problem, space
-from launcher.planner.search import Result, search, with_fp8
+from launcher.planner.search import Result, search
 from launcher.precision import fp8_options, precision_mode
 from launcher.validate import compared_profiles, validate
 
@@ -45,23 +45,20 @@ __all__ = ["resolve", "build_options", "run_plan", "plan", "Prediction", "Layout
 SEARCHED = ("tp", "pp", "cp", "ep", "pp_schedule", "recompute", "recompute_layers", "batch.micro")
 
 
-def plan(
-    cfg: TrainConfig, world: int, explore: bool = False, fused_attention: bool = True, precision: bool = False
-) -> tuple[Problem, Result]:
-    """Search every layout `cfg` allows on `world` devices (the caller has validated `cfg`); raise if none
-    is valid. `fused_attention=False`: attention as runs before FlashAttention ran it (published runs).
-    `precision`: dtype=auto on FP8 hardware ranks the fp8 twins of bf16's best layouts beside them."""
+def plan(cfg: TrainConfig, world: int, explore: bool = False, fused_attention: bool = True) -> tuple[Problem, Result]:
+    """Search every layout `cfg` allows on `world` devices in the precision `train` runs it (dtype=auto:
+    bf16 on accelerators; the caller has validated `cfg`); raise if none is valid.
+    `fused_attention=False`: attention as runs before FlashAttention ran it (published runs)."""
     prob = dataclasses.replace(problem(cfg, world), fused_attention=fused_attention)
     res = search(prob, space(cfg, world, explore))
     if not res.ranked:
         raise _no_layout(cfg, prob, res)
-    if precision and (fp8 := fp8_of(cfg, auto=True)) is not None and prob.fp8 is None:
-        res = with_fp8(res, dataclasses.replace(prob, fp8=fp8))
     return prob, res
 
 
 def side_by_side(cfg: TrainConfig, prob: Problem, best: Prediction) -> list[Prediction]:
-    """`best`'s layout in bf16 and in fp8, where fp8 is asked for or ranked (empty otherwise)."""
+    """`best`'s layout in bf16 and in fp8, where fp8 is asked for or the profile has FP8 units (dtype=auto:
+    the option, beside what `train` runs; empty otherwise)."""
     fp8 = prob.fp8 or fp8_of(cfg, auto=True)
     if fp8 is None:
         return []
@@ -79,7 +76,7 @@ def run_plan(cfg: TrainConfig) -> None:
         calibrate(cfg.plan.calibrate, cfg.hardware, cfg.plan.calibrate_out, cfg.cache_dir, cfg.plan.format)
         return
     world = plan_world_size(cfg)
-    prob, res = plan(cfg, world, explore=cfg.plan.explore, precision=True)
+    prob, res = plan(cfg, world, explore=cfg.plan.explore)
     shown = res.ranked[: cfg.plan.top] if cfg.plan.top else res.ranked
     tokens = cfg.plan.tokens
     budgets = [budget(p, tokens, cfg.hardware, cfg.ft, prob.machine) for p in shown] if tokens else None
@@ -96,7 +93,9 @@ def run_plan(cfg: TrainConfig) -> None:
     )
     to_table(shown, title)
     if pair := side_by_side(cfg, prob, shown[0]):
-        precision_table(pair, "layout #1 in bf16 and fp8 (MFU against the bf16 peak; fp8 peak beside it)")
+        option = "" if prob.fp8 else " (dtype=auto trains it) and fp8 (dtype=fp8)"
+        title = f"layout #1 in bf16{option or ' and fp8'}"
+        precision_table(pair, f"{title}; MFU against the bf16 peak, the fp8 peak beside it")
     if budgets:
         budget_block(budgets[0], prob.machine.name, grouped)
     if rows:

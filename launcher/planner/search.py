@@ -54,10 +54,6 @@ AUTO_VIRTUAL = (2, 4, 8)
 # a layout but for its batch split and recompute choice, which the memory of the state does not read
 _batchless = attrgetter("tp", "pp", "cp", "dp_replicate", "dp_shard", "ep", "schedule", "virtual_stages", "reshard")
 PRUNE_MARGIN = 1e-9  # relative: memory totals that differ by rounding alone are not pruned on
-# dtype=auto on FP8 hardware (`plan`): bf16's best layouts whose fp8 twin is predicted too. fp8 changes the
-# matmul time and the fp8 copies' memory, not which layouts are valid: the fastest in fp8 is among bf16's
-# fastest, and predicting every layout twice would double the search (bench planner_speed)
-FP8_TWINS = 8
 
 
 @dataclass
@@ -212,13 +208,6 @@ def _search(problem: Problem, space: Space, prune: bool) -> Result:
     ranked.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     best_small = predict(problem, smallest, small_mem) if smallest is not None and not ranked else None
     return Result(ranked=ranked, tried=tried, smallest=best_small, broken=broken)
-
-
-def with_fp8(res: Result, fp8: Problem) -> Result:
-    """`res` with the fp8 twins (`fp8`: the problem under dtype=fp8) of its best FP8_TWINS layouts that fit."""
-    twins = [p for p in (predict(fp8, q.layout) for q in res.ranked[:FP8_TWINS]) if p.fits]
-    ranked = sorted(res.ranked + twins, key=lambda p: (-p.tokens_per_s, p.memory.total))
-    return replace(res, ranked=ranked, tried=res.tried + len(twins))
 
 
 def _none_fit_from(problem: Problem, lay: Layout, least: Memory) -> int | None:
