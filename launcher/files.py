@@ -31,6 +31,14 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def shared_mode(path: Path) -> None:
+    """`path` readable as a file the user created is (0666 less the umask): safetensors writes 0600, and
+    exported weights are made to be read by others (a serving job, a colleague)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
+
+
 def make_dir(path: Path, key: str) -> None:
     """Create a directory the run writes into, or say in one line why it cannot be."""
     try:

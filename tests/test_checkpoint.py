@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -131,6 +132,12 @@ def test_sigterm_saves_current_step_exits_preempted_and_resumes(tmp_path: Path) 
 
 
 @pytest.mark.slow
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "steps=3", "checkpoint.every=3")
     train(run_for(cfg), tmp_path / "r")
@@ -139,6 +146,7 @@ def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     out = Path(result.stdout.strip())
+    assert out.stat().st_mode & 0o777 == 0o666 & ~current_umask()  # as any file the user writes (not 0600)
     exported = Transformer(cfg.model)
     exported.load_state_dict(load_file(str(out)), strict=True)
     from launcher.train.checkpoint import Checkpointer

@@ -90,6 +90,7 @@ def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path, key
     assert Path(result.stdout.strip()) == out
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded
+    assert {(out / f).stat().st_mode & 0o777 for f in index["weight_map"].values()} == {0o644}  # umask 022 here
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     expected = our_logits(cfg, consolidated_model_state(newest(tmp_path / "r")))
     torch.testing.assert_close(hf_logits(out), expected, rtol=0, atol=1e-5)

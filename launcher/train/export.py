@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from launcher.config import ModelConfig
 from launcher.errors import LauncherError
-from launcher.files import temp_beside
+from launcher.files import shared_mode, temp_beside
 from launcher.model.hf import CONFIG, INDEX, check_llama, hf_config, hf_name
 from launcher.train.checkpoint import MARKER, complete_checkpoints, no_readable
 from launcher.train.untrusted import UnreadableCheckpoint, load_shards, read_extras, verify
@@ -63,6 +63,7 @@ def write_safetensors(checkpoint: Path, target: Path, model: ModelConfig | None,
     tmp = temp_beside(target)  # a failed write (a full disk) leaves no half file under the name asked for
     try:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"source": str(checkpoint)})
+        shared_mode(tmp)
         tmp.replace(target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -104,6 +105,7 @@ def write_hf(checkpoint: Path, target: Path, model: ModelConfig | None, shard_gi
             file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
             tensors = load_tensors(checkpoint, metadata, names)
             save_file({hf_name(k): v.contiguous() for k, v in tensors.items()}, str(partial / file), {"format": "pt"})
+            shared_mode(partial / file)
             weight_map |= {hf_name(k): file for k in names}
             del tensors  # one shard in memory at a time
         index = {"metadata": {"total_size": sum(sizes.values()), "source": str(checkpoint)}, "weight_map": weight_map}
