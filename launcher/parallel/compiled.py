@@ -31,16 +31,15 @@ def compiled_units(block: nn.Module) -> tuple[nn.Module, ...]:
     return (block,)
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
-    """Compile every block of `model` (a whole model or a pipeline stage) in place; the number of units."""
-    units = [unit for block in model.layers.values() for unit in compiled_units(block)]
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> None:
+    """Compile every block of `model` (a whole model or a pipeline stage) in place."""
     quiet_checkpoint_notice()
-    for unit in units:
-        unit.compile(backend=backend)
+    for block in model.layers.values():
+        for unit in compiled_units(block):
+            unit.compile(backend=backend)
     embedding = model.tok_embeddings
     if embedding is not None and isinstance(embedding.weight, DTensor):
         embedding.register_forward_hook(_fresh_output)
-    return len(units)
 
 
 def quiet_checkpoint_notice() -> None:
