@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -202,3 +203,13 @@ def test_dry_run_derived_shapes_equal_building_every_rank(overrides: tuple[str, 
         params, built, _ = build_rank(cfg.model, layout, build_options(cfg, layout), rank)
         representative.setdefault(layout.coordinates(rank)["pp"], params)
         assert local_shapes(representative[layout.coordinates(rank)["pp"]], layout, rank) == built, rank
+
+
+def test_a_layout_reads_in_one_line_naming_what_differs_from_one_process() -> None:
+    from launcher.layout import describe
+
+    assert describe(Layout()) == "one process · micro 1 x 1"
+    lay = Layout(tp=8, sequence_parallel=True, pp=4, schedule="interleaved_1f1b", virtual_stages=2, dp_shard=2)
+    text = describe(replace(lay, recompute="selective", micro=1, microbatches=8))
+    assert text == "tp 8 sp · pp 4 interleaved x2 · dp 2 fsdp zero2 · selective recompute · micro 1 x 8"
+    assert "2 blocks full recompute" in describe(Layout(dp_replicate=2, dp_shard=4, recompute_layers=2))

@@ -4,6 +4,7 @@ core.py      the frozen `Layout`, the schedule names, the rank order, the stage 
 degrees.py   int-or-auto, the world-size rule, the data-parallel split, the microbatch rule
 rules.py     the validity rules `plan` and `train` both apply (`violations`, `check`)
 mesh.py      rank at coordinates, the output's owner, the DeviceMesh, workers and threads
+text.py      the layout in one line for people (the run's header, the planner's tables)
 
 The layout never reads a TrainConfig: the Layout a config fixes, and the world size it plans for,
 are launcher/layout_config.py's. This package's public names are re-exported here.
@@ -35,6 +36,7 @@ from launcher.layout.degrees import (
 )
 from launcher.layout.mesh import build_mesh, expert_mesh, owner_rank, rank_of, worker_threads, workers_per_node
 from launcher.layout.rules import async_tp_applies, check, expert_split, violations
+from launcher.layout.text import describe, dp_text, schedule_text
 
 __all__ = [
     "DEGREES",
@@ -51,13 +53,16 @@ __all__ = [
     "build_mesh",
     "check",
     "check_world",
+    "describe",
     "divisors",
+    "dp_text",
     "expert_mesh",
     "expert_split",
     "fixed_degrees",
     "int_or_auto",
     "microbatch_count",
     "owner_rank",
+    "schedule_text",
     "rank_of",
     "rank_stages",
     "recompute_layers_of",

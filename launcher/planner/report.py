@@ -10,6 +10,7 @@ import sys
 from typing import TextIO
 
 from launcher.flops import GIB
+from launcher.layout import dp_text, schedule_text
 from launcher.planner.budget import DAY, HOUR, Budget, Row
 from launcher.planner.failures import MARGIN, ReplicaFt, prefer_ft
 from launcher.planner.predict import Prediction
@@ -29,23 +30,6 @@ def to_json(
         return
     compared = ",\n".join(json.dumps(row.as_dict()) for row in compare)
     out.write('{"layouts": [\n' + rows + '\n],\n"compare": [\n' + compared + "\n]}\n")
-
-
-def _dp(p: Prediction) -> str:
-    lay = p.layout
-    zero2 = " zero2" if lay.dp_shard > 1 and not lay.reshard_after_forward else ""
-    if lay.sharding == "hsdp":
-        return f"{lay.dp_replicate}x{lay.dp_shard} hsdp{zero2}"
-    return f"{lay.dp} {lay.sharding}{zero2}" if lay.dp > 1 else "1"
-
-
-def _schedule(p: Prediction) -> str:
-    lay = p.layout
-    if lay.pp == 1:
-        return "-"
-    if lay.schedule == "interleaved_1f1b":
-        return f"interleaved x{lay.chunks}"
-    return f"{lay.schedule} x{lay.chunks}" if lay.schedule == "interleaved_zb" else lay.schedule
 
 
 def _fmt_rate(x: float) -> str:
@@ -95,9 +79,9 @@ def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> 
             str(lay.tp),
             str(lay.pp),
             str(lay.cp),
-            _dp(p),
+            dp_text(lay),
             f"{lay.micro} x {lay.microbatches}",
-            _schedule(p),
+            schedule_text(lay),
             lay.recompute + (f" +{lay.recompute_layers} full" if lay.recompute_layers else ""),
             "y" if lay.sequence_parallel else "-",
             f"{p.memory.total / GIB:.1f}",
@@ -224,7 +208,9 @@ def compare_table(rows: list[Row], tokens: float, what: str, out: TextIO | None 
             table.add_row(row.hardware.name, str(row.nodes), str(row.devices), row.error, *["-"] * 9)
             continue
         lay = p.layout
-        shape = f"tp {lay.tp} pp {lay.pp} cp {lay.cp} dp {_dp(p)}" + (f" {_schedule(p)}" if lay.pp > 1 else "")
+        shape = f"tp {lay.tp} pp {lay.pp} cp {lay.cp} dp {dp_text(lay)}" + (
+            f" {schedule_text(lay)}" if lay.pp > 1 else ""
+        )
         table.add_row(
             row.hardware.name,
             str(row.nodes),

@@ -16,7 +16,7 @@ from launcher.allocator import allocator_mode, set_cpu_allocator
 from launcher.data import BatchLoader, Splits, load_splits
 from launcher.data.documents import data_span
 from launcher.data.mix import MixLoader, Mixture, load_mixture, mix_loader
-from launcher.layout import Layout, build_mesh, owner_rank
+from launcher.layout import Layout, build_mesh, describe, owner_rank
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter
 from launcher.metrics.sinks import JsonlSink, WandbSink
@@ -120,7 +120,7 @@ def outputs(run: Run, run_dir: Path, owner: bool) -> tuple[ConsoleView, list[Any
     """The console view (the owner's; silent elsewhere) and the metrics sinks (the owner's only)."""
     layout, options = run.layout, run.options
     header = (
-        f"[bold]{run.model.name}[/] {flops.num_params(run.model) / 1e6:.1f}M params · layout {asdict(layout)} · "
+        f"[bold]{run.model.name}[/] {flops.num_params(run.model) / 1e6:.1f}M params · {describe(layout)} · "
         f"batch {layout.global_batch}x{options.seq_len} · {options.threads} threads/worker · "
         f"peak {options.peak_flops / 1e12:.3f} TFLOP/s/device"
     )
