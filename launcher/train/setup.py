@@ -121,7 +121,8 @@ def outputs(run: Run, run_dir: Path, owner: bool) -> tuple[ConsoleView, list[Any
     layout, options = run.layout, run.options
     header = (
         f"[bold]{run.model.name}[/] {flops.num_params(run.model) / 1e6:.1f}M params · {describe(layout)} · "
-        f"batch {layout.global_batch}x{options.seq_len} · {options.threads} threads/worker · "
+        f"batch {layout.global_batch}x{options.seq_len} · {options.threads} thread"
+        f"{'s' * (options.threads != 1)}/worker · "
         f"peak {options.peak_flops / 1e12:.3f} TFLOP/s/device"
     )
     view = ConsoleView(run.metrics.console if owner else "none", run.steps, header, run.metrics.moe_table)
