@@ -168,8 +168,10 @@ def test_pp2_checkpoint_exports_and_imports_back(tmp_path: Path) -> None:
     torch.testing.assert_close(
         hf_logits(out), our_logits(cfg, consolidated_model_state(newest(tmp_path / "pp2"))), rtol=0, atol=1e-5
     )
-    again = run_cli("train", *args, "steps=1", f"init.from={out}", f"run_dir={tmp_path / 'back'}", cwd=tmp_path)
+    back = (f"init.from={out}", f"run_dir={tmp_path / 'back'}", "metrics.console=plain")
+    again = run_cli("train", *args, "steps=1", *back, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
+    assert f"initial weights from {out} (init.from), not seeded random" in again.stdout
     one = run_cli("train", *common, "steps=1", f"init.from={out}", f"run_dir={tmp_path / 'one'}", cwd=tmp_path)
     assert one.returncode == 0, one.stderr
     assert losses(tmp_path / "back")[1] == pytest.approx(losses(tmp_path / "one")[1], rel=1e-4)

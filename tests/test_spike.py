@@ -60,8 +60,10 @@ def test_rollback_trains_on_as_a_run_that_never_saw_those_batches(
     if tp == 1:  # the console line (local workers' output is not captured here)
         out = capsys.readouterr().out
         assert "loss spike at step 8: loss" in out and "rolled back to step 6, batches 7-8 skipped" in out
-    never = run(tmp_path, "never", "guard.skip_batches=[[7,8]]", f"tp={tp}")
+    never = run(tmp_path, "never", "guard.skip_batches=[[7,8]]", f"tp={tp}", "metrics.console=plain")
     assert not spikes(never)
+    if tp == 1:  # said, not done silently
+        assert "guard.skip_batches: global batches 7-8 will not be trained on (2 batches)" in capsys.readouterr().out
     assert losses(rolled) == losses(never)  # every step, bit for bit: steps 7-12 trained on batches 9-14
     assert [r["step"] for r in rows(rolled)] == [*range(1, 9), *range(7, 13)]
 

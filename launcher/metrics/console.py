@@ -60,7 +60,8 @@ class ConsoleView:
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
-        self.console = Console()
+        # a log file or a pipe (every SLURM log): lines as long as they are, never cut at 80 columns
+        self.console = Console(soft_wrap=not sys.stdout.isatty())
         self.total = total_steps
         self.every = max(total_steps // 20, 1)
         self.last: dict[str, Any] = {}

@@ -189,6 +189,8 @@ def resume(w: Worker) -> Stateful | None:
     """Load the checkpoint `resume` names (auto: the newest complete one, if any) into the model,
     the optimizer, the schedule and the loader; None when training starts fresh."""
     resumed = w.checkpointer.load(resolve_resume(w.run.resume, w.ckpt_root), w.runner.parts, w.optimizer)
+    if resumed is None and w.run.options.init_from:  # else silent: where the weights came from
+        w.view.note(f"initial weights from {w.run.options.init_from} (init.from), not seeded random")
     if resumed is not None:
         w.guard.skipped = resumed.extras.get("skipped_steps", 0)
         w.schedule.load_state_dict(resumed.extras["schedule"])

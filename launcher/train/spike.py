@@ -190,6 +190,10 @@ class Snapshot:
             torch.cuda.synchronize(self.where)
 
 
+def skipped(pairs: Sequence[Sequence[int]]) -> int:
+    return sum(b - a + 1 for a, b in pairs)
+
+
 class SpikeGuard:
     """`guard.spike` for the loop: checks each finite step, skips or rolls back a spike, keeps the snapshot.
     `resumed`: the checkpoint this run resumed from (its detector window and rollback count)."""
@@ -208,7 +212,11 @@ class SpikeGuard:
         self.rollbacks = 0
         if resumed is not None and "spike" in resumed.extras:
             self.load_state_dict(resumed.extras["spike"])
-        state.loader.skipped += [pair for pair in cfg.skip_batches if pair not in state.loader.skipped]
+        new = [pair for pair in cfg.skip_batches if pair not in state.loader.skipped]
+        state.loader.skipped += new
+        if new:  # an action the run would otherwise take silently
+            ranges = ", ".join(f"{a:,}-{b:,}" if a != b else f"{a:,}" for a, b in new)
+            view.note(f"guard.skip_batches: global batches {ranges} will not be trained on ({skipped(new):,} batches)")
         where = state.device if cfg.snapshot == "device" else torch.device("cpu")
         self.snapshot = Snapshot(where) if cfg.spike == "rollback" else None
         self.rolled_back_to: int | None = None  # set by `update` on a rollback: the step the loop goes on from
