@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -374,3 +376,44 @@ def test_zero2_holds_gathered_parameters_and_gathers_once():
     assert zero2.memory.optimizer == zero3.memory.optimizer and zero2.memory.grads == zero3.memory.grads
     assert zero2.time.dp_total < zero3.time.dp_total  # one gather per microbatch instead of two
     assert Layout(pp=2).reshard_after_forward is False and Layout().reshard_after_forward is True
+
+
+class Terminal:
+    """A terminal of 120 columns, as rich sees one (a file that is a tty, and COLUMNS)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_ranking_reads_whole_in_a_120_column_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under 200 columns the table keeps the columns a choice rests on, the layout in one cell: no
+    number cut to `68…` (the whole table needed ~220 columns); a log file still gets every column."""
+    from launcher.planner.report import to_table
+
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.setenv("TERM", "dumb")  # no colour codes in what is read back
+    auto = dict.fromkeys(("tp", "pp", "cp", "dp", "dp_shard", "dp_replicate", "pp_schedule", "recompute"), "auto")
+    cfg = make_cfg(
+        "70b", nodes=16, seq_len=8192, batch={"global": 512, "micro": "auto"}, recompute_layers="auto", **auto
+    )
+    ranked = planner.plan(cfg, 128)[1].ranked[:3]
+    term = Terminal()
+    to_table(ranked, "best 3", term)
+    term.text = re.sub(r"\x1b\[[0-9;]*m", "", term.text)  # the colours a terminal gets
+    lines = term.text.splitlines()
+    assert max(len(line) for line in lines) <= 120 and "…" not in term.text, term.text
+    assert shutil.get_terminal_size().columns == 120, shutil.get_terminal_size()
+    best = ranked[0]
+    for cell in ("layout", f"{best.layout.micro} x {best.layout.microbatches}", f"{best.memory.total / 2**30:.1f}"):
+        assert cell in term.text, cell
+    assert best.bottleneck.split()[0] in term.text and f"{best.mfu:.1%}" in term.text

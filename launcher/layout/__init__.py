@@ -36,7 +36,7 @@ from launcher.layout.degrees import (
 )
 from launcher.layout.mesh import build_mesh, expert_mesh, owner_rank, rank_of, worker_threads, workers_per_node
 from launcher.layout.rules import async_tp_applies, check, expert_split, violations
-from launcher.layout.text import describe, dp_text, schedule_text
+from launcher.layout.text import degrees_text, describe, dp_text, schedule_text
 
 __all__ = [
     "DEGREES",
@@ -53,6 +53,7 @@ __all__ = [
     "build_mesh",
     "check",
     "check_world",
+    "degrees_text",
     "describe",
     "divisors",
     "dp_text",

@@ -24,15 +24,21 @@ def schedule_text(lay: Layout) -> str:
     return f"{lay.schedule} x{lay.chunks}" if lay.schedule == "interleaved_zb" else lay.schedule
 
 
-def describe(lay: Layout) -> str:
-    """The whole layout in one line (module docstring)."""
+def degrees_text(lay: Layout) -> str:
+    """The parallel degrees alone: `tp 2 sp · pp 4 interleaved x2 · dp 2x4 hsdp`, or `one process`."""
     parts = [f"tp {lay.tp}" + (" sp" if lay.sequence_parallel else "")] if lay.tp > 1 else []
     parts += [f"pp {lay.pp} {schedule_text(lay)}"] if lay.pp > 1 else []
     parts += [f"{name} {degree}" for name, degree in (("cp", lay.cp), ("ep", lay.ep)) if degree > 1]
     parts += [f"dp {dp_text(lay)}"] if lay.dp > 1 else []
+    return " · ".join(parts or ["one process"])
+
+
+def describe(lay: Layout) -> str:
+    """The whole layout in one line (module docstring)."""
+    parts = [degrees_text(lay)]
     if lay.recompute != "none" or lay.recompute_layers:
         full = f"{lay.recompute_layers} blocks full" if lay.recompute_layers else ""
         parts.append(
             " + ".join(x for x in (lay.recompute if lay.recompute != "none" else "", full) if x) + " recompute"
         )
-    return " · ".join([*(parts or ["one process"]), f"micro {lay.micro} x {lay.microbatches}"])
+    return " · ".join([*parts, f"micro {lay.micro} x {lay.microbatches}"])

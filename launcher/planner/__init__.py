@@ -93,9 +93,8 @@ def run_plan(cfg: TrainConfig) -> None:
     )
     to_table(shown, title)
     if pair := side_by_side(cfg, prob, shown[0]):
-        option = "" if prob.fp8 else " (dtype=auto trains it) and fp8 (dtype=fp8)"
-        title = f"layout #1 in bf16{option or ' and fp8'}"
-        precision_table(pair, f"{title}; MFU against the bf16 peak, the fp8 peak beside it")
+        option = " (dtype=auto) and in fp8 (dtype=fp8)" if prob.fp8 is None else " and fp8"
+        precision_table(pair, f"layout #1 in bf16{option}; MFU against the bf16 peak")
     if budgets:
         budget_block(budgets[0], prob.machine.name, grouped)
     if rows:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from launcher.flops import GIB
-from launcher.layout import dp_text, schedule_text
+from launcher.layout import Layout, degrees_text, dp_text, schedule_text
 from launcher.planner.budget import DAY, HOUR, Budget, Row
 from launcher.planner.failures import MARGIN, ReplicaFt, prefer_ft
 from launcher.planner.predict import Prediction
@@ -32,6 +34,10 @@ def to_json(
     out.write('{"layouts": [\n' + rows + '\n],\n"compare": [\n' + compared + "\n]}\n")
 
 
+def _recompute(lay: Layout) -> str:
+    return lay.recompute + (f" +{lay.recompute_layers} full" if lay.recompute_layers else "")
+
+
 def _fmt_rate(x: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if x >= scale:
@@ -39,64 +45,70 @@ def _fmt_rate(x: float) -> str:
     return f"{x:.3g}"
 
 
-def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> None:
-    from rich.console import Console
+WIDE = 200  # columns the whole table needs; a log file gets it all (220)
+
+
+def compact_table(preds: list[Prediction], title: str) -> Any:
+    """The ranking for a terminal under WIDE columns: the layout in one cell (as the run's first line
+    says it), memory, step time, tokens/s, MFU and what bounds the step; every number whole, the text
+    cells wrapped. The time's parts are in the whole table (a log file, `plan.format=json`)."""
     from rich.table import Table
 
+    dtype = {p.dtype for p in preds}
+    table = Table(title=f"{title} ({', '.join(sorted(dtype))})", title_justify="left")
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("layout", min_width=20)
+    for head in ("micro x m", "recompute"):
+        table.add_column(head, no_wrap=True)
+    for head in ("mem GiB", "step s", "tokens/s", "MFU"):
+        table.add_column(head, justify="right", no_wrap=True)
+    table.add_column("bottleneck", min_width=16)
+    for i, p in enumerate(preds, 1):
+        lay = p.layout
+        table.add_row(
+            str(i), degrees_text(lay), f"{lay.micro} x {lay.microbatches}", _recompute(lay),
+            f"{p.memory.total / GIB:.1f}", f"{p.time.total:.3g}", _fmt_rate(p.tokens_per_s), f"{p.mfu:.1%}",
+            p.bottleneck,
+        )  # fmt: skip
+    return table
+
+
+def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> None:
+    """The ranking: every column where there is room for it (a log file, a wide terminal), else the
+    columns a choice rests on."""
+    from rich.console import Console
+
     out = out or sys.stdout
-    console = Console(file=out, width=None if out.isatty() else 220)
+    # a terminal's own width (COLUMNS first, as shutil reads it; rich takes 80 for TERM=dumb unless told
+    # both dimensions); a log file every column
+    size = shutil.get_terminal_size() if out.isatty() else os.terminal_size((220, 25))
+    console = Console(file=out, width=size.columns, height=size.lines)
+    console.print(full_table(preds, title) if console.width >= WIDE else compact_table(preds, title))
+
+
+HEADS = (
+    "#", "dtype", "tp", "pp", "cp", "dp", "micro x m", "schedule", "recompute", "sp", "mem GiB", "ckpt GiB",
+    "step s", "compute", "tp comm", "cp comm", "bubble", "dp exp", "tokens/s", "MFU", "bottleneck",
+)  # fmt: skip
+
+
+def full_table(preds: list[Prediction], title: str) -> Any:
+    """Every column: the layout's degrees one by one, and the step time's parts."""
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left")
-    heads = (
-        "#",
-        "dtype",
-        "tp",
-        "pp",
-        "cp",
-        "dp",
-        "micro x m",
-        "schedule",
-        "recompute",
-        "sp",
-        "mem GiB",
-        "ckpt GiB",
-        "step s",
-        "compute",
-        "tp comm",
-        "cp comm",
-        "bubble",
-        "dp exp",
-        "tokens/s",
-        "MFU",
-        "bottleneck",
-    )
-    for h in heads:
+    for h in HEADS:
         table.add_column(h, justify="left" if h in ("dp", "schedule", "recompute", "bottleneck") else "right")
     for i, p in enumerate(preds, 1):
         lay, t = p.layout, p.time
         table.add_row(
-            str(i),
-            p.dtype,
-            str(lay.tp),
-            str(lay.pp),
-            str(lay.cp),
-            dp_text(lay),
-            f"{lay.micro} x {lay.microbatches}",
-            schedule_text(lay),
-            lay.recompute + (f" +{lay.recompute_layers} full" if lay.recompute_layers else ""),
-            "y" if lay.sequence_parallel else "-",
-            f"{p.memory.total / GIB:.1f}",
-            f"{p.memory.checkpoint / GIB:.2g}",
-            f"{t.total:.3g}",
-            f"{t.compute:.3g}",
-            f"{t.tp_comm + t.tp_host:.2g}",
-            f"{t.cp_comm:.2g}",
-            f"{t.pp_bubble:.2g}",
-            f"{t.dp_exposed:.2g}",
-            _fmt_rate(p.tokens_per_s),
-            f"{p.mfu:.1%}",
-            p.bottleneck,
-        )
-    console.print(table)
+            str(i), p.dtype, str(lay.tp), str(lay.pp), str(lay.cp), dp_text(lay), f"{lay.micro} x {lay.microbatches}",
+            schedule_text(lay), _recompute(lay),
+            "y" if lay.sequence_parallel else "-", f"{p.memory.total / GIB:.1f}", f"{p.memory.checkpoint / GIB:.2g}",
+            f"{t.total:.3g}", f"{t.compute:.3g}", f"{t.tp_comm + t.tp_host:.2g}", f"{t.cp_comm:.2g}",
+            f"{t.pp_bubble:.2g}", f"{t.dp_exposed:.2g}", _fmt_rate(p.tokens_per_s), f"{p.mfu:.1%}", p.bottleneck,
+        )  # fmt: skip
+    return table
 
 
 def precision_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> None:
