@@ -44,6 +44,7 @@ FIELDS = (
     "peak_mem_gib",
     "predicted_memory_gib",
     "world_size",
+    "global_batch",
     "wall_time_s",
     "error",
     "error_type",
@@ -136,6 +137,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                 "peak_mem_gib": summary.get("peak_mem_gib"),
                 "predicted_memory_gib": pred.get("memory_gib"),
                 "world_size": summary.get("world_size"),
+                "global_batch": pred.get("global_batch"),
                 "wall_time_s": summary.get("wall_time_s"),
                 "error": error,
                 "error_type": summary.get("error_type"),
@@ -147,6 +149,16 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     for r in rows:  # what sets this point apart from the others
         r["point"] = " ".join(o for o in r["overrides"].split() if o not in common) or r["overrides"]
     return rows
+
+
+def batch_note(rows: list[dict[str, Any]]) -> str | None:
+    """The line that says the points trained different global batches (without batch.global, a pp=2
+    point trains twice or more the sequences of a pp=1 point): their tokens/s and losses are not alike."""
+    batches = {r["point"]: r["global_batch"] for r in rows if r["global_batch"]}
+    if len(set(batches.values())) < 2:
+        return None
+    each = ", ".join(f"{point}: {batch}" for point, batch in batches.items())
+    return f"note: the points trained different global batches ({each}): set batch.global to compare like with like"
 
 
 # --- writing -----------------------------------------------------------------------------------------
@@ -298,6 +310,8 @@ def summarize(sweep_dir: Path, file: Any = None) -> list[dict[str, Any]]:
     print_table(rows, f"sweep {sweep_dir}", file)
     written = write_files(rows, sweep_dir)
     out = file or sys.stdout
+    if note := batch_note(rows):
+        print(note, file=out)
     charts = []
     if installed("matplotlib"):
         charts = [plot(rows, sweep_dir / "sweep_summary.png"), plot_losses(rows, sweep_dir / "sweep_losses.png")]

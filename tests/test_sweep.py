@@ -100,3 +100,19 @@ def test_summary_with_prediction_and_a_job_that_never_finished(tmp_path: Path) -
     assert rows[1]["status"] == "failed" and "did not finish" in rows[1]["error"]
     assert (tmp_path / "sweep_summary.png").exists()
     assert "1 of 2 sweep points failed" in (tmp_path / "out.txt").read_text()
+
+
+def test_points_of_different_global_batches_are_said_to_be_unlike(tmp_path: Path) -> None:
+    """Without batch.global a pp=2 point trains more sequences a step than a pp=1 point (microbatches
+    2 x pp): the summary says so in one line, instead of comparing them silently."""
+    for num, (pp, batch) in enumerate([(1, 8), (2, 32)]):
+        job = tmp_path / str(num) / ".hydra"
+        job.mkdir(parents=True)
+        (job / "overrides.yaml").write_text(f"- pp={pp}\n")
+        summary = {"median_tokens_per_s": 1000.0, "median_mfu": 0.2, "final_loss": 5.0, "world_size": pp}
+        summary["prediction"] = {"tokens_per_s": 1200.0, "mfu": 0.25, "memory_gib": 0.1, "global_batch": batch}
+        (tmp_path / str(num) / "summary.json").write_text(json.dumps(summary))
+    with (tmp_path / "out.txt").open("w") as f:
+        summarize(tmp_path, file=f)
+    text = (tmp_path / "out.txt").read_text()
+    assert "note: the points trained different global batches (pp=1: 8, pp=2: 32): set batch.global" in text
