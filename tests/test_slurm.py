@@ -102,7 +102,12 @@ def test_a_gpu_job_script_is_written_on_a_machine_without_a_gpu(tmp_path: Path) 
 
     run = tmp_path / "run"
     cfg = tiny_config(tmp_path, "hardware=h100_sxm", "nodes=2", "tp=2", "slurm.emit=true", f"run_dir={run}")
+    from launcher.spawn import CUDA_ENV
+
+    names = [name for group in CUDA_ENV for name in group]
+    before = {name: os.environ.get(name) for name in names}
     train_task(cfg)
+    assert {name: os.environ.get(name) for name in names} == before  # no CUDA run's settings in this process
     text = (run / "job.sbatch").read_text()
     assert "--nodes=2" in text and "--gpus-per-node=8" in text, text
 
