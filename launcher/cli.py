@@ -132,8 +132,7 @@ def _train_task(cfg: TrainConfig) -> None:
         return
     if options.fp8 is not None:
         require("torchao", what="dtype=fp8")
-    emit = cfg.slurm.emit  # the job runs on the cluster's nodes, not on this (login) node
-    if not emit:
+    if not (emit := cfg.slurm.emit):  # emit: the job runs on the cluster's nodes, not this (login) node
         cuda_env_defaults(cfg.hardware.kind)  # before check_environment's first torch.cuda call
     check_environment(cfg, layout, local=env is None and replica is None and not emit, here=not emit)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
