@@ -18,12 +18,13 @@ from rich.console import Console
 
 from launcher.config import WandbConfig, compose_config
 from launcher.errors import LauncherError
-from launcher.metrics import moe_load
 from launcher.metrics.console import ConsoleView
-from launcher.metrics.moe_load import LayerLoad, layer_loads, layer_rows, load_histograms, load_table
+from launcher.metrics.moe_load import load_histograms, load_table
 from launcher.metrics.sinks import WandbSink
+from launcher.model import moe_table
 from launcher.model.init import initialized_model
 from launcher.model.moe import balance_step, moe_layers
+from launcher.model.moe_table import LayerLoad, layer_loads, layer_rows
 from launcher.planner import resolve
 from launcher.train.loop import train
 from tests.conftest import run_for, tiny_config
@@ -38,7 +39,7 @@ def test_stages_tables_sum_to_every_layer_in_order() -> None:
     own layer; their sum reads back as both layers' loads, dense layers 0 and 2 left out."""
     first = layer_rows([fake_layer(1, 0.5)], torch.tensor([[6.0, 2, 0, 0]]), torch.tensor([0.0]), (4, 4))
     second = layer_rows([fake_layer(3, -0.25, 1.0)], torch.tensor([[3.0, 3, 3, 1]]), torch.tensor([2.0]), (4, 4))
-    assert first[[0, 2, 3]].abs().sum() == 0 and first.shape == (4, 4 + moe_load.EXTRA)
+    assert first[[0, 2, 3]].abs().sum() == 0 and first.shape == (4, 4 + moe_table.EXTRA)
     loads = layer_loads(first + second)
     assert loads == [LayerLoad(1, [6.0, 2, 0, 0], None, 0.5), LayerLoad(3, [3.0, 3, 3, 1], 2.0, 0.25)]
     assert loads[0].imbalance == 3.0 and loads[1].imbalance == 1.2

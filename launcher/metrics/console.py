@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from launcher.metrics.moe_load import LayerLoad, load_table
+from launcher.metrics.moe_load import load_table
+
+if TYPE_CHECKING:
+    from launcher.model.moe_table import LayerLoad  # annotations only: `plan` imports no torch
 
 COLUMNS = [  # (key, label, format)
     ("step", "step", "{:d}"),

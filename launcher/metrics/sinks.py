@@ -7,11 +7,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.config import WandbConfig
 from launcher.errors import LauncherError
-from launcher.metrics.moe_load import LayerLoad, load_histograms
+from launcher.metrics.moe_load import load_histograms
+
+if TYPE_CHECKING:
+    from launcher.model.moe_table import LayerLoad  # annotations only: `plan` imports no torch
 
 
 class JsonlSink:

@@ -33,8 +33,8 @@ from torch import nn
 from launcher.compat import in_backward
 from launcher.config import ModelConfig
 from launcher.flops import expert_width
-from launcher.metrics.moe_load import EXTRA, layer_loads, layer_rows
 from launcher.model.experts import Experts, local
+from launcher.model.moe_table import EXTRA, layer_loads, layer_rows
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -196,7 +196,7 @@ def balance_step(
     metrics over every MoE layer of every pipeline stage (`sum_over_stages`). Every stage of a MoE
     model calls this, also one holding only dense layers (`first_dense_layers`): it adds zeros to
     the sum over stages (on `device`), which every stage must join. `table` = (n_layers, experts):
-    also "moe_layers", every MoE layer's `LayerLoad` (launcher/metrics/moe_load.py), in the same sum."""
+    also "moe_layers", every MoE layer's `LayerLoad` (launcher/model/moe_table.py), in the same sum."""
     size = 5 + (table[0] * (table[1] + EXTRA) if table else 0)
     totals = _stage_totals(layers, sum_over_data, table) if layers else torch.zeros(size, device=device)
     totals = sum_over_stages(totals)
