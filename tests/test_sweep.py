@@ -53,6 +53,9 @@ def test_layout_sweep_tp_pp(tmp_path: Path, cache: str) -> None:
     assert [r["layout"] for r in rows] == ["tp1 pp1 dp1", "tp1 pp2 dp1", "tp2 pp1 dp1", "tp2 pp2 dp1"]
     assert all(r["status"] == "ok" for r in rows), [(r["point"], r["error"]) for r in rows]
     assert [r["world_size"] for r in rows] == [1, 2, 2, 4]
+    # one global batch for all: without it the pp=2 points would train 4x the pp=1 points' sequences
+    assert {r["global_batch"] for r in rows} == {16}, [(r["point"], r["global_batch"]) for r in rows]
+    assert "every point trains batch.global=16 (defaults tp=1 pp=1: 4, tp=1 pp=2: 16" in out.stdout + out.stderr
 
 
 @pytest.mark.slow
@@ -116,3 +119,19 @@ def test_points_of_different_global_batches_are_said_to_be_unlike(tmp_path: Path
         summarize(tmp_path, file=f)
     text = (tmp_path / "out.txt").read_text()
     assert "note: the points trained different global batches (pp=1: 8, pp=2: 32): set batch.global" in text
+
+
+def test_the_common_batch_is_the_least_common_multiple_where_points_differ() -> None:
+    from hydra_plugins.layout_sweeper.fixed_batch import common_batch
+
+    assert common_batch([8, 32, None, 24]) == 96  # each point's own batch divides it
+    assert common_batch([16, 16]) is None  # alike already: nothing pinned
+    assert common_batch([None, 8]) is None
+
+
+@pytest.mark.parametrize("override", ["batch.global=64", "microbatches=2", "+microbatches=4"])
+def test_a_sweep_that_sets_the_batch_keeps_it(override: str) -> None:
+    from hydra_plugins.layout_sweeper.fixed_batch import FixedBatch
+
+    # decided from the overrides alone, before any point is composed (no loader here to compose with)
+    assert FixedBatch().fixed_batch([["pp=1", override], ["pp=2", override]]) is None

@@ -26,6 +26,8 @@ from launcher.hydra_compat import basic_sweeper
 from launcher.layout import DEGREES
 from launcher.validate import validate
 
+from .fixed_batch import FixedBatch
+
 log = logging.getLogger(__name__)
 
 
@@ -77,7 +79,7 @@ def search_config(primary: Any, fixed: set[str]) -> TrainConfig:
     return dataclasses.replace(obj, **{k: "auto" for k in DEGREES if k not in fixed})
 
 
-class LayoutSweeper(basic_sweeper()):
+class LayoutSweeper(FixedBatch, basic_sweeper()):
     def __init__(self, max_batch_size: int | None = None) -> None:
         super().__init__(max_batch_size=max_batch_size, params=None)
 
