@@ -15,11 +15,11 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, ListConfig, OmegaConf, ValueNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from launcher.config import CONF_DIR, TrainConfig
+from launcher.config import CONF_DIR, TrainConfig, compose_config
 from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError
 from launcher.extras import install_hint, installed, require
-from launcher.files import make_dir
-from launcher.hydra_compat import hydra_errors_raised, hydra_full_error
+from launcher.files import make_dir, remove_if_unused
+from launcher.hydra_compat import hydra_errors_raised, hydra_full_error, plain_overrides
 from launcher.layout import Layout
 from launcher.options import BuildOptions
 from launcher.run import Run
@@ -73,9 +73,9 @@ def exit_with(err: LauncherError) -> NoReturn:
     sys.exit(err.exit_code)
 
 
-def run_app(config_name: str, task: Callable[[Any], None]) -> None:
-    """Run a Hydra app. Errors arrive as exception objects: ours (LauncherError, from the task or a
-    plugin) exit with their code; Hydra's compose errors (before the task starts) become one line, exit 2."""
+def run_app(config_name: str, task: Callable[[Any], None], overrides: list[str] | None = None) -> None:
+    """Run a Hydra app (`overrides`: composed once, Hydra's compose API). Errors arrive as exception objects: ours
+    (LauncherError, from the task or a plugin) exit with their code; Hydra's compose errors: one line, exit 2."""
     full_error = hydra_full_error()  # the user asked for Hydra's tracebacks: they get them
     with hydra_errors_raised() as restore_hydra_errors:
 
@@ -87,6 +87,8 @@ def run_app(config_name: str, task: Callable[[Any], None]) -> None:
                 exit_with(err)
 
         try:
+            if overrides is not None:  # no job, output folder or log; HYDRA_FULL_ERROR is hydra.main's alone
+                return task(compose_config(*overrides, config_name=config_name))
             hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(wrapped)()
         except KeyboardInterrupt:  # Ctrl-C before a run can save, or a second one (launcher/train/preemption.py)
             print("interrupted: stopped without saving", file=sys.stderr)
@@ -100,10 +102,14 @@ def run_app(config_name: str, task: Callable[[Any], None]) -> None:
 
 
 def train_task(cfg: TrainConfig) -> None:
-    from launcher.sweep import sweep_point
+    from launcher.sweep import multirun, sweep_point
 
-    with sweep_point(cfg.run_dir):  # multirun: a failed point is recorded for the summary, the sweep goes on
-        _train_task(cfg)
+    try:
+        with sweep_point(cfg.run_dir):  # multirun: a failed point is recorded for the summary, the sweep goes on
+            _train_task(cfg)
+    finally:  # a dry run or bad input: no folder of Hydra's files alone left behind
+        if not multirun():
+            remove_if_unused(Path(cfg.run_dir or HydraConfig.get().runtime.output_dir), dated=not cfg.run_dir)
 
 
 def _train_task(cfg: TrainConfig) -> None:
@@ -211,7 +217,7 @@ def plan_task(cfg: TrainConfig) -> None:
 
 
 def plan() -> None:
-    run_app("plan", plan_task)
+    run_app("plan", plan_task, plain_overrides(sys.argv[1:]))  # composed once; a Hydra flag (--help): hydra.main
 
 
 def keyed_parser(prog: str, description: str, examples: str, options: str, **positionals: str) -> Any:
@@ -287,6 +293,17 @@ def export_options(items: list[str]) -> dict[str, Any]:
                     f"export-weights: shard_gib={value}: give a positive number of GiB, e.g. shard_gib=5"
                 )
     return options
+
+
+def generate() -> None:
+    """`generate RUN_DIR PROMPT [KEY=VALUE ...]`: the prompt and its continuation (launcher/train/generate.py)."""
+    from launcher.train import generate as gen
+
+    args = keyed_parser("generate", gen.HELP, gen.EXAMPLES, gen.OPTIONS, **gen.ARGUMENTS).parse_args()
+    try:
+        gen.generate(args.run_dir, args.prompt, args.options)
+    except LauncherError as err:
+        exit_with(err)
 
 
 DOCTOR_HELP = (

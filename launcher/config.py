@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from launcher.ft_config import FtConfig
 from launcher.hardware_config import HardwareConfig
@@ -191,7 +192,7 @@ class WatchdogConfig:
 @dataclass
 class PlanConfig:
     top: int = ranged(10, ge=0)  # 0: all layouts
-    format: str = "table"  # table | json
+    format: str = "table"  # table | wide (every column at any width) | json
     # plan app: also choose sequence_parallel (on when tp > 1) and virtual_stages (interleaved) instead
     # of taking the top-level values; `train` (planner.resolve) only fills keys set to auto.
     explore: bool = False
@@ -328,7 +329,6 @@ CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # package data: found 
 def compose_config(*overrides: str, config_name: str = "train") -> TrainConfig:
     """The TrainConfig that `train OVERRIDES...` (or `plan`) would run with, composed in-process."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=list(overrides))
@@ -336,15 +336,15 @@ def compose_config(*overrides: str, config_name: str = "train") -> TrainConfig:
 
 
 def register() -> None:
-    """Register the schema so YAML files can extend it (idempotent)."""
-    cs = ConfigStore.instance()
-    cs.store(name="base_train", node=TrainConfig)
+    """The schema, for YAML files to extend; `${run_dir_or:..}`: hydra.run.dir is `run_dir` where given. Idempotent."""
+    ConfigStore.instance().store(name="base_train", node=TrainConfig)
+    if not OmegaConf.has_resolver("run_dir_or"):
+        OmegaConf.register_new_resolver("run_dir_or", lambda given, default: given or default)
 
 
 register()
 
 
 def compile_enabled(cfg: TrainConfig) -> bool:
-    """`compile=auto`: on for cuda, where it fuses the blocks' elementwise work; off on a CPU, where
-    compiling costs more than it saves on short runs."""
+    """`compile=auto`: on for cuda (it fuses the blocks' elementwise work), off on a CPU (costs more than it saves)."""
     return cfg.hardware.kind == "cuda" if cfg.compile == "auto" else bool(cfg.compile)

@@ -1,6 +1,6 @@
 """Files written atomically: into a temporary name of the writer's own, then renamed into place, so a
 reader never sees half a file and concurrent writers (processes, or threads of one) never share one;
-and the directories a run writes into, created or refused in one line."""
+and the directories a run writes into, created or refused in one line; a path as the user reads it."""
 
 from __future__ import annotations
 
@@ -55,3 +55,27 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     """`data` as indented JSON, atomically (several processes may write the same file at once: the
     calibration cache, a run's summary)."""
     write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def shown(path: Path) -> str:
+    """`path` as the user reads it: relative to the working directory when under it."""
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+HYDRA_ONLY = {".hydra", "train.log", ".lock"}  # what Hydra and the run lock write before the run does
+
+
+def remove_if_unused(run_dir: Path, dated: bool) -> bool:
+    """Remove a run directory that holds nothing the run wrote (a dry run, bad input), and with
+    `dated` (Hydra's outputs/DATE/TIME) its parents left empty, so `outputs/` collects only runs."""
+    import shutil
+
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - HYDRA_ONLY:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in list(run_dir.parents)[:2] if dated else []:
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
+    return True

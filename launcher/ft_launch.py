@@ -12,10 +12,12 @@ which torchft's Manager reads, and each other before their first step through LA
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import shlex
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -28,6 +30,8 @@ from launcher.run import Run
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 START_ENV = "LAUNCHER_FT_START"  # host:port of the store where the groups meet before their first step
+CONSOLE_LOG = "console.log"  # group g > 0's console output, in its run_dir (group 0's is the terminal)
+LOSSES = (("final_loss", "loss"), ("val_loss", "val loss"))
 Launch = Callable[[Run, Path], dict[str, Any]]
 
 
@@ -70,31 +74,125 @@ def services(ft: FtConfig, host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
 
 def launch_replicas(run: Run, run_dir: Path, launch: Launch) -> dict[str, Any]:
     """Start the Lighthouse and the groups, each an ordinary `launch` of its layout (passed in, so this
-    module does not import the launcher that calls it); return group 0's summary once every group has ended."""
+    module does not import the launcher that calls it); return group 0's summary once every group has ended.
+    The terminal reads as one run: a line on the groups, group 0's output (its step lines and summary), the
+    other groups' errors whole lines prefixed `[gN]` (their console output goes to their `console.log`),
+    and a closing line per group."""
     spawn = multiprocessing.get_context("spawn")
-    others = [
-        spawn.Process(target=launch, args=(group_run(run, g), group_dir(run_dir, g)), name=f"replica_{g}")
-        for g in range(1, run.ft.replicas)
-    ]
+    others = [Group(spawn, launch, run, run_dir, g) for g in range(1, run.ft.replicas)]
     with services(run.ft) as env:
         os.environ.update(env)  # inherited by every group's processes
+        print(opening_line(run, env[LIGHTHOUSE_ENV], run_dir), flush=True)
         try:
-            for process in others:
-                process.start()
+            for group in others:
+                group.start()
             summary = launch(group_run(run, 0), run_dir)
-            for process in others:
-                process.join(timeout=run.ft.quorum_timeout_s)
+            for group in others:
+                group.join(run.ft.quorum_timeout_s)
         finally:
-            for process in others:
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+            for group in others:
+                group.stop()
             for name in (LIGHTHOUSE_ENV, START_ENV):
                 os.environ.pop(name, None)
-    failed = [(p.name, p.exitcode) for p in others if p.exitcode != 0]
+    failed = [(g.process.name, g.process.exitcode) for g in others if g.process.exitcode != 0]
     if failed:
         raise WorkerFailed(f"replica group {failed[0][0]} failed (exit {failed[0][1]}): see its log under {run_dir}")
+    if "preempted_at_step" not in summary:  # preempted: `train` says so, and where it saved
+        print("\n".join(closing_lines(summary, others)), flush=True)
     return summary | {"replicas": run.ft.replicas}
+
+
+def opening_line(run: Run, lighthouse: str, run_dir: Path) -> str:
+    """`ft: 2 replica groups x world 1, quorum 2, lighthouse 127.0.0.1:PORT; group 0 prints here, ...`."""
+    ft, world = run.ft, run.layout.world_size // run.ft.replicas
+    others = "group 1 to" if ft.replicas == 2 else f"groups 1 to {ft.replicas - 1} each to its"
+    where = group_dir(run_dir, 1) if ft.replicas == 2 else run_dir / "replica_N"
+    return (
+        f"ft: {ft.replicas} replica groups x world {world}, quorum {ft.min_replicas}, "
+        f"lighthouse {lighthouse.removeprefix('http://')}; group 0 prints here, {others} {where / CONSOLE_LOG}"
+    )
+
+
+def closing_lines(summary: dict[str, Any], others: list[Group]) -> list[str]:
+    """A line per other group (how it ended), then whose figures the summary above is and, where the
+    groups' validation losses differ (each validates its own share of the batches), all of them."""
+    ended = {0: summary} | {g.replica: g.summary() for g in others}
+    lines = [f"[g{g.replica}] {ended_text(ended[g.replica], g.run_dir)}" for g in others]
+    val = {g: s["val_loss"] for g, s in ended.items() if s.get("val_loss") is not None}
+    text = f"ft: the summary above is group 0's, of {len(ended)} groups"
+    if len(set(val.values())) > 1:
+        each = " · ".join(f"g{g} {v:.4f}" for g, v in val.items())
+        text += f"; val loss {sum(val.values()) / len(val):.4f} over the groups ({each})"
+    return [*lines, text]
+
+
+def ended_text(summary: dict[str, Any], run_dir: Path) -> str:
+    if not summary:
+        return f"ended without a summary: see {run_dir / CONSOLE_LOG}"
+    figures = [f"{summary.get('steps', 0)} steps"]
+    figures += [f"{label} {summary[key]:.4f}" for key, label in LOSSES if summary.get(key) is not None]
+    return f"ended: {', '.join(figures)} ({run_dir}: summary.json, {CONSOLE_LOG})"
+
+
+class Group:
+    """Replica group g > 0 on this machine: its agent's process (`launch` in a fresh interpreter), whose
+    console output goes to its run_dir's CONSOLE_LOG and whose stderr comes back through a pipe, relayed
+    here whole line by line, prefixed `[gN]`, to this process's stderr and the log."""
+
+    def __init__(self, spawn: Any, launch: Launch, run: Run, run_dir: Path, replica: int) -> None:
+        self.replica, self.run_dir = replica, group_dir(run_dir, replica)
+        self.err, err_w = spawn.Pipe(duplex=False)
+        metrics = replace(run.metrics, console="plain") if run.metrics.console != "none" else run.metrics
+        group = replace(group_run(run, replica), metrics=metrics)  # a file: no live panel
+        self.process = spawn.Process(
+            target=redirected, args=(launch, group, self.run_dir, err_w), name=f"replica_{replica}"
+        )
+        self.writer, self.relay = err_w, threading.Thread(target=self.relay_lines, daemon=True)
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.process.start()
+        self.writer.close()  # the group's processes hold the pipe's write end now: EOF once they all end
+        self.relay.start()
+
+    def relay_lines(self) -> None:
+        prefix = f"[g{self.replica}] ".encode()
+        with open(self.err.fileno(), "rb", closefd=False) as lines, (self.run_dir / CONSOLE_LOG).open("ab") as log:
+            for line in lines:
+                os.write(2, prefix + line)  # one write: never mixed into another process's line
+                log.write(line)
+                log.flush()
+
+    def join(self, timeout_s: float) -> None:
+        self.process.join(timeout=timeout_s)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.writer.close()  # not started: else closed already
+        if self.relay.ident is None:
+            return
+        self.relay.join(timeout=5.0)  # its last lines; a child of the group that outlives it must not hang this
+        if not self.relay.is_alive():  # else its fd stays open under it (a daemon thread: ends with the process)
+            self.err.close()
+
+    def summary(self) -> dict[str, Any]:
+        path = self.run_dir / "summary.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+
+def redirected(launch: Launch, run: Run, run_dir: Path, err: Any) -> dict[str, Any]:
+    """A group's process: its stdout (and its workers') appended to CONSOLE_LOG, its stderr into the pipe
+    its Group relays, before anything starts; then the group's `launch`."""
+    with (run_dir / CONSOLE_LOG).open("ab") as log:
+        os.dup2(log.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    err.close()
+    return launch(run, run_dir)
 
 
 def serve(argv: list[str] | None = None) -> None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from launcher import calibration
 from launcher.errors import LauncherError
-from launcher.hardware_config import HardwareConfig
+from launcher.hardware_config import CALIBRATED, HardwareConfig
 
 # a CUDA device's name (torch.cuda.get_device_name) → its hardware profile; anything else: h100_sxm
 DEVICE_PROFILES = (("H200", "h200"), ("H100", "h100_sxm"), ("A100", "a100"), ("B200", "b200"), ("V100", "v100_dgx2"))
@@ -33,6 +33,9 @@ def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> Hardwa
     """A copy of `hw` with its null numbers calibrated on this machine (peak FLOP/s at `threads`
     threads, its sustained share, the blocks' non-matmul width, link latency and bandwidth by message
     size, tensor-parallel and per-block host overhead, the optimizer's and the host copies' time)."""
+    null = [name for name in CALIBRATED if getattr(hw, name) is None]
+    null += ["links"] * any(link.bandwidth_gbs is None or link.latency_us is None for link in hw.links)
+    calibration.calibrate(calibration.probes(null, threads, cache_dir), cache_dir)  # what the cache lacks: one line
     peak = hw.peak_tflops if hw.peak_tflops is not None else peak_flops(hw, threads, cache_dir) / 1e12
     links = []
     for link in hw.links:

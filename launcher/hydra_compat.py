@@ -53,6 +53,32 @@ def hydra_errors_raised() -> Iterator[Callable[[], None]]:
         restore()
 
 
+CONFIG_DIR_FLAGS = ("--config-dir", "-cd")  # hydra.main's flag adding a folder to the config search path
+
+
+def plain_overrides(argv: list[str]) -> list[str] | None:
+    """The overrides of a command line Hydra's parser reads as overrides and --config-dir alone, for the
+    compose API; --config-dir DIR as the `hydra.searchpath` override, which puts DIR where the flag does
+    (after the app's own folder, before the schema). None for anything else, left to hydra.main as it
+    always was: a flag (--help, --cfg, -m), a hydra. or hydra/ override, a missing or unquotable DIR."""
+    overrides, folders = [], []
+    args = iter(argv)
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        if flag in CONFIG_DIR_FLAGS:
+            folders.append(value if eq else next(args, ""))
+        elif arg.startswith("-") or arg.lstrip("+~").startswith(("hydra.", "hydra/")):
+            return None
+        else:
+            overrides.append(arg)
+    if not folders:
+        return overrides
+    folder = os.path.abspath(folders[-1])
+    if len(folders) > 1 or not folders[-1] or not os.path.isdir(folder) or "'" in folder or "\\" in folder:
+        return None  # Hydra's own message for a missing folder
+    return [*overrides, f"hydra.searchpath=['file://{folder}']"]
+
+
 # --- submitit -----------------------------------------------------------------------------------------
 SUBMITIT_COMMAND = "python -u -m submitit.core._submit"  # what a submitit job runs (for the dry run)
 

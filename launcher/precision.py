@@ -32,6 +32,18 @@ if TYPE_CHECKING:
     from launcher.hardware_config import HardwareConfig
 
 
+MODE_TEXT = {"fp32": "fp32", "fsdp_bf16": "bf16 (FSDP mixed precision)", "autocast_bf16": "bf16 autocast"}
+
+
+def precision_text(mode: str, fp8: Fp8Options | None) -> str:
+    """What a run computes in, for people (the run's first line, summary.json's `precision`): `fp32`,
+    `bf16 autocast`, `fp8 (tensorwise, emulated) + bf16 autocast` (fp8's recipe, then the rest's mode)."""
+    text = MODE_TEXT.get(mode, mode)
+    if fp8 is None:
+        return text
+    return f"fp8 ({fp8.recipe}{', emulated' * fp8.emulate}) + {text}"
+
+
 def precision_mode(dtype: str, kind: str, layout: Layout) -> str:
     """fp32 | fsdp_bf16 (FSDP2's MixedPrecisionPolicy) | autocast_bf16, for config `dtype` on `kind`."""
     cuda = kind == "cuda"

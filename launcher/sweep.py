@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.errors import FAILED, LauncherError
 from launcher.extras import install_hint, installed
+from launcher.metrics.charts import loss_lines, pyplot, read_rows, save
 
 FIELDS = (
     "job",
@@ -54,7 +55,7 @@ FIELDS = (
 LAYOUT_KEYS = ("tp", "pp", "dp_replicate", "dp_shard")
 
 
-def _multirun() -> bool:
+def multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
@@ -78,7 +79,7 @@ def record_failure(run_dir: Path, err: Exception) -> None:
 def sweep_point(run_dir: Path | None) -> Iterator[None]:
     """In a multirun, record this job's failure instead of ending the sweep; outside one, do nothing.
     A SystemExit (a preempted point exits to be requeued) is not a failure and passes through."""
-    if not _multirun():
+    if not multirun():
         yield
         return
     try:
@@ -231,11 +232,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     done = [r for r in rows if r["tokens_per_s"] is not None]
     if not done:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     labels = [f"#{r['job']} {r['layout']}" for r in done]
     x = range(len(done))
     width = 0.38
@@ -256,34 +253,20 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
         ax.grid(axis="y", alpha=0.3)
     failed = len(rows) - len(done)
     fig.suptitle("sweep: measured vs predicted" + (f" ({failed} failed points not shown)" if failed else ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_losses(rows: list[dict[str, Any]], path: Path) -> Path | None:
     """The loss curves of every point side by side (training loss per step, validation as dots)."""
-    curves = []
-    for r in rows:
-        metrics = Path(r["dir"]) / "metrics.jsonl"
-        if metrics.exists():
-            points = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            curves.append((r["point"] or r["job"], points))
+    curves = [(r["point"] or r["job"], points) for r in rows if (points := read_rows(Path(r["dir"]) / "metrics.jsonl"))]
     if not curves:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     moe = any("moe_load_imbalance" in p for _, points in curves for p in points)
     fig, axes = plt.subplots(1, 2 if moe else 1, figsize=(13 if moe else 7.5, 4.2), squeeze=False)
     ax = axes[0][0]
     for label, points in curves:
-        (line,) = ax.plot([p["step"] for p in points], [p["loss"] for p in points], label=label, lw=1.2)
-        val = [p for p in points if "val_loss" in p]
-        ax.plot([p["step"] for p in val], [p["val_loss"] for p in val], "o", color=line.get_color(), ms=4)
+        loss_lines(ax, points, label)
     if moe:  # a mixture of experts: its load imbalance beside the loss (launcher/model/moe.py)
         side = axes[0][1]
         for label, points in curves:
@@ -296,10 +279,7 @@ def plot_losses(rows: list[dict[str, Any]], path: Path) -> Path | None:
     ax.set_title("sweep: loss curves")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def summarize(sweep_dir: Path, file: Any = None) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ import pytest
 
 from launcher.cli import run_of
 from launcher.config import TrainConfig, compose_config
+from launcher.files import HYDRA_ONLY
 from launcher.layout_config import from_config
 from launcher.planner import Prediction, build_options, resolve
 from launcher.planner.memory import Memory
@@ -131,6 +132,8 @@ def assert_bad_input(result: subprocess.CompletedProcess, expected: str, where: 
     assert expected in lines[0], lines[0]
     assert "Traceback" not in result.stderr
     assert not list(where.rglob("metrics.jsonl")), "no worker may start on bad input"
+    left = [d for d in where.glob("outputs/*/*") if not {p.name for p in d.iterdir()} - HYDRA_ONLY]
+    assert not left, f"bad input left folders of Hydra's files alone: {left}"
 
 
 def selected_cases(request: pytest.FixtureRequest, **axes: Iterable[str]) -> list[tuple[str, ...]]:

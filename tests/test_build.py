@@ -158,3 +158,18 @@ def test_train_steps_0_prints_each_ranks_memory_beside_the_prediction(tmp_path: 
         assert re.search(rf"rank {rank}: peak memory [\d.]+ GiB measured · predicted [\d.]+ GiB", result.stdout)
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert len(summary["peak_mem_gib_per_rank"]) == 2 and summary["smoke_loss"] > 0
+    assert "GiB (weights and one step's activations)" in result.stdout  # what the prediction covers
+    assert 0 < summary["predicted_build_gib"] < summary["prediction"]["memory_gib"]
+
+
+def test_steps_0_is_compared_with_what_a_build_holds_not_a_training_step() -> None:
+    """A training step's peak (optimizer moments, activations) beside a mere build read as a 5x planner error."""
+    from launcher.train.fit import predicted_build_gib
+
+    _, prediction, _ = resolve(compose_config("+model=1b", "steps=0", "force=true"), 1)
+    parts = prediction.memory.as_gib()
+    built = predicted_build_gib(prediction, smoke=False)
+    assert built == pytest.approx(parts["params"] + parts["buffers"] + parts["overhead"], abs=2e-3)
+    smoked = predicted_build_gib(prediction, smoke=True)
+    assert built < smoked < parts["total"]  # no optimizer moments in either
+    assert parts["total"] - smoked == pytest.approx(parts["optimizer"] + parts["held"], abs=2e-3)

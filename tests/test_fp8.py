@@ -120,7 +120,28 @@ def test_fp8_tracks_bf16(model: str, layout: str, reference: dict, tmp_path: Pat
     assert summary["fp8"]["converted"]["attention.wq"] == (2 if model == "tiny" else 4)
     assert {"layer": "output", "count": 1, "why": "output projection"} in summary["fp8"]["high_precision"]
     assert summary["fp8"]["fsdp_float8_all_gather"] == ("dp_shard=2" in layout)
-    assert summary["precision"] == "autocast_bf16" and summary["median_tflops_per_device"] > 0
+    assert summary["precision"] == "fp8 (tensorwise, emulated) + bf16 autocast"
+    assert summary["median_tflops_per_device"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(), ("dp=2", "dp_shard=2")], ids=["one_process", "fsdp"])
+def test_an_fp8_run_says_fp8_and_nothing_of_torchao(layout: tuple[str, ...], tmp_path: Path) -> None:
+    """The run's first line and summary.json name what ran (float8's recipe, emulated, and the rest's bf16
+    mode), and no warning of torchao's import reaches the terminal (kernels float8 training does not use,
+    Triton, torch's deprecation of how torchao registers its Enums): in one process, and in each worker."""
+    run_dir = tmp_path / "run"
+    args = ("steps=2", "seq_len=32", "batch.micro=4", "eval.every=0", "metrics.console=plain", "threads=1")
+    args += (f"data.cache_dir={tmp_path / 'cache'}", "data.max_bytes=200000", f"run_dir={run_dir}")
+    result = run_cli("train", "+model=tiny", "dtype=fp8", *FP8, *args, *layout, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ran = "fp8 (tensorwise, emulated) + bf16 autocast"
+    header = next(line for line in result.stdout.splitlines() if line.startswith("tiny "))
+    assert f" · {ran} · " in header
+    assert json.loads((run_dir / "summary.json").read_text())["precision"] == ran
+    output = result.stdout + result.stderr
+    for noise in ("torchao", "triton", "register_constant", "UserWarning", "DeprecationWarning"):
+        assert noise not in output, output
 
 
 @pytest.mark.slow

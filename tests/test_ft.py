@@ -23,7 +23,7 @@ from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.replicas import TEST_KILL_ENV
 from launcher.train.spike import SpikeGuard, Trainee
 from launcher.train.untrusted import EXTRAS
-from tests.conftest import losses, make_config, run_for, tiny_config
+from tests.conftest import losses, make_config, run_cli, run_for, tiny_args, tiny_config
 
 
 class Averaging:
@@ -318,3 +318,27 @@ def test_a_group_back_after_the_run_ended_trains_nothing(
     err = capfd.readouterr().err
     assert "failed (exitcode: -9)" in err and "got exception waiting for work" in err
     assert "Traceback" not in err and "flight recorder" not in err, err
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_the_terminal_reads_as_one_run(tmp_path: Path) -> None:
+    """Through the CLI, 2 groups x 1 rank: a line on the groups, then group 0's header, step lines and
+    summary alone (group 1's go to its console.log), a closing line for group 1 and one naming whose
+    summary it is, with each group's validation loss (each validates its own share of the batches)."""
+    run_dir = tmp_path / "run"
+    args = (*tiny_args(tmp_path / "cache"), *LAYOUT, "metrics.console=plain", "eval.every=4", *FT, f"run_dir={run_dir}")
+    result = run_cli("train", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    opening = [line for line in lines if line.startswith("ft: 2 replica groups x world 1, quorum 2, lighthouse ")]
+    assert len(opening) == 1 and opening[0].endswith(f"group 0 prints here, group 1 to {run_dir}/replica_1/console.log")
+    assert lines[0] == opening[0] and sum(line.startswith("tiny ") for line in lines) == 1  # one run header
+    assert [line.split()[0] for line in lines if line.startswith("step=")] == [f"step={s}" for s in range(1, 5)]
+    assert sum(line.startswith("summary") for line in lines) == 1
+    assert any(line.startswith("[g1] ended: 4 steps, loss ") for line in lines), result.stdout
+    g0, g1 = (json.loads((d / "summary.json").read_text())["val_loss"] for d in (run_dir, run_dir / "replica_1"))
+    closing = "ft: the summary above is group 0's, of 2 groups"
+    assert lines[-1] == closing + f"; val loss {(g0 + g1) / 2:.4f} over the groups (g0 {g0:.4f} · g1 {g1:.4f})"
+    log = (run_dir / "replica_1" / "console.log").read_text()
+    assert sum(line.startswith("step=") for line in log.splitlines()) == 4 and "[g1]" not in result.stderr

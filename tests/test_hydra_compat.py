@@ -36,6 +36,26 @@ def test_hydra_main_raises_compose_errors_as_objects(monkeypatch: pytest.MonkeyP
         GlobalHydra.instance().clear()
 
 
+def test_plain_overrides_are_what_hydras_parser_reads_as_overrides(tmp_path) -> None:
+    """`plan` composes with the compose API what Hydra's own parser reads as overrides and --config-dir alone,
+    the folder as the `hydra.searchpath` override; anything else (a flag, a Hydra override, a missing folder) it
+    leaves to hydra.main."""
+    from hydra._internal.utils import get_args_parser
+
+    folder = str(tmp_path)
+    plain = ([], ["+model=8b", "nodes=2", "seq_len=-1"], [f"--config-dir={folder}", "tp=2"], ["-cd", folder, "pp=1"],
+             ["tp=1", "--config-dir", folder])  # fmt: skip
+    for argv in plain:
+        parsed, overrides = get_args_parser().parse_args(argv), hydra_compat.plain_overrides(argv)
+        assert not any(v for k, v in vars(parsed).items() if k not in ("overrides", "config_dir")), parsed
+        path = [f"hydra.searchpath=['file://{folder}']"] if parsed.config_dir else []
+        assert overrides == parsed.overrides + path, argv
+    others = (["--help"], ["--cfg", "job"], ["-m", "tp=1,2"], ["hydra.run.dir=x"], ["hydra/launcher=slurm"],
+              ["+hydra.job.env_set.A=1"], ["--config-dir"], ["--config-dir=/no/such/folder"],
+              ["-cd", folder, "-cd", folder], ["--config-name=train"], ["-cn", "train"], ["--info"])  # fmt: skip
+    assert [argv for argv in others if hydra_compat.plain_overrides(argv) is not None] == []
+
+
 def test_basic_sweeper_runs_the_batches_the_layout_sweeper_sets() -> None:
     sweeper = hydra_compat.basic_sweeper()(max_batch_size=None, params=None)
     parsed = OverridesParser.create().parse_overrides(["a=1,2", "b=3"])

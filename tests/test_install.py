@@ -155,6 +155,8 @@ def test_offline_install_from_the_wheelhouse_beside_an_existing_torch(tmp_path: 
         trained.stdout
     )
     assert (tmp_path / "run" / "metrics.jsonl").is_file() and not (tmp_path / "run" / "wandb").exists()
+    assert "note: no loss curve without matplotlib (pip install 'launcher[plot]')" in trained.stdout
+    assert not (tmp_path / "run" / "loss.png").exists()
     planned = run(bin_dir, "plan", "+model=8b", "nodes=1", "plan.top=1", cwd=tmp_path)
     assert planned.returncode == 0, planned.stderr[-2000:]
     for args, line in MISSING_EXTRAS:

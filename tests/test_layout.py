@@ -158,6 +158,7 @@ def test_dry_run_8b_tp8_from_the_cli(tmp_path) -> None:
     assert re.search(r"attention.wk.weight\s+\(128, 4096\) of \(1024, 4096\)", out)  # 8 KV heads / 8
     assert re.search(r"rank\s+7 \(pp 0 dp 0 tp 7, stages \[0\]\):\s+3.740 GiB ·\s+14.961 GiB", out)
     assert "total over ranks: 29.92 GiB" in out  # 8.03 B parameters x 4 bytes, all held exactly once
+    assert not (tmp_path / "outputs").exists()  # a dry run writes nothing: no folder of Hydra's files alone
 
 
 def test_dry_run_70b_tp8_pp4_dp2_ranks() -> None:

@@ -408,7 +408,7 @@ def test_the_ranking_reads_whole_in_a_120_column_terminal(monkeypatch: pytest.Mo
     )
     ranked = planner.plan(cfg, 128)[1].ranked[:3]
     term = Terminal()
-    to_table(ranked, "best 3", term)
+    to_table(ranked, ["best 3"], term)
     term.text = re.sub(r"\x1b\[[0-9;]*m", "", term.text)  # the colours a terminal gets
     lines = term.text.splitlines()
     assert max(len(line) for line in lines) <= 120 and "…" not in term.text, term.text

@@ -4,13 +4,14 @@ host time of tensor-parallel dispatch and of one block, cached (a few s)."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from launcher import calibration, hardware
-from launcher.config import CONF_DIR
+from launcher.config import CONF_DIR, compose_config
 from launcher.hardware_config import HardwareConfig
 
 CPU_YAML = Path(CONF_DIR) / "hardware" / "cpu.yaml"
@@ -103,3 +104,48 @@ def test_cache_dir_of_a_config_built_in_python_resolves_its_environment_default(
 
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
     assert cache_file(TrainConfig().cache_dir) == Path("/somewhere/cache/launcher/calibration.json")
+
+
+LINK = {  # a gloo link's fields as measure_gloo_link returns them
+    "latency_us": 50.0,
+    **dict(zip(calibration.link.NAMES, (2.0, 1.0, 1.0, 1.0), strict=True)),
+    "by_size": [[float(n), 2.0, 1.0, 1.0, 1.0] for n in calibration.link.GLOO_SIZES],
+}
+PROBES = {  # each probe's measurement, and what it returns here
+    (calibration.gemm, "measure_gemm_flops"): 1e10,
+    (calibration.gemm, "measure_gemm_sustained"): 8e9,
+    (calibration.link, "measure_gloo_link"): LINK,
+    (calibration.host, "measure_tp_overhead"): 100.0,
+    (calibration.host, "measure_block_overhead"): 500.0,
+    (calibration.host, "measure_optimizer_step"): 3.0,
+    (calibration.host, "measure_host_copy"): 0.1,
+    (calibration.block, "measure_nonmatmul_width"): 80.0,
+}
+
+
+def test_a_fresh_cache_is_calibrated_under_one_line_each_probe_once(tmp_path, monkeypatch, capsys):
+    """What `train` and `plan` resolve on a fresh cache: one line names what is measured, about how long
+    and where it is cached, and each probe runs once (the block host time ran twice: the non-matmul
+    width, which reads it inside its own measurement, wrote back a copy of the cache read before it)."""
+    from launcher.planner import resolve
+
+    runs: Counter[str] = Counter()
+
+    def probe(name: str, value: object):
+        def measure(*args, **kwargs):
+            runs[name] += 1
+            return value
+
+        return measure
+
+    for (module, name), value in PROBES.items():
+        monkeypatch.setattr(module, name, probe(name, value))
+    cfg = compose_config("+model=tiny", "hardware=cpu", f"cache_dir={tmp_path}")
+    resolve(cfg)
+    path = tmp_path / "calibration.json"
+    line = f"calibrating this CPU once (gemm, host, blocks, links; ~34 s), cached in {path} ... done in 0 s"
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert runs == Counter({name: 1 for _, name in PROBES})
+    assert len(json.loads(path.read_text())) == len(PROBES)
+    resolve(cfg)  # cached: nothing measured, nothing said
+    assert capsys.readouterr().err == "" and runs.total() == len(PROBES)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.extras import installed
 from launcher.layout_config import from_config
 from launcher.spawn import RankEnv, env_rank
 from launcher.train.loop import train
@@ -99,10 +100,17 @@ def test_train_cli_end_to_end(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "step=3" in result.stdout and "summary" in result.stdout
+    assert "│ tokens/s " in result.stdout and "median_tokens_per_s" not in result.stdout  # words, not keys
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "rank0.log").exists()
+    if installed("matplotlib"):  # the loss curve, and the line that says where it went
+        assert (tmp_path / "run" / "loss.png").read_bytes().startswith(b"\x89PNG")
+        assert "loss curve: run/loss.png" in result.stdout  # relative to where train ran
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["prediction"]["tokens_per_step"] == 2 * 32  # handed to the loop, not read from a file
     assert not (tmp_path / "run" / "prediction.json").exists()
+    # Hydra's record of the run (config, overrides, log) beside its files, and no stray dated folder
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists() and (tmp_path / "run" / "train.log").exists()
+    assert not (tmp_path / "outputs").exists()
 
 
 def _write_many(path: str) -> None:

@@ -8,13 +8,18 @@
   block's framework dispatch, the optimizer step per parameter, FSDP's copies per byte).
 
 Each is measured once per machine (CPU model, torch version, threads) and cached (cache: one JSON file
-in `cache_dir`), so later runs start instantly; the multi-process probes run in fresh interpreters
+in `cache_dir`), so later runs start instantly; whatever a profile needs and the cache lacks is measured
+in one go under one line (`calibrate`, `probes`); the multi-process probes run in fresh interpreters
 (harness). torch is imported only to measure.
 """
 
 from __future__ import annotations
 
-from launcher.calibration.block import nonmatmul_width
+from collections.abc import Iterable
+
+from launcher.calibration import gemm, host
+from launcher.calibration.block import nonmatmul_width, width_probe
+from launcher.calibration.cache import Probe, calibrate
 from launcher.calibration.gemm import (
     cached_gemm_flops,
     gemm_efficiency,
@@ -23,11 +28,12 @@ from launcher.calibration.gemm import (
     offer_gemm_peak,
 )
 from launcher.calibration.host import block_overhead_us, host_copy_ns_per_byte, optimizer_ns_per_param, tp_overhead_us
-from launcher.calibration.link import gloo_link
+from launcher.calibration.link import gloo_link, link_probe
 
 __all__ = [
     "block_overhead_us",
     "cached_gemm_flops",
+    "calibrate",
     "gemm_efficiency",
     "gemm_flops",
     "gloo_link",
@@ -36,5 +42,22 @@ __all__ = [
     "nonmatmul_width",
     "offer_gemm_peak",
     "optimizer_ns_per_param",
+    "probes",
     "tp_overhead_us",
 ]
+
+
+def probes(names: Iterable[str], threads: int, cache_dir: str) -> list[Probe]:
+    """The probes behind a profile's null numbers `names` (launcher/hardware_config.py's CALIBRATED, and
+    "links"), each once, in the order they run: the block host time before the width that subtracts it."""
+    behind = {
+        "peak_tflops": [gemm.peak_probe(threads)],
+        "matmul_efficiency": [gemm.peak_probe(threads), gemm.sustained_probe(threads)],
+        "links": [link_probe()],
+        "nonmatmul_width": [host.block_probe(), width_probe(threads, cache_dir)],
+        "host_overhead_us": [host.tp_probe()],
+        "block_overhead_us": [host.block_probe()],
+        "optimizer_ns_per_param": [host.optimizer_probe()],
+        "host_copy_ns_per_byte": [host.copy_probe()],
+    }
+    return list({p.key: p for name in names for p in behind[name]}.values())

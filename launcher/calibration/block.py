@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import statistics
 
-from launcher.calibration.cache import cached_measure
+from launcher.calibration.cache import Probe, calibrate
 from launcher.calibration.gemm import GEMM_N, gemm_rates
 from launcher.calibration.harness import median_seconds, torch_threads
-from launcher.calibration.host import block_overhead_us
+from launcher.calibration.host import block_overhead_us, block_probe
 from launcher.config import ModelConfig
 from launcher.flops import blocks_flops_per_token, head_dim
 
@@ -52,9 +52,13 @@ def measure_nonmatmul_width(threads: int, host_s: float, seconds: float = 1.5) -
     return max(0.0, PROBE.dim * (block_s / matmul_s - 1.0))
 
 
+def width_probe(threads: int, cache_dir: str) -> Probe:
+    """H0's probe; it subtracts the block host time, so that one runs first (`nonmatmul_width`)."""
+    key = f"nonmatmul_width|blocks={BLOCKS}|threads={threads}"
+    return Probe(key, "blocks", 3.0, lambda: measure_nonmatmul_width(threads, block_overhead_us(cache_dir) * 1e-6))
+
+
 def nonmatmul_width(threads: int, cache_dir: str) -> float:
     """H0 of this CPU at `threads` threads, measured once, cached."""
-    key = f"nonmatmul_width|blocks={BLOCKS}|threads={threads}"
-    return float(
-        cached_measure(cache_dir, key, lambda: measure_nonmatmul_width(threads, block_overhead_us(cache_dir) * 1e-6))
-    )
+    probe = width_probe(threads, cache_dir)
+    return float(calibrate([block_probe(), probe], cache_dir)[probe.key])

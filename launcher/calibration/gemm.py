@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from launcher.calibration.cache import cache_file, cached_measure, full_key, read_cache
+from launcher.calibration.cache import Probe, cache_file, cached_measure, calibrate, full_key, read_cache
 from launcher.calibration.harness import run_ranks, torch_threads
 from launcher.files import write_json
 
@@ -68,15 +68,23 @@ def measure_gemm_sustained(threads: int, seconds: float = 2.4) -> float:
     return float(run_ranks(_gemm_worker, procs, seconds, {"LAUNCHER_GEMM_THREADS": str(threads)}))
 
 
+def sustained_probe(threads: int) -> Probe:
+    return Probe(f"gemm_fp32_sustained|threads={threads}", "gemm", 6.0, lambda: measure_gemm_sustained(threads))
+
+
 def gemm_efficiency(threads: int, cache_dir: str) -> float:
     """The sustained GEMM rate with every core busy over the peak (at most 1), measured once, cached."""
-    key = f"gemm_fp32_sustained|threads={threads}"
-    sustained = float(cached_measure(cache_dir, key, lambda: measure_gemm_sustained(threads)))
-    return min(1.0, sustained / gemm_flops(threads, cache_dir))
+    peak, sustained = peak_probe(threads), sustained_probe(threads)
+    values = calibrate([peak, sustained], cache_dir)  # both under one line
+    return min(1.0, float(values[sustained.key]) / _flops(values[peak.key]))
 
 
 def _gemm_key(threads: int) -> str:
     return f"gemm_fp32|threads={threads}"
+
+
+def peak_probe(threads: int) -> Probe:
+    return Probe(_gemm_key(threads), "gemm", 2.0, lambda: gemm_record(threads))
 
 
 def gemm_record(threads: int, flops: float | None = None) -> dict[str, Any]:
@@ -92,7 +100,7 @@ def _flops(entry: Any) -> float:
 
 def gemm_flops(threads: int, cache_dir: str) -> float:
     """The CPU's practical fp32 peak at `threads` threads, measured once, cached."""
-    return _flops(cached_measure(cache_dir, _gemm_key(threads), lambda: gemm_record(threads)))
+    return _flops(cached_measure(cache_dir, peak_probe(threads)))
 
 
 def cached_gemm_flops(threads: int, cache_dir: str) -> float | None:

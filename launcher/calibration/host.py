@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from launcher.calibration.cache import cached_measure
+from launcher.calibration.cache import Probe, cached_measure
 from launcher.calibration.harness import median_seconds, run_ranks, torch_threads
 from launcher.compat import leave_process_groups
 from launcher.config import ModelConfig
@@ -164,17 +164,33 @@ def measure_host_copy(seconds: float = 0.5) -> float:
     return float(run_ranks(_host_copy_worker, 1, seconds))
 
 
+def tp_probe() -> Probe:
+    return Probe("tp_dispatch_us|threads=1", "host", 5.0, measure_tp_overhead)
+
+
+def block_probe() -> Probe:
+    return Probe("block_host_us|threads=1", "host", 1.5, measure_block_overhead)
+
+
+def optimizer_probe() -> Probe:
+    return Probe("optimizer_ns_per_param|threads=1", "host", 2.0, measure_optimizer_step)
+
+
+def copy_probe() -> Probe:
+    return Probe("host_copy_ns_per_byte|threads=1", "host", 4.0, measure_host_copy)
+
+
 def tp_overhead_us(cache_dir: str) -> float:
-    return float(cached_measure(cache_dir, "tp_dispatch_us|threads=1", measure_tp_overhead))
+    return float(cached_measure(cache_dir, tp_probe()))
 
 
 def optimizer_ns_per_param(cache_dir: str) -> float:
-    return float(cached_measure(cache_dir, "optimizer_ns_per_param|threads=1", measure_optimizer_step))
+    return float(cached_measure(cache_dir, optimizer_probe()))
 
 
 def host_copy_ns_per_byte(cache_dir: str) -> float:
-    return float(cached_measure(cache_dir, "host_copy_ns_per_byte|threads=1", measure_host_copy))
+    return float(cached_measure(cache_dir, copy_probe()))
 
 
 def block_overhead_us(cache_dir: str) -> float:
-    return float(cached_measure(cache_dir, "block_host_us|threads=1", measure_block_overhead))
+    return float(cached_measure(cache_dir, block_probe()))

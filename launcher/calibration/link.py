@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from launcher.calibration.cache import cached_measure
+from launcher.calibration.cache import Probe, cached_measure
 from launcher.calibration.harness import run_ranks, same_iteration_exit
 from launcher.compat import leave_process_groups
 
@@ -92,7 +92,11 @@ def measure_gloo_link(seconds: float = 0.6) -> dict[str, Any]:
     return {"latency_us": small / 2 * 1e6, **dict(zip(NAMES, largest)), "by_size": rows}
 
 
+def link_probe() -> Probe:
+    return Probe("gloo_collectives_by_size|world=2|threads=1", "links", 11.0, measure_gloo_link)
+
+
 def gloo_link(cache_dir: str) -> dict[str, Any]:
     """The cpu profile's link fields (`measure_gloo_link`) between 2 workers of 1 thread, measured
     once, cached. More workers than cores share them: the planner scales these by the share (request.py)."""
-    return dict(cached_measure(cache_dir, "gloo_collectives_by_size|world=2|threads=1", measure_gloo_link))
+    return dict(cached_measure(cache_dir, link_probe()))

@@ -110,9 +110,10 @@ def check_vocab(parts: list[np.ndarray], vocab_size: int, key: str, path: str) -
     """The largest token id of one file (its splits, `parts`) fits the model's vocabulary."""
     top = max(int(tokens[:SCANNED].max()) for tokens in parts)
     if top >= vocab_size:
+        fits = -(-(top + 1) // 64) * 64  # a multiple of 64, as GPT-2's 50257 ids train in 50304
         raise LauncherError(
             f"{key}={path} holds token id {top}, beyond model.vocab_size={vocab_size}: "
-            f"use a model with a larger vocabulary or the file's tokenizer"
+            f"set model.vocab_size={fits} (or more), or use the file's tokenizer"
         )
 
 

@@ -1,1 +1,2 @@
-"""Metrics: the meter (figures per step), the console view, and the file/wandb sinks."""
+"""Metrics: the meter (figures per step), the console view, the file/wandb sinks, and the end of a run
+for people (the summary table, the loss curve)."""

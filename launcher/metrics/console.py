@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from launcher.metrics.moe_load import load_table
+from launcher.metrics.summary_view import summary_view
 
 if TYPE_CHECKING:
     from launcher.model.moe_table import LayerLoad  # annotations only: `plan` imports no torch
@@ -113,9 +114,4 @@ class ConsoleView:
             self.live.stop()
         if self.mode == "none":
             return
-        table = Table(title="summary", show_header=False)
-        for key, value in summary.items():
-            if not isinstance(value, dict):
-                shown = fmt(key, value) if any(k == key for k, _, _ in COLUMNS) else value
-                table.add_row(key, f"{shown:.4g}" if isinstance(shown, float) else str(shown))
-        self.console.print(table)
+        self.console.print(summary_view(summary))

@@ -24,6 +24,7 @@ high-precision master weights in either case: checkpoints and optimizer state ar
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections import Counter
 from typing import Any
@@ -37,6 +38,40 @@ from launcher.options import Fp8Options
 from launcher.precision import COLUMN, ROW, fp8_layer
 
 MOE = "MoE layer: high precision (torchao's float8 grouped GEMM, CUDA only, is not used)"
+# What torchao's import logs at WARNING (each logger, and a phrase of the one record dropped) that float8
+# training never uses and no user can act on: its C++ and CUTLASS kernels (mxfp8, int4; float8 training
+# runs on torch's own scaled matmul), Triton's int8 matmuls, and torch's deprecation of the way torchao
+# registers its Enums for compile.
+IMPORT_NOISE = (
+    ("torchao", "Failed to load "),
+    ("torchao", "Skipping import of cpp extensions"),
+    ("torchao.kernel.intmm", "Detected no triton"),
+    ("torch.utils._pytree", "Calling register_constant() on Enum subclasses is deprecated"),
+)
+
+
+class Dropped(logging.Filter):
+    """A logger's records whose message contains `phrase`, dropped (the logger's others kept)."""
+
+    def __init__(self, phrase: str) -> None:
+        super().__init__()
+        self.phrase = phrase
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.phrase not in record.getMessage()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Dropped) and other.phrase == self.phrase
+
+    __hash__ = logging.Filter.__hash__
+
+
+def quiet_torchao() -> None:
+    """Before torchao's first import in this process: IMPORT_NOISE dropped at its loggers."""
+    for name, phrase in IMPORT_NOISE:
+        logger = logging.getLogger(name)
+        if Dropped(phrase) not in logger.filters:
+            logger.addFilter(Dropped(phrase))
 
 
 def decide(model: nn.Module, options: Fp8Options, tp: int) -> dict[str, str]:
@@ -63,6 +98,7 @@ def _why(fqn: str, mod: nn.Linear, options: Fp8Options, tp: int) -> str:
 
 def convert(part: nn.Module, decisions: dict[str, str], options: Fp8Options) -> None:
     """Swap `part`'s chosen `nn.Linear`s for torchao's `Float8Linear` (parameters and names unchanged)."""
+    quiet_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = dataclasses.replace(

@@ -4,7 +4,8 @@ cannot fit. Pure Python: nothing here imports torch unless a profile needs calib
 - `resolve(cfg, env_world_size)`: the run's one `Layout`, the prediction for it and the
   `BuildOptions` (launcher/options.py). The CLI's only call into the planner: `train` and its dry
   run use it once, and the runtime reads these, never the config.
-- `run_plan(cfg)`: the `plan` command (ranked table, or JSON with plan.format=json).
+- `run_plan(cfg)`: the `plan` command (ranked table fitting the terminal, every column with plan.format=wide,
+  or JSON with plan.format=json).
 - `plan(cfg, world)`: every valid layout of `world` devices, ranked (also the layout sweeper's); with
   `precision`, dtype=auto on a profile with FP8 units also ranks fp8 (`plan` only: `train dtype=auto`
   stays bf16, numerics never change unasked).
@@ -33,7 +34,7 @@ from launcher.layout_config import from_config, launch_world_size, plan_world_si
 from launcher.options import BuildOptions
 from launcher.planner.budget import Row, budget, compared_nodes, ft_budget
 from launcher.planner.predict import Prediction, Problem, predict
-from launcher.planner.report import budget_block, compare_table, precision_table, to_json, to_table
+from launcher.planner.report import batch_text, budget_block, compare_table, precision_table, to_json, to_table
 from launcher.planner.request import fp8_of, problem, space
 from launcher.planner.search import Result, search
 from launcher.precision import fp8_options, precision_mode
@@ -67,8 +68,8 @@ def side_by_side(cfg: TrainConfig, prob: Problem, best: Prediction) -> list[Pred
 
 
 def run_plan(cfg: TrainConfig) -> None:
-    if cfg.plan.format not in ("table", "json"):
-        raise LauncherError(f"plan.format={cfg.plan.format!r} is unknown: use table or json")
+    if cfg.plan.format not in ("table", "wide", "json"):
+        raise LauncherError(f"plan.format={cfg.plan.format!r} is unknown: use table, wide (every column) or json")
     validate(cfg)  # the same checks, ranges first, that `train` applies (planner.resolve)
     if cfg.plan.calibrate is not None:  # fit the profile to the user's runs instead (planner/calibrate.py)
         from launcher.planner.calibrate import calibrate
@@ -85,20 +86,20 @@ def run_plan(cfg: TrainConfig) -> None:
     if cfg.plan.format == "json":
         to_json(shown, budgets, rows)
         return
-    glob = cfg.batch.get("global")
+    dtypes = ", ".join(sorted({p.dtype for p in shown}))
     title = (
-        f"{cfg.model.name} on {world} x {prob.machine.name} ({cfg.nodes} nodes), seq_len {prob.seq}, "
-        f"global batch {glob if glob else 'micro x microbatches x dp'}: {len(res.ranked)} layouts fit "
-        f"(of {res.tried}), best {len(shown)} by tokens/s"
+        f"{cfg.model.name} on {world:,} x {prob.machine.name} ({cfg.nodes:,} node{'s' * (cfg.nodes > 1)}), {dtypes}: "
+        f"{len(res.ranked):,} of {res.tried:,} layouts fit, the best {len(shown)} by tokens/s"
     )
-    to_table(shown, title)
+    to_table(shown, [title, batch_text(cfg.batch.get("global"), shown, prob.seq)], wide=cfg.plan.format == "wide")
     if pair := side_by_side(cfg, prob, shown[0]):
         option = " (dtype=auto) and in fp8 (dtype=fp8)" if prob.fp8 is None else " and fp8"
         precision_table(pair, f"layout #1 in bf16{option}; MFU against the bf16 peak")
     if budgets:
         budget_block(budgets[0], prob.machine.name, grouped)
     if rows:
-        at = f"{world} devices" if cfg.plan.compare_at == "devices" else f"the spend of {world} x {prob.machine.name}"
+        spend = f"the spend of {world:,} x {prob.machine.name}"
+        at = f"{world:,} devices" if cfg.plan.compare_at == "devices" else spend
         compare_table(rows, tokens, f"{cfg.model.name}, each profile's best layout at {at}")
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import LauncherError
+from launcher.files import shown
 from launcher.hardware_config import HardwareConfig
 from launcher.layout import Layout
 from launcher.planner.device import Machine
@@ -96,11 +97,6 @@ def read_runs(dirs: Sequence[str], hw: HardwareConfig) -> tuple[list[Observation
             continue
         runs.append(observation(path.parent, summary, hw))
     return runs, skipped
-
-
-def shown(path: Path) -> str:
-    """`path` as the user reads it: relative to the working directory when under it."""
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def unusable(summary: dict[str, Any]) -> str | None:

@@ -1,4 +1,5 @@
-"""Output of `plan`: a ranked rich table, or JSON (an array, one object per layout per line); with
+"""Output of `plan`: a ranked rich table as wide as the terminal (or COLUMNS) lets every number stay whole,
+every column in a log file or with `plan.format=wide`, or JSON (an array, one object per layout per line); with
 `plan.tokens` the best layout's budget below the table (each layout's `budget` in JSON), with
 `plan.compare` a table one row per profile (JSON: an object, `layouts` and `compare`)."""
 
@@ -9,6 +10,7 @@ import math
 import os
 import shutil
 import sys
+import textwrap
 from typing import Any, TextIO
 
 from launcher.flops import GIB
@@ -45,45 +47,104 @@ def _fmt_rate(x: float) -> str:
     return f"{x:.3g}"
 
 
-WIDE = 200  # columns the whole table needs; a log file gets it all (220)
+LOG_WIDTH = 220  # a file or a pipe told no width keeps every column, as a log should
+SHORT = (  # the bottleneck's words where the full sentence does not fit (predict.bottleneck)
+    (" communication", " comm"), ("tensor-parallel dispatch on the host", "TP host dispatch"),
+    ("the chunked loss's weight traffic", "chunked loss"), ("the tied embedding's gradient all-reduce", "tied grads"),
+    ("fp8 amax and cast passes", "fp8 casts"), ("pipeline sends", "pp sends"), ("pipeline bubble", "bubble"),
+)  # fmt: skip
 
 
-def compact_table(preds: list[Prediction], title: str) -> Any:
-    """The ranking for a terminal under WIDE columns: the layout in one cell (as the run's first line
-    says it), memory, step time, tokens/s, MFU and what bounds the step; every number whole, the text
-    cells wrapped. The time's parts are in the whole table (a log file, `plan.format=json`)."""
-    from rich.table import Table
-
-    dtype = {p.dtype for p in preds}
-    table = Table(title=f"{title} ({', '.join(sorted(dtype))})", title_justify="left")
-    table.add_column("#", justify="right", no_wrap=True)
-    table.add_column("layout", min_width=20)
-    for head in ("micro x m", "recompute"):
-        table.add_column(head, no_wrap=True)
-    for head in ("mem GiB", "step s", "tokens/s", "MFU"):
-        table.add_column(head, justify="right", no_wrap=True)
-    table.add_column("bottleneck", min_width=16)
-    for i, p in enumerate(preds, 1):
-        lay = p.layout
-        table.add_row(
-            str(i), degrees_text(lay), f"{lay.micro} x {lay.microbatches}", _recompute(lay),
-            f"{p.memory.total / GIB:.1f}", f"{p.time.total:.3g}", _fmt_rate(p.tokens_per_s), f"{p.mfu:.1%}",
-            p.bottleneck,
-        )  # fmt: skip
-    return table
+def width_of(out: TextIO) -> int:
+    """The columns `out` shows: COLUMNS where set (a terminal, or a pipe told its width, as shutil reads
+    it), else a terminal's own width; a file or pipe without COLUMNS: LOG_WIDTH."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    return shutil.get_terminal_size().columns if out.isatty() else LOG_WIDTH
 
 
-def to_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> None:
-    """The ranking: every column where there is room for it (a log file, a wide terminal), else the
-    columns a choice rests on."""
+def _console(out: TextIO | None, width: int | None = None) -> Any:
     from rich.console import Console
 
     out = out or sys.stdout
-    # a terminal's own width (COLUMNS first, as shutil reads it; rich takes 80 for TERM=dumb unless told
-    # both dimensions); a log file every column
-    size = shutil.get_terminal_size() if out.isatty() else os.terminal_size((220, 25))
-    console = Console(file=out, width=size.columns, height=size.lines)
-    console.print(full_table(preds, title) if console.width >= WIDE else compact_table(preds, title))
+    return Console(file=out, width=width or width_of(out), height=25)  # both: rich takes 80 for TERM=dumb otherwise
+
+
+def _table(heads: tuple[str, ...], left: tuple[str, ...]) -> Any:
+    """The house style, light enough for 120 columns: a rule under the header, two spaces between
+    columns, every cell on one line."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for h in heads:
+        table.add_column(h, justify="left" if h in left else "right", no_wrap=True)
+    return table
+
+
+def short_bottleneck(text: str) -> str:
+    """`compute 84%`, `DP comm 31%`: predict.bottleneck's sentence without its link level and its detail."""
+    name, _, detail = text.partition(" (")
+    for long, short in SHORT:
+        name = name.replace(long, short)
+    return f"{name.split(' over ')[0]} {detail.split(' ')[0]}".strip()
+
+
+def to_table(preds: list[Prediction], title: list[str], out: TextIO | None = None, wide: bool = False) -> None:
+    """The ranking under its title lines: every column where they fit (a log file, a wide terminal, `wide`),
+    else the columns a choice rests on, one line a layout: the bottleneck shortened, then a column the
+    same in every row said once above the table, then the bottleneck of #1 alone, under it."""
+    console = _console(out)
+    for line in title:
+        console.print(line, highlight=False)
+    full = full_table(preds)
+    if wide or _fits(console, full):
+        _console(out, max(console.width, _width(console, full))).print(full)  # `wide`: past the terminal's edge
+        return
+    rows = [_compact_cells(p, i) for i, p in enumerate(preds, 1)]
+    same = tuple(h for h in ("micro x m", "recompute") if len({row[h] for row in rows}) == 1)
+    for short, moved in ((False, ()), (True, ()), (True, same), (True, (*same, "bottleneck"))):
+        table = compact_table(rows, short, moved)
+        if _fits(console, table):
+            break
+    if shared := [f"{h} {rows[0][h]}" for h in moved if h != "bottleneck"]:
+        console.print(f"in every layout: {', '.join(shared)}", highlight=False)
+    console.print(table)
+    if "bottleneck" in moved:
+        console.print(f"bottleneck of #1: {preds[0].bottleneck} (every column: plan.format=wide)", highlight=False)
+
+
+def _width(console: Any, table: Any) -> int:
+    """The columns `table` takes whole (rich's own measure stops at the console's width)."""
+    from rich.measure import Measurement
+
+    return Measurement.get(console, console.options.update(max_width=10_000), table).maximum
+
+
+def _fits(console: Any, table: Any) -> bool:
+    return _width(console, table) <= console.width
+
+
+def _compact_cells(p: Prediction, rank: int) -> dict[str, str]:
+    lay = p.layout
+    return {
+        "#": str(rank), "layout": degrees_text(lay), "micro x m": f"{lay.micro} x {lay.microbatches}",
+        "recompute": _recompute(lay), "mem GiB": f"{p.memory.total / GIB:.1f}", "step s": f"{p.time.total:.3g}",
+        "tokens/s": _fmt_rate(p.tokens_per_s), "MFU": f"{p.mfu:.1%}", "bottleneck": p.bottleneck,
+    }  # fmt: skip
+
+
+def compact_table(rows: list[dict[str, str]], short: bool = False, moved: tuple[str, ...] = ()) -> Any:
+    """The ranking in fewer columns (`_compact_cells`): the layout in one cell (as the run's first line says
+    it), memory, step time, tokens/s, MFU, the bottleneck (`short`: in a few words); `moved`: columns left
+    out. The time's parts are in the whole table (a wide terminal, a log file, `plan.format=wide` or json)."""
+    heads = tuple(h for h in rows[0] if h not in moved)
+    table = _table(heads, ("layout", "micro x m", "recompute", "bottleneck"))
+    for row in rows:
+        cells = {**row, "bottleneck": short_bottleneck(row["bottleneck"]) if short else row["bottleneck"]}
+        table.add_row(*(cells[h] for h in heads))
+    return table
 
 
 HEADS = (
@@ -92,13 +153,9 @@ HEADS = (
 )  # fmt: skip
 
 
-def full_table(preds: list[Prediction], title: str) -> Any:
+def full_table(preds: list[Prediction]) -> Any:
     """Every column: the layout's degrees one by one, and the step time's parts."""
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for h in HEADS:
-        table.add_column(h, justify="left" if h in ("dp", "schedule", "recompute", "bottleneck") else "right")
+    table = _table(HEADS, ("dtype", "dp", "micro x m", "schedule", "recompute", "bottleneck"))
     for i, p in enumerate(preds, 1):
         lay, t = p.layout, p.time
         table.add_row(
@@ -111,43 +168,30 @@ def full_table(preds: list[Prediction], title: str) -> Any:
     return table
 
 
+def batch_text(global_batch: int | None, preds: list[Prediction], seq: int) -> str:
+    """What the ranked layouts train a step: batch.global, or without it each layout's micro x microbatches x dp."""
+    if global_batch:
+        return f"global batch {global_batch:,} sequences of {seq:,} tokens (batch.global)"
+    sizes = sorted({p.layout.global_batch for p in preds})
+    span = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,} to {sizes[-1]:,}"
+    return f"global batch {span} sequences of {seq:,} tokens: batch.global unset, each layout's micro x m x dp"
+
+
 def precision_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> None:
     """One layout in each dtype: its step, the fp8 casts, tokens/s, MFU against the bf16 peak and the fp8 one."""
-    from rich.console import Console
-    from rich.table import Table
-
-    out = out or sys.stdout
-    table = Table(title=title, title_justify="left")
-    heads = (
-        "dtype",
-        "mem GiB",
-        "step s",
-        "compute",
-        "fp8 cast",
-        "dp exp",
-        "tokens/s",
-        "vs bf16",
-        "MFU",
-        "MFU fp8 peak",
-    )
-    for h in heads:
-        table.add_column(h, justify="left" if h == "dtype" else "right")
+    heads = ("dtype", "mem GiB", "step s", "compute", "fp8 cast", "dp exp", "tokens/s", "vs bf16", "MFU")
+    table = _table((*heads, "MFU fp8 peak"), ("dtype",))
     base = preds[0].tokens_per_s
     for p in preds:
         t = p.time
         table.add_row(
-            p.dtype,
-            f"{p.memory.total / GIB:.1f}",
-            f"{t.total:.3g}",
-            f"{t.compute:.3g}",
-            f"{t.fp8_cast:.2g}",
-            f"{t.dp_exposed:.2g}",
-            _fmt_rate(p.tokens_per_s),
-            f"{p.tokens_per_s / base:.2f}x",
-            f"{p.mfu:.1%}",
+            p.dtype, f"{p.memory.total / GIB:.1f}", f"{t.total:.3g}", f"{t.compute:.3g}", f"{t.fp8_cast:.2g}",
+            f"{t.dp_exposed:.2g}", _fmt_rate(p.tokens_per_s), f"{p.tokens_per_s / base:.2f}x", f"{p.mfu:.1%}",
             "-" if p.mfu_fp8_peak is None else f"{p.mfu_fp8_peak:.1%}",
-        )
-    Console(file=out, width=None if out.isatty() else 220).print(table)
+        )  # fmt: skip
+    console = _console(out)
+    console.print(title, highlight=False)
+    console.print(table)
 
 
 def budget_block(b: Budget, machine: str, grouped: tuple[int, Budget] | None = None, out: TextIO | None = None) -> None:
@@ -163,11 +207,12 @@ def budget_block(b: Budget, machine: str, grouped: tuple[int, Budget] | None = N
         else "never: failures come faster than a restart and half an interval (raise hardware.device_mtbf_hours?)"
     )
     lines = (
-        f"Budget: {_fmt_rate(b.tokens)} tokens on layout #1 ({b.devices} x {machine})",
+        f"Budget: {_fmt_rate(b.tokens)} tokens on layout #1 ({b.devices:,} x {machine})",
         f"  steps       {b.steps:,} of {_fmt_rate(b.tokens_per_step)} tokens, {b.step_time_s:.3g} s each: "
         f"{b.ideal_s / DAY:.1f} days without failures",
         f"  failures    one every {b.mtbf_s / HOUR:.3g} h (hardware.device_mtbf_hours="
-        f"{b.mtbf_s * b.devices / HOUR:,.0f} / {b.devices} devices), restart {b.restart_s:.0f} s (hardware.restart_s)",
+        f"{b.mtbf_s * b.devices / HOUR:,.0f} / {b.devices:,} devices), "
+        f"restart {b.restart_s:.0f} s (hardware.restart_s)",
         f"  checkpoint  {gb:.3g} GB per device, saved in {b.save_s:.3g} s "
         f"(hardware.storage_gbs={gb / b.save_s:.3g} GB/s per device)",
         f"  Young-Daly  sqrt(2 x {b.save_s:.3g} s x {b.mtbf_s:.4g} s) = {b.interval_s:.4g} s between saves: "
@@ -175,7 +220,14 @@ def budget_block(b: Budget, machine: str, grouped: tuple[int, Budget] | None = N
         f"  goodput     {b.goodput:.1%}: {finish}",
         *_replica_ft_lines(b, grouped),
     )
-    out.write("\n".join(lines) + "\n")
+    out.write("".join(_wrapped(line, out) for line in lines))
+
+
+def _wrapped(line: str, out: TextIO) -> str:
+    """`line` wrapped at a terminal's width (or COLUMNS), under its figure's name; a log whole (no hard wrap)."""
+    if not (os.environ.get("COLUMNS") or out.isatty()):
+        return line + "\n"
+    return textwrap.fill(line, width_of(out), subsequent_indent=" " * 14, break_on_hyphens=False) + "\n"
 
 
 def _replica_ft_lines(b: Budget, grouped: tuple[int, Budget] | None) -> tuple[str, ...]:
@@ -204,38 +256,44 @@ def _replica_ft_lines(b: Budget, grouped: tuple[int, Budget] | None) -> tuple[st
     )
 
 
-def compare_table(rows: list[Row], tokens: float, what: str, out: TextIO | None = None) -> None:
-    """`plan.compare`: one row per profile, its best layout and that layout's budget for `tokens` of `what`."""
-    from rich.console import Console
-    from rich.table import Table
+COMPARED = ("nodes", "devices", "layout", "step s", "tokens/s", "MFU")  # then the budget's columns
 
-    out = out or sys.stdout
-    table = Table(title=f"plan.compare: {_fmt_rate(tokens)} tokens of {what}", title_justify="left")
-    heads = ("hardware", "nodes", "devices", "layout", "step s", "tokens/s", "MFU", "ckpt every", "goodput")
-    for h in (*heads, "days", "device-h", "$/device-h", "cost $"):
-        table.add_column(h, justify="left" if h in ("hardware", "layout") else "right")
+
+def compare_table(rows: list[Row], tokens: float, what: str, out: TextIO | None = None) -> None:
+    """`plan.compare`: one row per profile, its best layout and that layout's budget for `tokens` of `what`;
+    in two tables (the layout's, the budget's) where one does not fit, a profile that fits no layout under them."""
+    cells = [_compared(row) for row in rows]
+    console = _console(out)
+    console.print(f"plan.compare: {_fmt_rate(tokens)} tokens of {what}", highlight=False)
+    heads = tuple(cells[0])
+    table = _table(heads, ("hardware", "layout"))
+    for row in cells:
+        table.add_row(*row.values())
+    if _fits(console, table):
+        console.print(table)
+    else:
+        for part in (heads[: len(COMPARED) + 1], (heads[0], *heads[len(COMPARED) + 1 :])):
+            table = _table(part, ("hardware", "layout"))
+            for row in cells:
+                table.add_row(*(row[h] for h in part))
+            console.print(table)
     for row in rows:
-        p, b = row.prediction, row.budget
-        if p is None or b is None:
-            table.add_row(row.hardware.name, str(row.nodes), str(row.devices), row.error, *["-"] * 9)
-            continue
-        lay = p.layout
-        shape = f"tp {lay.tp} pp {lay.pp} cp {lay.cp} dp {dp_text(lay)}" + (
-            f" {schedule_text(lay)}" if lay.pp > 1 else ""
-        )
-        table.add_row(
-            row.hardware.name,
-            str(row.nodes),
-            str(row.devices),
-            shape,
-            f"{p.step_time_s:.3g}",
-            _fmt_rate(p.tokens_per_s),
-            f"{p.mfu:.1%}",
-            str(b.checkpoint_every),
-            f"{b.goodput:.1%}",
-            f"{b.days:.1f}" if b.goodput > 0 else "never",
-            _fmt_rate(b.device_hours) if b.goodput > 0 else "-",
-            "-" if b.price_per_hour is None else f"{b.price_per_hour:.2f}",
-            "-" if b.cost is None or b.goodput <= 0 else _fmt_rate(b.cost),
-        )
-    Console(file=out, width=None if out.isatty() else 220).print(table)
+        if row.error is not None:
+            console.print(f"{row.hardware.name}: {row.error}", highlight=False)
+
+
+def _compared(row: Row) -> dict[str, str]:
+    """One `plan.compare` row's cells: hardware, COMPARED, then the budget ("-" where no layout fits)."""
+    p, b = row.prediction, row.budget
+    heads = ("hardware", *COMPARED, "ckpt every", "goodput", "days", "device-h", "$/device-h", "cost $")
+    if p is None or b is None:
+        return dict(zip(heads, (row.hardware.name, str(row.nodes), f"{row.devices:,}", "none fits (below)"),
+                        strict=False)) | dict.fromkeys(heads[4:], "-")  # fmt: skip
+    ran = b.goodput > 0
+    return dict(zip(heads, (
+        row.hardware.name, f"{row.nodes:,}", f"{row.devices:,}", degrees_text(p.layout), f"{p.step_time_s:.3g}",
+        _fmt_rate(p.tokens_per_s), f"{p.mfu:.1%}", str(b.checkpoint_every), f"{b.goodput:.1%}",
+        f"{b.days:.1f}" if ran else "never", _fmt_rate(b.device_hours) if ran else "-",
+        "-" if b.price_per_hour is None else f"{b.price_per_hour:.2f}",
+        "-" if b.cost is None or not ran else _fmt_rate(b.cost),
+    ), strict=True))  # fmt: skip

@@ -46,6 +46,19 @@ def predicted_gib(prediction: Prediction | None) -> float | None:
     return prediction.memory.as_gib()["total"] if prediction else None
 
 
+BUILT = ("params", "buffers", "overhead")  # what `steps=0` holds: the optimizer's moments come with the first step
+SMOKED = (*BUILT, "grads", "activations", "logits")  # `smoke`: one forward/backward's peak besides
+
+
+def predicted_build_gib(prediction: Prediction | None, smoke: bool) -> float | None:
+    """The planner's memory for what `steps=0` measures (never a training step's whole peak, which
+    beside a build would read as a planner error)."""
+    if prediction is None:
+        return None
+    parts = prediction.memory.as_gib()
+    return round(sum(parts[k] for k in (SMOKED if smoke else BUILT)), 3)
+
+
 def out_of_memory(rank: int, err: AllocationFailed, prediction: Prediction | None) -> OutOfMemory:
     predicted = predicted_gib(prediction)
     estimate = f"the planner estimated {predicted:.2f} GiB per rank" if predicted is not None else "no planner estimate"
@@ -67,8 +80,7 @@ def smoke_step(runner: Runner, layout: Layout, batch: tuple[torch.Tensor, torch.
     return loss
 
 
-def memory_lines(per_rank: list[float], prediction: Prediction | None) -> list[str]:
+def memory_lines(per_rank: list[float], predicted: float | None, what: str = "") -> list[str]:
     """One line per rank: measured peak beside the planner's prediction (its worst rank's memory)."""
-    predicted = predicted_gib(prediction)
-    versus = f" · predicted {predicted:.3f} GiB" if predicted is not None else ""
+    versus = f" · predicted {predicted:.3f} GiB{what}" if predicted is not None else ""
     return [f"rank {rank}: peak memory {gib:.3f} GiB measured{versus}" for rank, gib in enumerate(per_rank)]

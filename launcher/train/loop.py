@@ -15,15 +15,25 @@ import torch
 from launcher import flops
 from launcher.data import BatchLoader
 from launcher.files import write_json
+from launcher.layout.text import degrees_text
 from launcher.metrics import sources
+from launcher.metrics.charts import run_loss_curve
 from launcher.metrics.meter import memory_gib, memory_measure
 from launcher.metrics.profile import StepProfiler
 from launcher.parallel.compiled import CompileReport
 from launcher.parallel.float8 import precompute_scales
 from launcher.parallel.runner import Runner
+from launcher.precision import precision_text
 from launcher.run import Run
 from launcher.train.checkpoint import Stateful
-from launcher.train.fit import gather_ranks, gather_rows, memory_lines, memory_summary, smoke_step
+from launcher.train.fit import (
+    gather_ranks,
+    gather_rows,
+    memory_lines,
+    memory_summary,
+    predicted_build_gib,
+    smoke_step,
+)
 from launcher.train.guard import injected_nan, injected_nan_step
 from launcher.train.optim import optimizer_impl
 from launcher.train.preemption import PreemptionFlag
@@ -176,9 +186,12 @@ def measure(w: Worker) -> dict[str, Any]:
     run = w.run
     smoke_loss = smoke_step(w.runner, run.layout, w.train_loader.next_batch(), w.device) if run.smoke else None
     per_rank = gather_ranks(memory_gib(w.device))
-    for line in memory_lines(per_rank, run.prediction):
+    predicted = predicted_build_gib(run.prediction, run.smoke)
+    what = " (weights and one step's activations)" if run.smoke else " (the built weights, before any step)"
+    for line in memory_lines(per_rank, predicted, what):
         w.view.note(line)
-    return {"steps": 0, "smoke_loss": smoke_loss, "build_time_s": w.build_s, **memory_summary(per_rank)}
+    summary = {"steps": 0, "smoke_loss": smoke_loss, "build_time_s": w.build_s, **memory_summary(per_rank)}
+    return summary | {"predicted_build_gib": predicted, "threads_per_worker": run.options.threads}
 
 
 def summarize(w: Worker, rows: list[dict[str, Any]], profiled: list[str]) -> dict[str, Any]:
@@ -211,7 +224,8 @@ def finish(w: Worker, summary: dict[str, Any]) -> dict[str, Any]:
     """The run's summary (the same on every rank), written by the owner; the sinks closed."""
     run, layout, options = w.run, w.run.layout, w.run.options
     summary |= {"world_size": layout.world_size, "layout": asdict(layout), "model": run.model.name}
-    summary |= {"params": flops.num_params(run.model), "precision": options.precision, "compile": options.compile}
+    summary |= {"params": flops.num_params(run.model), "compile": options.compile}
+    summary["precision"] = precision_text(options.precision, options.fp8)  # as run: `fp8 (tensorwise) + bf16 autocast`
     if w.runner.compiled_units:  # graphs and graph breaks (launcher/parallel/compiled.py)
         summary["compiled"] = CompileReport.now(w.runner.compiled_units).summary()
     summary |= {"optimizer_impl": optimizer_impl(w.optimizer), "wall_time_s": time.perf_counter() - w.t_start}
@@ -231,4 +245,8 @@ def finish(w: Worker, summary: dict[str, Any]) -> dict[str, Any]:
         for sink in w.sinks:
             sink.close()
     w.view.close(summary)
+    if w.owner and summary["steps"]:  # after the table: the loss curve, drawn once training is over
+        if line := run_loss_curve(w.run_dir, f"{run.model.name} · {degrees_text(layout)}"):
+            w.view.note(line)
+            log.info("%s", line)
     return summary

@@ -24,6 +24,7 @@ from launcher.model.init import AllocationFailed, meta_model
 from launcher.options import BuildOptions
 from launcher.parallel import parallelize
 from launcher.parallel.runner import Runner
+from launcher.precision import precision_text
 from launcher.run import Run
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
 from launcher.train.fit import out_of_memory
@@ -121,7 +122,8 @@ def outputs(run: Run, run_dir: Path, owner: bool) -> tuple[ConsoleView, list[Any
     layout, options = run.layout, run.options
     header = (
         f"[bold]{run.model.name}[/] {flops.num_params(run.model) / 1e6:.1f}M params · {describe(layout)} · "
-        f"batch {layout.global_batch}x{options.seq_len} · {options.threads} thread"
+        f"batch {layout.global_batch}x{options.seq_len} · {precision_text(options.precision, options.fp8)} · "
+        f"{options.threads} thread"
         f"{'s' * (options.threads != 1)}/worker · "
         f"peak {options.peak_flops / 1e12:.3f} TFLOP/s/device"
     )

@@ -1,0 +1,77 @@
+"""Charts as PNG files, drawn by matplotlib (the optional `plot` extra) at the end of a run or a sweep:
+the run's loss curve (loss.png), and the helpers the sweep's charts share with it (launcher/sweep.py).
+matplotlib is imported only when a chart is drawn, never while a run trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from launcher.extras import install_hint, installed
+from launcher.files import shown
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend: files only, no display, in any process."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
+def read_rows(metrics: Path) -> list[dict[str, Any]]:
+    """The logged steps of a metrics.jsonl, the last row of each step (a rolled-back step is logged again),
+    in step order; none where the file is missing."""
+    if not metrics.exists():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return sorted({row["step"]: row for row in rows}.values(), key=lambda row: row["step"])
+
+
+def loss_lines(ax: Any, rows: list[dict[str, Any]], label: str, val_label: str | None = None) -> None:
+    """Training loss per logged step as a line, the validation losses as dots of the line's colour."""
+    (line,) = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label, lw=1.2)
+    val = [r for r in rows if "val_loss" in r]
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color=line.get_color(), ms=4, label=val_label)
+
+
+def loss_curve(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """One run's loss.png: training loss, validation dots, and a mixture's loss per source, thinner."""
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    loss_lines(ax, rows, "training loss", "validation loss" if any("val_loss" in r for r in rows) else None)
+    sources = sorted({key for r in rows for key in r if key.startswith("loss.")})
+    for key in sources:  # a mixture (data=mix): each source's loss, launcher/metrics/sources.py
+        per = [r for r in rows if key in r]
+        ax.plot([r["step"] for r in per], [r[key] for r in per], lw=0.8, alpha=0.7, label=key.replace(".", " ", 1))
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps, not 2.5
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save(fig, path)
+
+
+def run_loss_curve(run_dir: Path, title: str) -> str | None:
+    """The owner's loss.png from the run's metrics.jsonl; the one line that says where it went, or why
+    there is none. Never raises: the run has trained and written its files, a chart does not fail it."""
+    if not installed("matplotlib"):
+        return f"note: no loss curve without matplotlib ({install_hint('matplotlib')})"
+    try:
+        path = loss_curve(read_rows(run_dir / "metrics.jsonl"), run_dir / "loss.png", title)
+    except Exception as err:  # anything matplotlib or the disk raises: one warning line
+        return f"warning: no loss curve ({type(err).__name__}: {err})"
+    return f"loss curve: {shown(path)}" if path else None
