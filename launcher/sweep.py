@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,6 +163,27 @@ def batch_note(rows: list[dict[str, Any]]) -> str | None:
     return f"note: the points trained different global batches ({each}): set batch.global to compare like with like"
 
 
+OFF = 3.0  # measured and predicted tokens/s this many times apart: not the planner's error alone
+
+
+def off_note(rows: list[dict[str, Any]]) -> str | None:
+    """The line that says some points ran far from their prediction: on a busy machine (other work on
+    the cores) or against a calibration cached on one, the predicted column is no guide."""
+    off = [
+        f"{r['point']}: {r['tokens_per_s'] / r['predicted_tokens_per_s']:.2g}x"
+        for r in rows
+        if r["tokens_per_s"] and r["predicted_tokens_per_s"]
+        and not 1 / OFF <= r["tokens_per_s"] / r["predicted_tokens_per_s"] <= OFF
+    ]  # fmt: skip
+    if not off:
+        return None
+    load = f", load now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores" if hasattr(os, "getloadavg") else ""
+    return (
+        f"note: measured tokens/s {OFF:g}x or more off the prediction ({', '.join(off)}{load}): a busy machine, "
+        "or a calibration cached on one (`doctor` re-measures the peak)"
+    )
+
+
 # --- writing -----------------------------------------------------------------------------------------
 def _fmt(value: Any, kind: str = "") -> str:
     if value is None:
@@ -290,8 +312,9 @@ def summarize(sweep_dir: Path, file: Any = None) -> list[dict[str, Any]]:
     print_table(rows, f"sweep {sweep_dir}", file)
     written = write_files(rows, sweep_dir)
     out = file or sys.stdout
-    if note := batch_note(rows):
-        print(note, file=out)
+    for note in (batch_note(rows), off_note(rows)):
+        if note:
+            print(note, file=out)
     charts = []
     if installed("matplotlib"):
         charts = [plot(rows, sweep_dir / "sweep_summary.png"), plot_losses(rows, sweep_dir / "sweep_losses.png")]

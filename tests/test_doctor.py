@@ -111,3 +111,22 @@ def test_unknown_option_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: doctor: unknown option 'hardwre': use hardware=, run_dir=, cache_dir= or compile="
     ]
+
+
+def test_a_peak_cached_on_a_busy_machine_is_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GEMM peak cached low (calibrated under load) made every MFU since read high: doctor re-measures it."""
+    import json
+    import os
+
+    from launcher import calibration
+    from launcher.calibration.gemm import _gemm_key, gemm_record
+
+    s = setting(tmp_path)
+    threads = os.cpu_count() or 1
+    path = tmp_path / "cache" / "calibration.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({calibration.cache.full_key(_gemm_key(threads)): gemm_record(threads, 1e9)}))
+    monkeypatch.setattr(calibration, "measure_gemm_flops", lambda threads, seconds, trials: 5e9)
+    found = doctor.check_peak(s)
+    assert found.status == "ok" and "raised from 1 to 5 GFLOP/s" in found.detail
+    assert calibration.cached_gemm_flops(threads, str(tmp_path / "cache")) == 5e9

@@ -302,6 +302,16 @@ def test_bad_input_errors():
     one_line_error(make_cfg("8b", plan={"format": "xml"}), match=r"plan.format")
 
 
+def test_a_run_measures_mfu_against_the_peak_the_planner_predicts_with(monkeypatch):
+    """4 workers of 1 thread on 2 cores each get half a core: the planner's peak; the run's MFU read
+    the whole core's, so measured and predicted MFU disagreed 2x while tokens/s agreed."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    cfg = make_cfg("tiny", "cpu", tp=2, dp=2, threads=1)
+    cfg.hardware.peak_tflops = 0.1
+    _, prediction, options = planner.resolve(cfg)
+    assert options.peak_flops == pytest.approx(problem(cfg, 4).machine.peak_flops) == pytest.approx(0.05e12)
+
+
 def test_cpu_profile_is_calibrated_through_resolve_hardware(monkeypatch):
     import launcher.hardware as hardware
 

@@ -169,3 +169,9 @@ def test_an_fp8_run_reads_as_fp8_with_its_layer_counts() -> None:
     fp8 = {"recipe": "tensorwise", "emulate": True, "converted": {"w1": 8, "wo": 6}, "high_precision": [{"count": 1}]}
     text = rendered(run_summary() | {"precision": "fp8 (tensorwise, emulated) + bf16 autocast", "fp8": fp8})
     assert "fp8 (tensorwise, emulated) + bf16 autocast: 14 layers in fp8, 1 kept high precision" in text
+
+
+def test_an_mfu_above_the_peak_says_the_cached_peak_is_stale() -> None:
+    text = rendered(run_summary() | {"median_mfu": 1.4, "cpu_allocator": "fast"})
+    assert "MFU above 100%" in text and "`doctor` re-measures it" in text
+    assert "MFU above 100%" not in rendered(run_summary() | {"cpu_allocator": "fast"})

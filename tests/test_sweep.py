@@ -119,6 +119,23 @@ def test_points_of_different_global_batches_are_said_to_be_unlike(tmp_path: Path
         summarize(tmp_path, file=f)
     text = (tmp_path / "out.txt").read_text()
     assert "note: the points trained different global batches (pp=1: 8, pp=2: 32): set batch.global" in text
+    assert "off the prediction" not in text  # 1000 against 1200: within reach
+
+
+def test_points_far_off_their_prediction_are_named(tmp_path: Path) -> None:
+    """On a busy machine the predicted column was 9x off with no word said."""
+    for num, measured in enumerate([1000.0, 120.0]):
+        job = tmp_path / str(num) / ".hydra"
+        job.mkdir(parents=True)
+        (job / "overrides.yaml").write_text(f"- tp={num + 1}\n")
+        summary = {"median_tokens_per_s": measured, "median_mfu": 0.2, "final_loss": 5.0, "world_size": 1}
+        summary["prediction"] = {"tokens_per_s": 1080.0, "mfu": 0.25, "memory_gib": 0.1, "global_batch": 8}
+        (tmp_path / str(num) / "summary.json").write_text(json.dumps(summary))
+    with (tmp_path / "out.txt").open("w") as f:
+        summarize(tmp_path, file=f)
+    text = (tmp_path / "out.txt").read_text()
+    assert "note: measured tokens/s 3x or more off the prediction (tp=2: 0.11x, load now" in text
+    assert "tp=1:" not in text.split("off the prediction")[1]
 
 
 def test_the_common_batch_is_the_least_common_multiple_where_points_differ() -> None:

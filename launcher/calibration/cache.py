@@ -6,6 +6,7 @@ go (`calibrate`), announced in one line."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -100,8 +101,16 @@ def calibrate(probes: list[Probe], cache_dir: str) -> dict[str, Any]:
     except BaseException:
         print(file=sys.stderr, flush=True)  # the line ends before the error's
         raise
-    print(f" done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    print(f" done in {time.perf_counter() - t0:.0f} s{busy_note()}", file=sys.stderr, flush=True)
     return values
+
+
+def busy_note() -> str:
+    """Said after measuring on a busy machine, whose numbers read low (and every MFU since high)."""
+    cores, load = os.cpu_count() or 1, os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load <= 0.75 * cores:
+        return ""
+    return f" (the machine was busy, load {load:.1f} on {cores} cores: `doctor` later re-measures the peak)"
 
 
 def cached_measure(cache_dir: str, probe: Probe) -> Any:

@@ -183,6 +183,8 @@ def notes(summary: dict[str, Any], pred: dict[str, Any]) -> list[str]:
         lines.append(f"planner ({pred.get('hardware', '?')}): bottleneck {pred.get('bottleneck', '?')}{fits}")
     if "peak_mem_measure" in summary and "peak_mem_gib_per_rank" in summary:
         lines.append(f"memory measured as {summary['peak_mem_measure']}")
+    if summary.get("median_mfu", 0) > 1 and "cpu_allocator" in summary:  # faster than the peak: it was cached low
+        lines.append("MFU above 100%: this CPU's cached GEMM peak was measured on a busy machine; `doctor` re-measures it")
     return lines
 
 

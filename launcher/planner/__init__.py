@@ -35,7 +35,7 @@ from launcher.options import BuildOptions
 from launcher.planner.budget import Row, budget, compared_nodes, ft_budget
 from launcher.planner.predict import Prediction, Problem, predict
 from launcher.planner.report import batch_text, budget_block, compare_table, precision_table, to_json, to_table
-from launcher.planner.request import fp8_of, problem, space
+from launcher.planner.request import core_share, fp8_of, problem, space
 from launcher.planner.search import Result, search
 from launcher.precision import fp8_options, precision_mode
 from launcher.validate import compared_profiles, validate
@@ -164,7 +164,9 @@ def build_options(cfg: TrainConfig, layout: Layout) -> BuildOptions:
         init_from=cfg.init.get("from") or None,
         device=hw.kind,
         threads=threads,
-        peak_flops=peak_flops(hw, threads, cfg.cache_dir),
+        # a CPU worker's share of its cores, as the planner counts it: MFU measured and predicted alike
+        peak_flops=peak_flops(hw, threads, cfg.cache_dir)
+        * (core_share(cfg, layout.world_size) if hw.kind == "cpu" else 1),
         flop_per_byte=device_flop_per_byte(hw.kind, hw.peak_tflops, hw.memory_bandwidth_gbs),
         fp8=fp8_options(cfg.dtype, cfg.fp8, hw, layout),
         document_eos=document_eos(cfg.data),

@@ -26,14 +26,18 @@ from launcher.planner.search import Space
 from launcher.validate import require_fp8_units
 
 
-def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
+def core_share(cfg: TrainConfig, world: int) -> float:
+    """The share of its threads' cores a CPU worker gets: local workers share the cores, and with more
+    threads than cores everything time-slices (the matmuls, gloo's copies and reductions, the dispatch)."""
     local = workers_per_node(world, cfg.nodes)
-    threads = worker_threads(cfg.threads, local)
+    return min(1.0, (os.cpu_count() or 1) / (local * worker_threads(cfg.threads, local)))
+
+
+def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
+    threads = worker_threads(cfg.threads, workers_per_node(world, cfg.nodes))
     mach = machine(cfg.hardware, threads, cfg.cache_dir)
     if mach.kind == "cpu":
-        # local workers share the cores: with more threads than cores everything time-slices, the
-        # matmuls, gloo's copies and reductions, and the framework's dispatch alike
-        share = min(1.0, (os.cpu_count() or 1) / (local * threads))
+        share = core_share(cfg, world)
         levels = tuple(lv.time_sliced(share) for lv in mach.levels)
         mach = dataclasses.replace(
             mach,
