@@ -146,6 +146,7 @@ def test_export_round_trip_gives_the_same_logits(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     out = Path(result.stdout.strip())
+    assert f"step_00000003 of {tmp_path / 'r' / 'checkpoints'} written to {out} (safetensors," in result.stderr
     assert out.stat().st_mode & 0o777 == 0o666 & ~current_umask()  # as any file the user writes (not 0600)
     exported = Transformer(cfg.model)
     exported.load_state_dict(load_file(str(out)), strict=True)

@@ -182,7 +182,9 @@ def export(
     failures: list[tuple[Path, str]] = []
     for checkpoint in candidates:
         try:
-            return WRITERS[fmt](checkpoint, target, model, shard_gib)
+            written = WRITERS[fmt](checkpoint, target, model, shard_gib)
+            print(exported_line(checkpoint, written, fmt), file=sys.stderr)  # stdout: the path alone, for scripts
+            return written
         except OSError as err:  # the destination: a full disk, a quota, a vanished mount
             raise LauncherError(
                 f"export-weights: writing {target} failed ({err.strerror or err}): free space or choose another "
@@ -192,3 +194,11 @@ def export(
             failures.append((checkpoint, str(err)))
             print(f"warning: checkpoint {checkpoint} is unreadable ({err}); trying the previous one", file=sys.stderr)
     raise no_readable(candidates[0].parent, failures, "export-weights: give another checkpoint folder")
+
+
+def exported_line(checkpoint: Path, written: Path, fmt: str) -> str:
+    """The line that confirms an export: which checkpoint, where, how big."""
+    files = [written] if written.is_file() else [p for p in written.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files) / 2**20
+    what = "an HF Llama folder" if fmt == "hf" else "safetensors"
+    return f"export-weights: {checkpoint.name} of {checkpoint.parent} written to {written} ({what}, {size:,.1f} MiB)"
