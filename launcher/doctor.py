@@ -21,6 +21,7 @@ from importlib.metadata import PackageNotFoundError, requires
 from pathlib import Path
 from typing import Any
 
+from launcher.errors import LauncherError
 from launcher.extras import EXTRAS, installed
 
 GIB = 2**30
@@ -172,11 +173,17 @@ def check_slurm() -> Finding:
     sbatch = shutil.which("sbatch")
     if not sbatch:
         return Finding("ok", "slurm", "no sbatch: local runs (hydra/launcher=slurm needs a SLURM login node)")
-    version = subprocess.run([sbatch, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    version = subprocess.run([sbatch, "--version"], capture_output=True, text=True, timeout=30).stdout.strip() or sbatch
     if not installed("submitit"):
         return Finding("warning", "slurm", f"{version}, but submitit is missing: pip install 'launcher[slurm]'")
+    from launcher.slurm import partitions
+
+    try:
+        names = partitions()
+    except LauncherError as err:  # installed but no controller answers: a submission would fail
+        return Finding("warning", "slurm", f"{version}: {err}")
     job = os.environ.get("SLURM_JOB_ID")
-    return Finding("ok", "slurm", f"{version}{f', inside job {job}' if job else ''}")
+    return Finding("ok", "slurm", f"{version}, partitions {', '.join(names)}{f', inside job {job}' if job else ''}")
 
 
 def check_disk(key: str, path: Path) -> Finding:

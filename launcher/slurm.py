@@ -90,8 +90,9 @@ register_resolver()
 
 
 # --- preflight --------------------------------------------------------------------------------------
-def preflight(cfg: Any, tasks_per_node: int, partition: str | None) -> None:
-    """Before submitting: the layout fits the nodes, sbatch exists, the partition exists. One line each."""
+def preflight(cfg: Any, tasks_per_node: int, partition: str | None, submits: bool = True) -> None:
+    """Before submitting: the layout fits the nodes, sbatch exists, the controller answers and the partition
+    exists (`submits`: a dry run asks the controller nothing). One line each."""
     check_ft_steps(_get(cfg, "ft.replicas"), "hydra/launcher=slurm")
     hw = _get(cfg, "hardware")
     devices, name = _get(hw, "devices_per_node"), _get(hw, "name")
@@ -106,8 +107,8 @@ def preflight(cfg: Any, tasks_per_node: int, partition: str | None) -> None:
             "hydra/launcher=slurm needs `sbatch` on PATH: run on a SLURM login node, or write a script "
             "with slurm.emit=true"
         )
-    if partition:
-        names = partitions()
+    names = partitions() if submits else []  # an unreachable controller fails here, not inside submitit
+    if partition and submits:
         if partition not in names:
             raise LauncherError(
                 f"partition '{partition}' does not exist on this cluster: set slurm.partition to one of "
@@ -124,13 +125,19 @@ def check_ft_steps(replicas: int, where: str) -> None:
         )
 
 
+UNREACHABLE = "SLURM does not answer here"
+REACH_FIX = "run on a login node of the cluster (or set SLURM_CONF), or write a script with slurm.emit=true"
+
+
 def partitions() -> list[str]:
+    """The cluster's partitions, asked of its controller (sinfo): one line when it does not answer."""
     try:
         out = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise LauncherError(f"cannot list SLURM partitions (sinfo): {err}") from None
+        raise LauncherError(f"{UNREACHABLE} (sinfo: {err}): {REACH_FIX}") from None
     if out.returncode:
-        raise LauncherError(f"cannot list SLURM partitions: sinfo says {out.stderr.strip().splitlines()[-1:]}")
+        said = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1].removeprefix("sinfo: ")
+        raise LauncherError(f"{UNREACHABLE} (sinfo: {said}): {REACH_FIX}")
     return sorted({line.strip() for line in out.stdout.splitlines() if line.strip()})
 
 

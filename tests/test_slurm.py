@@ -321,3 +321,22 @@ def test_ft_groups_are_job_steps_and_a_failed_one_heals(tmp_path: Path, cache: s
     assert steps_of(run) == list(range(1, 41))  # group 0: each step once, never restarted
     assert steps_of(run / "replica_1") == list(range(1, 41))  # group 1: steps 1-2, died, healed into step 3
     assert_same(final_state(run), final_state(run / "replica_1"))
+
+
+def test_a_slurm_that_does_not_answer_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sbatch installed but no controller (no slurm.conf, DNS SRV lookup failed): submitit's 65-line
+    traceback before; one line naming the fix now, and a dry run still prints its script."""
+    import launcher.slurm as slurm_module
+
+    said = "sinfo: fatal: Could not establish a configuration source"
+    failed = subprocess.CompletedProcess(["sinfo"], 1, stdout="", stderr=f"sinfo: error: x\n{said}\n")
+    monkeypatch.setattr(slurm_module.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(slurm_module.subprocess, "run", lambda *a, **k: failed)
+    cfg = make_config("threads=1")
+    with pytest.raises(LauncherError) as err:
+        preflight(cfg, 1, None)
+    assert str(err.value) == (
+        "SLURM does not answer here (sinfo: fatal: Could not establish a configuration source): run on a login "
+        "node of the cluster (or set SLURM_CONF), or write a script with slurm.emit=true"
+    )
+    preflight(cfg, 1, "debug", submits=False)  # slurm.dry_run: nothing asked of the controller

@@ -30,8 +30,9 @@ if installed("hydra_plugins.hydra_submitit_launcher"):
         def launch(self, job_overrides: Any, initial_job_idx: int) -> Any:
             assert self.config is not None
             # a LauncherError here reaches the CLI as it is (hydra_compat.hydra_errors_raised): one line, exit 2
-            preflight(self.config, int(self.params.get("tasks_per_node") or 1), self.params.get("partition"))
-            if self.config.slurm.dry_run:
+            dry = self.config.slurm.dry_run
+            preflight(self.config, int(self.params.get("tasks_per_node") or 1), self.params.get("partition"), not dry)
+            if dry:
                 describe(self.params, job_overrides, initial_job_idx)
                 return []
             return super().launch(job_overrides, initial_job_idx)
