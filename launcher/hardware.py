@@ -29,17 +29,23 @@ def peak_flops(hw: HardwareConfig, threads: int, cache_dir: str) -> float:
     return calibration.gemm_flops(threads, cache_dir)
 
 
-def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> HardwareConfig:
+ALONE_UNUSED = ("host_overhead_us", "links")  # what one process never pays: tensor-parallel dispatch, collectives
+
+
+def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str, alone: bool = False) -> HardwareConfig:
     """A copy of `hw` with its null numbers calibrated on this machine (peak FLOP/s at `threads`
     threads, its sustained share, the blocks' non-matmul width, link latency and bandwidth by message
-    size, tensor-parallel and per-block host overhead, the optimizer's and the host copies' time)."""
+    size, tensor-parallel and per-block host overhead, the optimizer's and the host copies' time).
+    `alone` (a one-process layout): the links and the tensor-parallel dispatch stay null, measured
+    (16 s of the first run's 35) when a layout of several processes needs them."""
     null = [name for name in CALIBRATED if getattr(hw, name) is None]
     null += ["links"] * any(link.bandwidth_gbs is None or link.latency_us is None for link in hw.links)
+    null = [name for name in null if not (alone and name in ALONE_UNUSED)]
     calibration.calibrate(calibration.probes(null, threads, cache_dir), cache_dir)  # what the cache lacks: one line
     peak = hw.peak_tflops if hw.peak_tflops is not None else peak_flops(hw, threads, cache_dir) / 1e12
     links = []
     for link in hw.links:
-        if link.bandwidth_gbs is None or link.latency_us is None:
+        if (link.bandwidth_gbs is None or link.latency_us is None) and "links" in null:
             measured = calibration.gloo_link(cache_dir)
             link = replace(link, **{k: v for k, v in measured.items() if getattr(link, k) is None})
         links.append(link)
@@ -51,5 +57,5 @@ def resolve_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> Hardwa
         "optimizer_ns_per_param": lambda: calibration.optimizer_ns_per_param(cache_dir),
         "host_copy_ns_per_byte": lambda: calibration.host_copy_ns_per_byte(cache_dir),
     }
-    measured = {name: measure() for name, measure in measures.items() if getattr(hw, name) is None}
+    measured = {name: measure() for name, measure in measures.items() if getattr(hw, name) is None and name in null}
     return replace(hw, peak_tflops=peak, links=links, **measured)

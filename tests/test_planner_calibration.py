@@ -140,11 +140,17 @@ def test_a_fresh_cache_is_calibrated_under_one_line_each_probe_once(tmp_path, mo
 
     for (module, name), value in PROBES.items():
         monkeypatch.setattr(module, name, probe(name, value))
-    cfg = compose_config("+model=tiny", "hardware=cpu", f"cache_dir={tmp_path}")
-    resolve(cfg)
+    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))  # a busy machine's note is its own test
+    cfg = compose_config("+model=tiny", "hardware=cpu", f"cache_dir={tmp_path}", "threads=1")
+    resolve(cfg)  # one process: no link and no tensor-parallel dispatch to price, so none measured yet
     path = tmp_path / "calibration.json"
-    line = f"calibrating this CPU once (gemm, host, blocks, links; ~34 s), cached in {path} ... done in 0 s"
+    line = f"calibrating this CPU once (gemm, host, blocks; ~18 s), cached in {path} ... done in 0 s"
     assert capsys.readouterr().err.splitlines() == [line]
+    alone = {"measure_gloo_link", "measure_tp_overhead"}
+    assert runs == Counter({name: 1 for _, name in PROBES if name not in alone})
+    resolve(compose_config("+model=tiny", "hardware=cpu", f"cache_dir={tmp_path}", "threads=1", "tp=2"))
+    line = f"calibrating this CPU once (host, links; ~16 s), cached in {path} ... done in 0 s"
+    assert capsys.readouterr().err.splitlines() == [line]  # what two processes add, then
     assert runs == Counter({name: 1 for _, name in PROBES})
     assert len(json.loads(path.read_text())) == len(PROBES)
     resolve(cfg)  # cached: nothing measured, nothing said

@@ -11,16 +11,19 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from launcher.planner.memo import hash_once
+
 KINDS = ("ring", "gather", "scatter", "all_to_all")  # the collectives a level may time differently
 
 
+@hash_once
 @dataclass(frozen=True)
 class Level:
     """One interconnect level: `size` devices share a domain; bandwidth per device, one direction."""
 
     name: str
     size: int
-    bandwidth: float  # bytes/s per device
+    bandwidth: float | None  # bytes/s per device (None: a one-process machine's links, never used)
     latency: float  # seconds per hop
     gather_bandwidth: float | None = None  # all-gather, when the backend differs; None: bandwidth
     scatter_bandwidth: float | None = None  # reduce-scatter, likewise
@@ -51,7 +54,7 @@ class Level:
         return Level(
             self.name,
             self.size,
-            self.bandwidth * share,
+            self.bandwidth and self.bandwidth * share,  # None: a one-process machine's, never used
             self.latency / share,
             self.gather_bandwidth and self.gather_bandwidth * share,
             self.scatter_bandwidth and self.scatter_bandwidth * share,
@@ -60,6 +63,7 @@ class Level:
         )
 
 
+@hash_once
 @dataclass(frozen=True)
 class Machine:
     name: str

@@ -37,21 +37,23 @@ def validate(hw: HardwareConfig) -> None:
         )
 
 
-def resolved_hardware(hw: HardwareConfig, threads: int, cache_dir: str) -> HardwareConfig:
-    """`hw` with the numbers a CPU profile leaves null measured (cached) at `threads` per worker."""
+def resolved_hardware(hw: HardwareConfig, threads: int, cache_dir: str, alone: bool = False) -> HardwareConfig:
+    """`hw` with the numbers a CPU profile leaves null measured (cached) at `threads` per worker
+    (`alone`: those a one-process layout uses)."""
     if not needs_calibration(hw):
         return hw
     from launcher.hardware import resolve_hardware  # imports torch: cpu calibration only
 
-    return resolve_hardware(hw, threads, cache_dir)
+    return resolve_hardware(hw, threads, cache_dir, alone)
 
 
-def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
-    """Resolve `hw` (calibrating null numbers on this CPU) into a Machine."""
+def machine(hw: HardwareConfig, threads: int, cache_dir: str, alone: bool = False) -> Machine:
+    """Resolve `hw` (calibrating null numbers on this CPU) into a Machine. `alone`: for a one-process
+    layout, whose links and tensor-parallel dispatch stay unmeasured (priced at nothing: never used)."""
     validate(hw)
     flop_per_byte = device_flop_per_byte(hw.kind, hw.peak_tflops, hw.memory_bandwidth_gbs)  # as the runtime reads it
     measured = {link.name for link in hw.links if link.bandwidth_gbs is None}
-    hw = resolved_hardware(hw, threads, cache_dir)
+    hw = resolved_hardware(hw, threads, cache_dir, alone)
 
     def rate(link: LinkConfig, gbs: float | None) -> float | None:
         share = link.efficiency or (1.0 if link.name in measured else LINK_EFFICIENCY)
@@ -62,7 +64,7 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
             name=link.name,
             size=link.size,
             bandwidth=rate(link, link.bandwidth_gbs),
-            latency=link.latency_us * 1e-6,
+            latency=(link.latency_us or 0.0) * 1e-6,  # null only `alone`
             gather_bandwidth=rate(link, link.all_gather_gbs),
             scatter_bandwidth=rate(link, link.reduce_scatter_gbs),
             all_to_all_bandwidth=rate(link, link.all_to_all_gbs),
@@ -78,7 +80,7 @@ def machine(hw: HardwareConfig, threads: int, cache_dir: str) -> Machine:
         matmul_efficiency=hw.matmul_efficiency,
         devices_per_node=hw.devices_per_node,
         levels=levels,
-        host_overhead=float(hw.host_overhead_us) * 1e-6,
+        host_overhead=float(hw.host_overhead_us or 0.0) * 1e-6,
         block_overhead=float(hw.block_overhead_us) * 1e-6,
         optimizer_time=float(hw.optimizer_ns_per_param) * 1e-9,
         host_copy_time=float(hw.host_copy_ns_per_byte) * 1e-9,

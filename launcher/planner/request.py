@@ -35,7 +35,7 @@ def core_share(cfg: TrainConfig, world: int) -> float:
 
 def resolve_machine(cfg: TrainConfig, world: int) -> Machine:
     threads = worker_threads(cfg.threads, workers_per_node(world, cfg.nodes))
-    mach = machine(cfg.hardware, threads, cfg.cache_dir)
+    mach = machine(cfg.hardware, threads, cfg.cache_dir, alone=world == 1)
     if mach.kind == "cpu":
         share = core_share(cfg, world)
         levels = tuple(lv.time_sliced(share) for lv in mach.levels)
