@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, fields, is_dataclass, replace
@@ -10,13 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, ListConfig, OmegaConf, ValueNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from launcher.config import CONF_DIR, TrainConfig, compose_config
-from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError
+from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError, usage_errors_raised
 from launcher.extras import install_hint, installed, require
 from launcher.files import make_dir, remove_if_unused
 from launcher.hydra_compat import hydra_errors_raised, hydra_full_error, plain_overrides
@@ -47,8 +49,8 @@ def schema_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
 
 def compose_error(err: Exception) -> str:
     """One line for an error Hydra raised while composing: the key and the fix, from the exception's
-    own fields (OmegaConf names the key, the value and the node type; Hydra the missing option)."""
-    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    own fields (OmegaConf's, the cause or context, names the key, value and node type; Hydra the missing option)."""
+    cause = next((e for e in (err.__cause__, err.__context__) if isinstance(e, OmegaConfBaseException)), err)
     if isinstance(cause, ConfigKeyError | ConfigAttributeError) and cause.full_key:
         close = difflib.get_close_matches(cause.full_key, schema_keys(), n=1, cutoff=0.6)
         hint = f"did you mean '{close[0]}'?" if close else "see `train --cfg job` for the keys"
@@ -58,6 +60,8 @@ def compose_error(err: Exception) -> str:
         return f"{cause.full_key}={cause.value}: expected a value of type {expected}"
     if isinstance(cause, ValidationError) and cause.full_key and isinstance(cause.child_node, ListConfig):
         return f"{cause.full_key}={cause.value}: expected a list, e.g. {cause.full_key}=[{cause.value}]"
+    if isinstance(err, yaml.MarkedYAMLError) and (mark := err.problem_mark):  # a --config-dir file that is not YAML
+        return f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: {err.problem}: fix the YAML"
     if isinstance(err, MissingConfigException) and "submitit" in str(err) and not installed(SUBMITIT_PLUGIN):
         return f"hydra/launcher=slurm needs the hydra_submitit_launcher package: {install_hint(SUBMITIT_PLUGIN)}"
     if isinstance(err, MissingConfigException):  # its first paragraph; then the options, or the search path
@@ -77,7 +81,7 @@ def run_app(config_name: str, task: Callable[[Any], None], overrides: list[str] 
     """Run a Hydra app (`overrides`: composed once, Hydra's compose API). Errors arrive as exception objects: ours
     (LauncherError, from the task or a plugin) exit with their code; Hydra's compose errors: one line, exit 2."""
     full_error = hydra_full_error()  # the user asked for Hydra's tracebacks: they get them
-    with hydra_errors_raised() as restore_hydra_errors:
+    with hydra_errors_raised() as restore_hydra_errors, usage_errors_raised():  # one line for a bad flag
 
         def wrapped(cfg: DictConfig) -> None:
             restore_hydra_errors()  # from here on Hydra reports the task's own crashes as the user asked
@@ -95,7 +99,7 @@ def run_app(config_name: str, task: Callable[[Any], None], overrides: list[str] 
             sys.exit(INTERRUPTED)
         except LauncherError as err:  # from a sweeper or launcher plugin, before any task ran
             exit_with(err)
-        except (HydraException, OmegaConfBaseException) as err:
+        except (HydraException, OmegaConfBaseException, yaml.YAMLError) as err:
             if full_error:
                 raise
             exit_with(LauncherError(compose_error(err)))
@@ -244,21 +248,21 @@ EXPORT_EXAMPLES = """examples:
   export-weights old-run/checkpoints/step_400 m.safetensors model=tiny   # a checkpoint without its model
 
 docs: docs/checkpoints.md and README.md ("From and to Hugging Face") in the project's repository"""
+EXPORT_OPTIONS = "format=safetensors|hf, model=NAME, shard_gib=GIB (hf, 5)"
+EXPORT_ARGUMENTS = {
+    "checkpoint": "a step_* checkpoint folder, or a folder of them (newest is used)",
+    "out": "output .safetensors file, or folder (format=hf)",
+}
 
 
 def export() -> None:
     """`export-weights CHECKPOINT OUT [KEY=VALUE ...]` (EXPORT_HELP)."""
     from launcher.train.export import export as write
 
-    args = keyed_parser(
-        "export-weights",
-        EXPORT_HELP,
-        EXPORT_EXAMPLES,
-        "format=safetensors|hf, model=NAME, shard_gib=GIB (hf, 5)",
-        checkpoint="a step_* checkpoint folder, or a folder of them (newest is used)",
-        out="output .safetensors file, or folder (format=hf)",
-    ).parse_args()
+    parser = keyed_parser("export-weights", EXPORT_HELP, EXPORT_EXAMPLES, EXPORT_OPTIONS, **EXPORT_ARGUMENTS)
     try:
+        with usage_errors_raised():
+            args = parser.parse_args()
         require("safetensors", what="export-weights")
         options = export_options(args.options)
         print(write(args.checkpoint, args.out, **options))
@@ -266,32 +270,35 @@ def export() -> None:
         exit_with(err)
 
 
+def key_values(prog: str, items: list[str], usage: str) -> dict[str, str]:
+    """A command's KEY=VALUE options: each one of `usage`'s keys, given once, with a value (none dropped)."""
+    options: dict[str, str] = {}
+    for key, _, value in (item.partition("=") for item in items):
+        why = "given twice" if key in options else "needs a value" if not value else ""
+        if key not in (keys := re.findall(r"(\w+)=", usage)) or why:
+            raise LauncherError(f"{prog}: {f'{key} {why}' if key in keys else f'unknown option {key!r}'}: use {usage}")
+        options[key] = value
+    return options
+
+
 def export_options(items: list[str]) -> dict[str, Any]:
     """`key=value` options of `export-weights`: format, model (a launcher/conf/model name, for checkpoints that do not
     record their model), shard_gib (HF shard size)."""
     from launcher.config import compose_config
 
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in ("format", "model", "shard_gib"):
-            raise LauncherError(f"export-weights: unknown option {item!r}: use format=hf, model=NAME or shard_gib=GIB")
-        if key == "format":
-            options["fmt"] = value
-        elif key == "model":
-            try:
-                options["model"] = compose_config(f"+model={value}").model
-            except (HydraException, OmegaConfBaseException) as err:
-                raise LauncherError(f"export-weights: model={value}: {compose_error(err)}") from None
-        else:
-            try:
-                options["shard_gib"] = float(value)
-            except ValueError:
-                options["shard_gib"] = 0.0
-            if not options["shard_gib"] > 0:
-                raise LauncherError(
-                    f"export-weights: shard_gib={value}: give a positive number of GiB, e.g. shard_gib=5"
-                )
+    given = key_values("export-weights", items, "format=hf, model=NAME or shard_gib=GIB")
+    options: dict[str, Any] = {"fmt": given["format"]} if "format" in given else {}
+    if "model" in given:
+        try:
+            options["model"] = compose_config(f"+model={given['model']}").model
+        except (HydraException, OmegaConfBaseException) as err:
+            raise LauncherError(f"export-weights: model={given['model']}: {compose_error(err)}") from None
+    if "shard_gib" in given:
+        options["shard_gib"] = float(gib) if (gib := given["shard_gib"]).replace(".", "", 1).isdigit() else 0.0
+        if not 0 < options["shard_gib"] < 2**20:  # GiB per file, a plain decimal: inf, nan, 0 split nothing
+            raise LauncherError(f"export-weights: shard_gib={gib}: give a positive number of GiB, e.g. shard_gib=5")
+        if options.get("fmt") != "hf":
+            raise LauncherError("export-weights: shard_gib splits format=hf's weight files: add format=hf, or drop it")
     return options
 
 
@@ -327,17 +334,12 @@ def doctor() -> None:
     from launcher.doctor import Setting, default_hardware, run
 
     parser = keyed_parser("doctor", DOCTOR_HELP, DOCTOR_EXAMPLES, "hardware=, run_dir=, cache_dir=, compile=")
-    options = dict(item.partition("=")[::2] for item in parser.parse_args().options)
-    unknown = sorted(set(options) - {"hardware", "run_dir", "cache_dir", "compile"})
     try:
-        if unknown:
-            raise LauncherError(
-                f"doctor: unknown option {unknown[0]!r}: use hardware=, run_dir=, cache_dir= or compile="
-            )
-        keys = [
-            f"hardware={options.get('hardware') or default_hardware()}",
-            f"compile={options.get('compile', 'auto')}",
-        ]
+        with usage_errors_raised():
+            options = key_values("doctor", parser.parse_args().options, "hardware=, run_dir=, cache_dir= or compile=")
+        if (compiles := options.get("compile", "auto")) not in ("true", "false", "auto"):
+            raise LauncherError(f"doctor: compile={compiles}: choose one of true, false, auto")
+        keys = [f"hardware={options.get('hardware') or default_hardware()}", f"compile={compiles}"]
         cfg = compose_config(*keys, *([f"cache_dir={options['cache_dir']}"] if "cache_dir" in options else []))
     except (HydraException, OmegaConfBaseException) as err:
         exit_with(LauncherError(f"doctor: {compose_error(err)}"))

@@ -89,7 +89,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    lr: float = ranged(3e-3, gt=0)
+    lr: float = ranged(3e-3, gt=0, le=1)  # AdamW: a step of lr per parameter; above 1 it diverges at once
     min_lr_ratio: float = ranged(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = ranged(20, ge=0)
     weight_decay: float = ranged(0.1, ge=0)
@@ -193,8 +193,7 @@ class WatchdogConfig:
 class PlanConfig:
     top: int = ranged(10, ge=0)  # 0: all layouts
     format: str = "table"  # table | wide (every column at any width) | json
-    # plan app: also choose sequence_parallel (on when tp > 1) and virtual_stages (interleaved) instead
-    # of taking the top-level values; `train` (planner.resolve) only fills keys set to auto.
+    # plan app: also choose sequence_parallel and virtual_stages (`train` fills only keys set to auto)
     explore: bool = False
     # a token budget (e.g. 15e12): days, device-hours, cost and failures' toll for the best layout (planner/budget.py)
     tokens: float | None = ranged(None, gt=0)
@@ -207,6 +206,7 @@ class PlanConfig:
     # the hardware profile's constants to (launcher/planner/fit.py); None: plan as usual
     calibrate: Any = None
     calibrate_out: str = "calibrated"  # the calibrated profile goes to DIR/hardware/<profile>_calibrated.yaml
+    chart: str | None = None  # compare's bars / calibrate's fit as a PNG; None: none, calibrate's beside its YAML
 
 
 @dataclass
@@ -275,7 +275,7 @@ class TrainConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
-    steps: int = ranged(200, ge=0)  # 0: build every rank's shards for real, report memory, stop
+    steps: int = ranged(200, ge=0, le=10**9)  # 0: build every rank's shards for real, report memory, stop
     smoke: bool = False  # with steps=0: also run one forward/backward on one microbatch
     seq_len: int = ranged(256, ge=1)
     seed: int = ranged(1234, ge=0, le=2**64 - 1)  # torch.manual_seed's range

@@ -7,7 +7,11 @@ sweep records it (launcher/sweep.py). Nothing parses error text.
 
 from __future__ import annotations
 
+import argparse
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NoReturn
 
 FAILED = 1  # a worker or this process failed (Python's own code for an uncaught exception)
 BAD_INPUT = 2  # refused before any worker started
@@ -60,3 +64,19 @@ class Hung(LauncherError):
 # what a worker's exception becomes in the launcher (by its class name: the elastic agent's record of a
 # failed worker carries the name and message, not the object): the same class, so the same exit code
 CROSSING = {cls.__name__: cls for cls in (LauncherError, NonFinite, CheckpointFailed)}
+
+
+@contextmanager
+def usage_errors_raised() -> Iterator[None]:
+    """argparse's usage errors (`train --foo`, overrides on both sides of a flag, `doctor --x`) as one
+    LauncherError line instead of its usage block; hydra.main's parser and the commands' own alike."""
+
+    def error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+        raise LauncherError(f"{parser.prog}: {message} (flags first, then KEY=VALUE overrides: {parser.prog} --help)")
+
+    original = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original  # type: ignore[method-assign]

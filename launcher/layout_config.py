@@ -6,6 +6,7 @@ The layout package itself never reads a TrainConfig; this is where its keys are 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
 
 from launcher.config import TrainConfig
 from launcher.errors import LauncherError
@@ -106,3 +107,35 @@ def check_environment(cfg: TrainConfig, layout: Layout, local: bool, here: bool 
                 f"{per_node} workers per node need {per_node} GPUs, found {torch.cuda.device_count()}: "
                 f"set hardware.devices_per_node={torch.cuda.device_count()} or lower tp/pp/dp"
             )
+
+
+TORCHRUN = ("RANK", "WORLD_SIZE")  # torchrun sets them together; LOCAL_RANK and LOCAL_WORLD_SIZE only with them
+
+
+def check_rank_variables(env: Mapping[str, str]) -> None:
+    """A rank's variables half set (RANK without WORLD_SIZE, LOCAL_RANK alone, a SLURM task beyond the first
+    without a task count): one line, not a run here with the stray one ignored."""
+    given = [name for name in (*TORCHRUN, "LOCAL_RANK", "LOCAL_WORLD_SIZE") if name in env]
+    missing = [name for name in TORCHRUN if name not in env]
+    if given and missing:
+        raise LauncherError(
+            f"{given[0]} is set but {missing[0]} is not: a rank needs both RANK and WORLD_SIZE (torchrun sets them "
+            f"together), or none of {', '.join(given)} to run here"
+        )
+    if env.get("SLURM_PROCID", "0").strip() != "0" and "SLURM_NTASKS" not in env:  # the first task may run alone
+        raise LauncherError(
+            f"SLURM_PROCID={env['SLURM_PROCID']} is set but SLURM_NTASKS is not: a task needs both (srun sets them "
+            "together), or neither to run here"
+        )
+
+
+def rendezvous_variables(env: MutableMapping[str, str]) -> None:
+    """Where a rank started by torchrun (or by hand) meets the others: MASTER_PORT must be given (SLURM's
+    tasks derive it, launcher/slurm_job.py); MASTER_ADDR defaults to this host."""
+    if "MASTER_PORT" not in env:
+        raise LauncherError(
+            "RANK and WORLD_SIZE are set but MASTER_PORT is not: the ranks meet at MASTER_ADDR:MASTER_PORT "
+            "(torchrun sets both): export MASTER_PORT=29500 (and MASTER_ADDR, rank 0's host) on every rank, or "
+            "unset RANK and WORLD_SIZE to run here"
+        )
+    env.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -31,6 +31,7 @@ from launcher.compat import bound_device, failure_line, leave_process_groups, qu
 from launcher.errors import CROSSING, Hung, LauncherError, WorkerFailed
 from launcher.ft_launch import launch_replicas
 from launcher.layout import owner_rank
+from launcher.layout_config import check_rank_variables, rendezvous_variables
 from launcher.quick_exit import skip_final_collections
 from launcher.run import Run
 from launcher.train.preemption import LOCAL_WORKER_ENV, STOP_SIGNALS, PreemptionFlag, local_worker_signals
@@ -80,14 +81,11 @@ def ranks_from(rank: str, world: str, local: str) -> RankEnv:
 def env_rank() -> RankEnv | None:
     """The rank this process already is (torchrun, or one task of a multi-task SLURM step)."""
     env = os.environ
-    if "RANK" in env or "WORLD_SIZE" in env:
-        if not ("RANK" in env and "WORLD_SIZE" in env):
-            given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
-            raise LauncherError(
-                f"{given} is set but {missing} is not: a rank needs both (torchrun sets both), or neither to run here"
-            )
+    check_rank_variables(env)  # one of them alone: one line, not a run here with the others ignored
+    if "RANK" in env:
         return ranks_from("RANK", "WORLD_SIZE", "LOCAL_RANK")
-    if env_int("SLURM_NTASKS", default=1, least=1) > 1 and "SLURM_PROCID" in env:
+    # a task beyond the first needs a task count above it (SLURM_NTASKS unset: 1)
+    if "SLURM_PROCID" in env and (env_int("SLURM_NTASKS", default=1, least=1) > 1 or env_int("SLURM_PROCID") > 0):
         ranks = ranks_from("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
         from launcher.slurm_job import export_rendezvous
 
@@ -175,7 +173,7 @@ def run_rank(run: Run, run_dir: Path) -> dict[str, Any]:
         local_worker_signals()
     env = env_rank()
     assert env is not None, "run_rank needs RANK/WORLD_SIZE (torchrun, elastic launch) or SLURM variables"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    rendezvous_variables(os.environ)  # MASTER_PORT given (torchrun's, SLURM's), MASTER_ADDR this host by default
     join_group(run, env, run_dir)
     try:
         return train_rank(run, run_dir, env.rank)

@@ -28,9 +28,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.charts import pyplot, save
 from launcher.errors import FAILED, LauncherError
 from launcher.extras import install_hint, installed
-from launcher.metrics.charts import loss_lines, pyplot, read_rows, save
+from launcher.metrics.charts import loss_lines, read_rows
 
 FIELDS = (
     "job",

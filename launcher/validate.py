@@ -5,11 +5,13 @@ batch split, what divides what) are launcher/layout/'s; the expert-parallel line
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from launcher.config import DataConfig, ModelConfig, TrainConfig, compile_enabled
 from launcher.errors import LauncherError
+from launcher.feature_keys import check_feature_keys, get_key
 from launcher.flops import head_dim, kv_heads
 from launcher.hardware_config import HardwareConfig, load_profile
 from launcher.layout import RECOMPUTE, RESHARD, SCHEDULES, expert_split
@@ -40,12 +42,6 @@ CHOICES = {
     "guard.snapshot": ("host", "device"),
     "plan.compare_at": ("devices", "budget"),
 }
-
-
-def get_key(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
-    return cfg
 
 
 def check_async_tp(cfg: TrainConfig) -> None:
@@ -101,6 +97,28 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.data.name == "stdlib" and m.vocab_size < 256:
         raise LauncherError(f"model.vocab_size={m.vocab_size} is below 256, the byte vocabulary of data=stdlib")
     check_document_mask(cfg)
+    check_feature_keys(cfg)  # a feature's keys while it is off
+    check_timeouts(cfg)
+
+
+# the shortest limits a healthy run can meet: a rank's beat is stale after 2 s (train/timeouts.stale_after);
+# a collective waits on its slowest peer through a first step or a checkpoint
+WATCHDOG_MIN_S, COLLECTIVE_MIN_S = 2.0, 30
+
+
+def check_timeouts(cfg: TrainConfig) -> None:
+    """Limits too short to be met would stop a healthy run as hung."""
+    if cfg.watchdog.timeout_s and cfg.watchdog.timeout_s < WATCHDOG_MIN_S:
+        raise LauncherError(
+            f"watchdog.timeout_s={cfg.watchdog.timeout_s} would stop a healthy run as hung (a beat is only stale "
+            f"after {WATCHDOG_MIN_S:g} s): give {WATCHDOG_MIN_S:g} or more, leave it unset (from the predicted step), "
+            "or 0 to switch the watchdog off"
+        )
+    if cfg.nccl_timeout_s is not None and cfg.nccl_timeout_s < COLLECTIVE_MIN_S:
+        raise LauncherError(
+            f"nccl_timeout_s={cfg.nccl_timeout_s} would fail a healthy run (a collective waits on its slowest peer "
+            f"through the first step or a checkpoint): give {COLLECTIVE_MIN_S} or more, or leave it unset"
+        )
 
 
 def check_document_mask(cfg: TrainConfig) -> None:
@@ -259,7 +277,7 @@ def compared_profiles(cfg: TrainConfig) -> list[HardwareConfig]:
 def check_calibrate(value: Any) -> list[str]:
     """plan.calibrate's directories (one, or a list): each exists, and some run summary is under them."""
     dirs = [value] if isinstance(value, str) else value
-    if not isinstance(dirs, list) or not dirs or not all(isinstance(d, str) for d in dirs):
+    if not isinstance(dirs, list) or not dirs or not all(isinstance(d, str) and d.strip() for d in dirs):
         raise LauncherError(f"plan.calibrate={value}: give a directory, or a list of them: plan.calibrate=[DIR,DIR]")
     for name in dirs:
         if not Path(name).is_dir():
@@ -272,4 +290,13 @@ def check_calibrate(value: Any) -> list[str]:
             f"plan.calibrate={','.join(dirs)}: no summary.json under it: give the directories of finished "
             "`train` runs (each writes run_dir/summary.json)"
         )
+    for summary in (found for name in dirs for found in Path(name).rglob("summary.json")):
+        try:
+            ok = isinstance(json.loads(summary.read_text()), dict)
+        except (OSError, UnicodeDecodeError, ValueError):
+            ok = False
+        if not ok:
+            raise LauncherError(
+                f"plan.calibrate: {summary} is not a run's summary (a JSON object): remove it, or leave its folder out"
+            )
     return dirs

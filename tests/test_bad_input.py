@@ -1,6 +1,6 @@
-"""Bad input a user may type: every numeric key out of its range, files the run cannot use, and wandb
-without a key or a server. Each ends as one line and exit 2 before any worker starts, or (an
-unreachable wandb server) costs the run nothing."""
+"""Bad input a user may type: every numeric key out of its range, every feature's key while the feature
+is off, plan.calibrate's inputs, files the run cannot use, and wandb without a key or a server. Each ends
+as one line and exit 2 before any worker starts, or (an unreachable wandb server) costs the run nothing."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ import pytest
 from launcher.cli import train_task
 from launcher.config import TrainConfig
 from launcher.errors import LauncherError
+from launcher.feature_keys import FEATURES, Feature, get_key
+from launcher.planner.calibrate import calibrate
 from launcher.ranges import Range, leaves
+from launcher.validate import CHOICES, check_calibrate, validate
 from tests.conftest import assert_bad_input, make_config, run_cli, tiny_args
 
 # degrees and pipeline counts: int-or-auto, checked by launcher/layout/ rather than by a Range
@@ -167,3 +170,76 @@ def test_wandb_server_out_of_reach_costs_the_run_nothing(tmp_path: Path) -> None
 def test_recompute_and_zero_keys_refused_before_spawn(args: list[str], expected: str, tmp_path: Path) -> None:
     """The tiny model has 2 blocks: pp=2 leaves 1 per stage."""
     assert_bad_input(run_cli("train", *tiny_args(tmp_path / "cache"), *args, cwd=tmp_path), expected, tmp_path)
+
+
+def off_value(key: str, default: Any) -> Any:
+    """A value of `key` other than its default that its other checks accept (a choice among CHOICES)."""
+    if key in CHOICES:
+        return next(choice for choice in CHOICES[key] if choice != default)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int | float):
+        return default * 2 + 2
+    return {"data.sources": [{"name": "stdlib", "weight": 1}]}.get(key, 2 if default is None else "x")
+
+
+def feature_cases() -> list[tuple[str, Feature]]:
+    """Every key of every feature the tiny config leaves off (slurm and the sweeper are on outside hydra.main)."""
+    cfg = make_config(*tiny_args("cache"))
+    return [(key, f) for f in FEATURES if not f.on(cfg) for key in f.keys]
+
+
+@pytest.mark.parametrize(("key", "feature"), feature_cases(), ids=[key for key, _ in feature_cases()])
+def test_a_features_key_while_it_is_off(
+    key: str, feature: Feature, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Class a, for every key of the table: refused naming the key and the switch, or (harmless) one warning."""
+    cfg = make_config(*tiny_args(tmp_path / "cache"))
+    cfg = with_key(cfg, key, off_value(key, get_key(cfg, key)))
+    if feature.harmless:
+        validate(cfg)
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"warning: {key}=") and f"read only with {feature.switch}" in line
+        return
+    with pytest.raises(LauncherError) as err:
+        validate(cfg)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{key}=") and f"read only with {feature.switch}" in message
+
+
+def test_every_feature_key_is_in_the_schema() -> None:
+    keys = [key for feature in FEATURES for key in feature.keys]
+    assert len(keys) == len(set(keys)), "a key belongs to one feature"
+    for key in keys:
+        get_key(make_config(), key)  # AttributeError on a key the schema does not have
+
+
+@pytest.mark.parametrize(
+    ("value", "summary", "expected"),
+    [
+        ("", None, "plan.calibrate=: give a directory"),
+        (["RUN", " "], None, "give a directory, or a list of them"),
+        ("RUN", "{not json", "summary.json is not a run's summary (a JSON object)"),
+        ("RUN", "[1, 2]", "summary.json is not a run's summary (a JSON object)"),
+        (["RUN", "MISSING"], "{}", "plan.calibrate: no directory"),
+    ],
+)
+def test_calibrate_inputs(value: Any, summary: str | None, expected: str, tmp_path: Path) -> None:
+    """Class d: plan.calibrate's garbage, lists with a missing entry, summaries that are not one."""
+    (tmp_path / "run").mkdir()
+    if summary is not None:
+        (tmp_path / "run" / "summary.json").write_text(summary)
+    names = {"RUN": str(tmp_path / "run"), "MISSING": str(tmp_path / "missing")}
+    value = [names.get(v, v) for v in value] if isinstance(value, list) else names.get(value, value)
+    with pytest.raises(LauncherError, match=re.escape(expected)) as err:
+        check_calibrate(value)
+    assert "\n" not in str(err.value)
+
+
+def test_calibrate_out_that_cannot_be_written_is_refused_before_the_fit(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    (tmp_path / "afile").write_text("a file")
+    cfg = make_config()
+    with pytest.raises(LauncherError, match="plan.calibrate_out: cannot create the directory .*afile/hardware"):
+        calibrate(str(tmp_path / "run"), cfg.hardware, str(tmp_path / "afile"), cfg.cache_dir, "table")

@@ -241,6 +241,7 @@ def test_each_rank_joins_nccl_bound_to_its_gpu_with_the_flight_recorder_on(
     monkeypatch.setenv("RANK", "11")
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("MASTER_PORT", "29500")  # torchrun's; without it the rank is refused in one line
     set_device, joined = Recorded(), []
 
     def init_process_group(backend, *, store=None, rank=-1, world_size=-1, timeout=None, device_id=None):  # noqa: ANN001, ANN202

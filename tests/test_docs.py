@@ -87,6 +87,7 @@ def prepare_hf(command: str, tmp: Path) -> None:
 
 COVERED = {  # commands another test already runs in full
     "train -m tp=1,2 pp=1,2 steps=50": "tests/test_sweep.py::test_layout_sweep_tp_pp",
+    "train -m tp=1,2 pp=1,2 steps=50 threads=1": "tests/test_sweep.py::test_layout_sweep_tp_pp (threads=1 there)",
     "train --config-dir=myconf +model=mine hardware=mycluster --cfg job": (
         "tests/test_install.py::test_a_users_own_model_and_hardware_from_their_directory"
     ),

@@ -315,7 +315,7 @@ def test_a_run_measures_mfu_against_the_peak_the_planner_predicts_with(monkeypat
 def test_cpu_profile_is_calibrated_through_resolve_hardware(monkeypatch):
     import launcher.hardware as hardware
 
-    def fake(hw, threads, cache_dir):
+    def fake(hw, threads, cache_dir, alone=False):
         links = [dict(name=x.name, size=x.size, bandwidth_gbs=2.0, latency_us=50.0) for x in hw.links]
         measured = {"peak_tflops": 0.1, "host_overhead_us": 1000.0, "links": links}
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(type(hw)), measured))

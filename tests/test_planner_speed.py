@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from bench.published_runs import make_cfg
-from launcher.layout import SCHEDULES, V_SHAPED, Layout
+from launcher.layout import SCHEDULES, V_SHAPED, Layout, violations
 from launcher.planner import memo, memory
+from launcher.planner.predict import predict
 from launcher.planner.request import problem, space
 
 search = sys.modules["launcher.planner.search"]  # the module: `launcher.planner.search` names the function
@@ -38,14 +39,19 @@ def random_layouts(count: int, seed: int = 0) -> list[Layout]:
 
 def calls(fn: Any, m: Any, machine: Any, lay: Layout) -> list[tuple[tuple[Any, ...], Any]]:
     """(the arguments but the layout, the value) of `fn` on `lay`, for every rank where it takes one."""
+
+    def timed(r: int) -> tuple[Any, ...]:  # step_time's arguments after the layout: async TP, compiled and not
+        return machine, 2, r == 0, True, r == 1, None, 0.0
+
     per_rank = {
         "rank_params": lambda r: (m, lay, r),
-        "full_layers": lambda r: (m.n_layers, lay, r),
-        "recomputed_layers": lambda r: (m.n_layers, lay),
+        "ranks_full": lambda r: (m.n_layers, lay),
         "layer_activation_bytes": lambda r: (m, 4096, lay, 2, r == 0),  # fused attention and not
         "rank_work": lambda r: (m, 4096, lay, machine),
-        "rank_saved": lambda r: (m, 4096, lay, 2, r == 0, r),
-        "rank_state": lambda r: (m, 4096, lay, 2, "cpu" if r == 0 else "cuda", r),  # cpu: cp's causal masks
+        "ends_saved": lambda r: (m, 4096, lay, 2, r == 0),
+        "ends_state": lambda r: (m, 4096, lay, 2, "cpu" if r == 0 else "cuda"),  # cpu: cp's causal masks
+        "microbatch_time": lambda r: (m, 4096, lay, *timed(r)),
+        "lower_bound": lambda r: (m, 4096, lay, *timed(r)),
     }[fn.__name__]
     out = []
     for r in range(lay.pp):
@@ -59,10 +65,12 @@ def test_every_memoised_term_reads_only_the_fields_it_is_keyed_on():
     a mixture of experts with leading dense layers."""
     assert {f.__name__ for f in memo.MEMOISED} >= {
         "rank_params",
-        "full_layers",
+        "ranks_full",
         "rank_work",
-        "rank_state",
-        "rank_saved",
+        "ends_state",
+        "ends_saved",
+        "microbatch_time",
+        "lower_bound",
     }
     for name in ("8b", "dsv3_like"):
         cfg = make_cfg(name, "h100_sxm")
@@ -117,14 +125,47 @@ def test_the_pruned_search_ranks_what_the_exhaustive_one_does(monkeypatch):
                 unmemoised(patch)
             patch.setattr(search, "problem_memory", counted(prune))
             for model, hardware, world, seq, glob in CASES:
-                cfg = make_cfg(model, hardware, seq_len=seq, batch={"micro": "auto", "global": glob}, **AUTO)
-                cfg = dataclasses.replace(cfg, nodes=max(1, world // cfg.hardware.devices_per_node))
-                res = search._search(problem(cfg, world), space(cfg, world, True), prune)
-                results[prune].append((res.tried, [p.as_dict() for p in res.ranked]))
+                res = search._search(*planned(model, hardware, world, seq, glob), prune)
+                results[prune].append((res.tried, res.fit, [p.as_dict() for p in res.ranked]))
     for case, pruned, exhaustive in zip(CASES, results[True], results[False], strict=True):
-        assert pruned == exhaustive, case
-    assert any(ranked for _, ranked in results[True])
+        assert pruned == exhaustive and exhaustive[1] == len(exhaustive[2]), case
+        for top in (1, 5):  # what `plan` shows: the best `top`, the others counted, not predicted
+            res = search.search(*planned(*case), top)
+            assert (res.tried, res.fit, [p.as_dict() for p in res.ranked]) == (*exhaustive[:2], exhaustive[2][:top])
+    assert any(ranked for _, _, ranked in results[True])
     assert evaluated[True] < 0.7 * evaluated[False], dict(evaluated)
+
+
+def planned(model: str, hardware: str, world: int, seq: int, glob: int | None) -> tuple[Any, Any]:
+    cfg = make_cfg(model, hardware, seq_len=seq, batch={"micro": "auto", "global": glob}, **AUTO)
+    cfg = dataclasses.replace(cfg, nodes=max(1, world // cfg.hardware.devices_per_node))
+    return problem(cfg, world), space(cfg, world, True)
+
+
+def test_the_best_few_are_predicted_the_rest_only_counted(monkeypatch):
+    """`plan` with plan.top ranks the first `top` layouts of the full ranking, counts every layout that fits,
+    and predicts fewer: those whose `speed_bound` falls under the top's slowest are not."""
+    predicted = []
+    monkeypatch.setattr(search, "predict", lambda *args: predicted.append(args) or predict(*args))
+    prob, allowed = planned("8b", "h100_sxm", 16, 4096, None)
+    every = search.search(prob, allowed)
+    counted = len(predicted)
+    best = search.search(prob, allowed, 3)
+    assert [p.as_dict() for p in best.ranked] == [p.as_dict() for p in every.ranked[:3]]
+    assert (best.fit, best.tried) == (len(every.ranked), every.tried) and best.fit > 3
+    assert len(predicted) - counted < counted / 2, (len(predicted) - counted, counted)
+    assert all(search.speed_bound(prob, p.layout) >= p.tokens_per_s for p in every.ranked)  # a bound
+
+
+def test_no_layout_rule_reads_the_micro_batch_size():
+    """The search checks a layout's rules once for all its micro-batch sizes (`_inner`), and makes its
+    probes' layouts as dataclasses.replace does (`_variant`)."""
+    m = make_cfg("dsv3_like").model
+    for lay in random_layouts(300, seed=1):
+        for micro in (1, 3, 8):
+            other = dataclasses.replace(lay, micro=micro)
+            assert list(violations(lay, m, 4096)) == list(violations(other, m, 4096)), lay
+            assert search._variant(lay, micro=micro, recompute="full") == dataclasses.replace(other, recompute="full")
 
 
 def test_nothing_fits_names_the_smallest_layout_as_the_exhaustive_search_does():

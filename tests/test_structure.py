@@ -32,6 +32,7 @@ MAY_READ_TRAIN_CONFIG = {
 CONFIG_HOMES = (
     "launcher.config",
     "launcher.validate",
+    "launcher.feature_keys",
     "launcher.layout_config",
 )  # schema, checks, the keys read into a Layout
 

@@ -109,16 +109,16 @@ class MixLoader(BatchLoader):
         return super().state_dict() | {"mix": phase | {"consumed_at_start": list(self.base)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        super().load_state_dict({k: v for k, v in state.items() if k != "mix"})
         phase = state.get("mix")
         if phase is None:  # a single-source run's checkpoint: the mixture begins here
             self.phase_start, self.base = self.position, [0] * len(self.parts)
             self.note = f"data: the mixture begins at sample {self.position} (the checkpoint read one source)"
             return
-        if len(phase["labels"]) != len(self.labels):
+        if phase["labels"] != self.labels:  # another order would carry each source's count over to another
             raise LauncherError(
-                f"data.sources: the checkpoint mixes {phase['labels']}, this run {self.labels}: "
-                "keep the sources (their weights may change) or start a new run"
+                f"data.sources: the checkpoint mixes {phase['labels']} in this order, this run {self.labels}: "
+                "keep the sources and their order (their weights may change), or start over in a new run_dir"
             )
         old = [Fraction(w) for w in phase["weights"]]
         self.phase_start, self.base = int(phase["start"]), [int(n) for n in phase["consumed_at_start"]]

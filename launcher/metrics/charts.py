@@ -1,6 +1,6 @@
-"""Charts as PNG files, drawn by matplotlib (the optional `plot` extra) at the end of a run or a sweep:
-the run's loss curve (loss.png), and the helpers the sweep's charts share with it (launcher/sweep.py).
-matplotlib is imported only when a chart is drawn, never while a run trains."""
+"""A run's loss curve as a PNG (loss.png), drawn by matplotlib (the optional `plot` extra) at the end of a run,
+and the metrics.jsonl reading a sweep's loss chart shares with it (launcher/sweep.py); the helpers every chart
+shares are launcher/charts.py's. matplotlib is imported only when a chart is drawn, never while a run trains."""
 
 from __future__ import annotations
 
@@ -8,25 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from launcher.extras import install_hint, installed
-from launcher.files import shown
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend: files only, no display, in any process."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
-    return path
+from launcher.charts import chart_line, pyplot, save
 
 
 def read_rows(metrics: Path) -> list[dict[str, Any]]:
@@ -68,10 +50,6 @@ def loss_curve(rows: list[dict[str, Any]], path: Path, title: str) -> Path | Non
 def run_loss_curve(run_dir: Path, title: str) -> str | None:
     """The owner's loss.png from the run's metrics.jsonl; the one line that says where it went, or why
     there is none. Never raises: the run has trained and written its files, a chart does not fail it."""
-    if not installed("matplotlib"):
-        return f"note: no loss curve without matplotlib ({install_hint('matplotlib')})"
-    try:
-        path = loss_curve(read_rows(run_dir / "metrics.jsonl"), run_dir / "loss.png", title)
-    except Exception as err:  # anything matplotlib or the disk raises: one warning line
-        return f"warning: no loss curve ({type(err).__name__}: {err})"
-    return f"loss curve: {shown(path)}" if path else None
+    return chart_line(
+        "loss curve", lambda: loss_curve(read_rows(run_dir / "metrics.jsonl"), run_dir / "loss.png", title)
+    )

@@ -184,7 +184,9 @@ def notes(summary: dict[str, Any], pred: dict[str, Any]) -> list[str]:
     if "peak_mem_measure" in summary and "peak_mem_gib_per_rank" in summary:
         lines.append(f"memory measured as {summary['peak_mem_measure']}")
     if summary.get("median_mfu", 0) > 1 and "cpu_allocator" in summary:  # faster than the peak: it was cached low
-        lines.append("MFU above 100%: this CPU's cached GEMM peak was measured on a busy machine; `doctor` re-measures it")
+        lines.append(
+            "MFU above 100%: this CPU's cached GEMM peak was measured on a busy machine; `doctor` re-measures it"
+        )
     return lines
 
 

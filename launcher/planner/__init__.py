@@ -18,12 +18,14 @@ Modules: device (machine data), machine (profile -> numbers), comm (collectives 
 memory, cost (step time), search (enumerate + rank), request (config -> search space), report;
 memo (per-stage terms memoised on the layout fields they read); budget (what a token budget takes:
 days, device-hours, cost); failures (goodput under failures: full restarts, replica fault tolerance);
-fit and calibrate (`plan.calibrate`: the profile's constants fitted to the user's runs).
+fit and calibrate (`plan.calibrate`: the profile's constants fitted to the user's runs); charts (`plan.chart`:
+the comparison's bars, the fit's measured vs predicted).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from launcher.config import DataConfig, TrainConfig, compile_enabled
 from launcher.errors import LauncherError
@@ -33,6 +35,7 @@ from launcher.layout import Layout, async_tp_applies, worker_threads, workers_pe
 from launcher.layout_config import from_config, launch_world_size, plan_world_size
 from launcher.options import BuildOptions
 from launcher.planner.budget import Row, budget, compared_nodes, ft_budget
+from launcher.planner.charts import chart_path, compare_line, say
 from launcher.planner.predict import Prediction, Problem, predict
 from launcher.planner.report import batch_text, budget_block, compare_table, precision_table, to_json, to_table
 from launcher.planner.request import core_share, fp8_of, problem, space
@@ -46,12 +49,15 @@ __all__ = ["resolve", "build_options", "run_plan", "plan", "Prediction", "Layout
 SEARCHED = ("tp", "pp", "cp", "ep", "pp_schedule", "recompute", "recompute_layers", "batch.micro")
 
 
-def plan(cfg: TrainConfig, world: int, explore: bool = False, fused_attention: bool = True) -> tuple[Problem, Result]:
+def plan(
+    cfg: TrainConfig, world: int, explore: bool = False, fused_attention: bool = True, top: int = 0
+) -> tuple[Problem, Result]:
     """Search every layout `cfg` allows on `world` devices in the precision `train` runs it (dtype=auto:
     bf16 on accelerators; the caller has validated `cfg`); raise if none is valid.
-    `fused_attention=False`: attention as runs before FlashAttention ran it (published runs)."""
+    `fused_attention=False`: attention as runs before FlashAttention ran it (published runs). `top` > 0:
+    rank only the best `top` (the rest counted in `Result.fit`)."""
     prob = dataclasses.replace(problem(cfg, world), fused_attention=fused_attention)
-    res = search(prob, space(cfg, world, explore))
+    res = search(prob, space(cfg, world, explore), top)
     if not res.ranked:
         raise _no_layout(cfg, prob, res)
     return prob, res
@@ -71,25 +77,31 @@ def run_plan(cfg: TrainConfig) -> None:
     if cfg.plan.format not in ("table", "wide", "json"):
         raise LauncherError(f"plan.format={cfg.plan.format!r} is unknown: use table, wide (every column) or json")
     validate(cfg)  # the same checks, ranges first, that `train` applies (planner.resolve)
+    chart = chart_path(cfg.plan.chart, bool(cfg.plan.compare), cfg.plan.calibrate is not None)
     if cfg.plan.calibrate is not None:  # fit the profile to the user's runs instead (planner/calibrate.py)
         from launcher.planner.calibrate import calibrate
 
-        calibrate(cfg.plan.calibrate, cfg.hardware, cfg.plan.calibrate_out, cfg.cache_dir, cfg.plan.format)
+        calibrate(cfg.plan.calibrate, cfg.hardware, cfg.plan.calibrate_out, cfg.cache_dir, cfg.plan.format, chart=chart)
         return
     world = plan_world_size(cfg)
-    prob, res = plan(cfg, world, explore=cfg.plan.explore)
+    top = 0 if cfg.plan.tokens else cfg.plan.top  # a token budget groups every layout (ft_budget)
+    prob, res = plan(cfg, world, explore=cfg.plan.explore, top=top)
     shown = res.ranked[: cfg.plan.top] if cfg.plan.top else res.ranked
     tokens = cfg.plan.tokens
     budgets = [budget(p, tokens, cfg.hardware, cfg.ft, prob.machine) for p in shown] if tokens else None
     grouped = ft_budget(res.ranked, tokens, cfg.hardware, cfg.ft, prob.machine) if tokens else None
     rows = compare(cfg, world) if cfg.plan.compare else None
+    at = f"{world:,} devices" if cfg.plan.compare_at == "devices" else f"the spend of {world:,} x {prob.machine.name}"
+    what = f"{cfg.model.name}, each profile's best layout at {at}"
     if cfg.plan.format == "json":
         to_json(shown, budgets, rows)
+        if rows and chart:  # its line on stderr: stdout stays one JSON document
+            say(compare_line(rows, tokens, what, chart), sys.stderr)
         return
     dtypes = ", ".join(sorted({p.dtype for p in shown}))
     title = (
         f"{cfg.model.name} on {world:,} x {prob.machine.name} ({cfg.nodes:,} node{'s' * (cfg.nodes > 1)}), {dtypes}: "
-        f"{len(res.ranked):,} of {res.tried:,} layouts fit, the best {len(shown)} by tokens/s"
+        f"{res.fit:,} of {res.tried:,} layouts fit, the best {len(shown)} by tokens/s"
     )
     to_table(shown, [title, batch_text(cfg.batch.get("global"), shown, prob.seq)], wide=cfg.plan.format == "wide")
     if pair := side_by_side(cfg, prob, shown[0]):
@@ -98,9 +110,9 @@ def run_plan(cfg: TrainConfig) -> None:
     if budgets:
         budget_block(budgets[0], prob.machine.name, grouped)
     if rows:
-        spend = f"the spend of {world:,} x {prob.machine.name}"
-        at = f"{world:,} devices" if cfg.plan.compare_at == "devices" else spend
-        compare_table(rows, tokens, f"{cfg.model.name}, each profile's best layout at {at}")
+        compare_table(rows, tokens, what)
+        if chart:
+            say(compare_line(rows, tokens, what, chart))
 
 
 def compare(cfg: TrainConfig, world: int) -> list[Row]:
@@ -114,7 +126,7 @@ def compare(cfg: TrainConfig, world: int) -> list[Row]:
         for nodes in compared_nodes(world, hw, spend):
             other = dataclasses.replace(cfg, hardware=hw, nodes=nodes)
             try:
-                best = plan(other, plan_world_size(other), explore=cfg.plan.explore)[1].ranked[0]
+                best = plan(other, plan_world_size(other), explore=cfg.plan.explore, top=1)[1].ranked[0]
             except LauncherError as e:
                 row = row or Row(hw, nodes, error=str(e))
                 continue
@@ -142,7 +154,7 @@ def resolve(cfg: TrainConfig, env_world_size: int | None = None) -> tuple[Layout
                 f"{auto[0]}=auto needs a world size, which the cpu profile takes from the degrees: "
                 f"give {auto[0]} a value"
             )
-        best = plan(cfg, world)[1].ranked[0]
+        best = plan(cfg, world, top=1)[1].ranked[0]
         return best.layout, best, build_options(cfg, best.layout)
     layout = from_config(cfg, world)
     prediction = predict(problem(cfg, layout.world_size), layout)

@@ -17,19 +17,27 @@ from typing import Any, TextIO
 import yaml
 
 from launcher.errors import LauncherError
-from launcher.files import write_atomic
+from launcher.files import make_dir, write_atomic
 from launcher.hardware_config import HardwareConfig, LinkConfig
+from launcher.planner.charts import calibration_line, say
 from launcher.planner.fit import HOST, Knob, Observation, fit, held_out, knobs, read_runs, seen, step_times
 from launcher.planner.machine import LINK_EFFICIENCY, needs_calibration, resolved_hardware
 from launcher.validate import check_calibrate
 
 
 def calibrate(
-    value: Any, hw: HardwareConfig, out_dir: str, cache_dir: str, fmt: str, out: TextIO | None = None
+    value: Any,
+    hw: HardwareConfig,
+    out_dir: str,
+    cache_dir: str,
+    fmt: str,
+    out: TextIO | None = None,
+    chart: Path | None = None,
 ) -> Path:
     """Fit `hw` to the runs under plan.calibrate's directories (`value`: one, or a list), report, write
-    the calibrated profile; return its path."""
+    the calibrated profile and the chart of the fit (`chart`, else beside the profile); return its path."""
     dirs = check_calibrate(value)
+    make_dir(Path(out_dir) / "hardware", "plan.calibrate_out")  # before the fit: an unwritable one costs nothing
     runs, skipped = read_runs(dirs, hw)
     if not runs:
         raise LauncherError(f"plan.calibrate={','.join(dirs)}: no usable run ({skipped[0]}): give finished runs")
@@ -64,13 +72,15 @@ def calibrate(
             "the held-out runs are predicted worse after the fit: the fitted runs are too few or too noisy "
             f"for {len(kept)} constants; add runs of more layouts (longer, on a quiet machine), or keep the profile"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, header(result, dirs) + yaml.safe_dump(dataclasses.asdict(profile), sort_keys=False))
     out = out or sys.stdout
     if fmt == "json":
         out.write(json.dumps(result, indent=1) + "\n")
     else:
         report(result, out)
+    chart = chart or Path(out_dir) / f"{hw.name.removesuffix('_calibrated')}_calibration.png"
+    title = f"{hw.name} fitted to {len(rows)} runs\n" + error_line(result).replace(": ", ":\n", 1)
+    say(calibration_line(rows, title, chart), sys.stderr if fmt == "json" else out)  # stdout: one JSON document
     return path
 
 

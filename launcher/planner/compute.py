@@ -25,7 +25,7 @@ from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency, non_matmul_share
 from launcher.planner.fp8 import Fp8, matmul_saving
 from launcher.planner.memo import flops_per_token, hardware_flops_per_token, on_fields
-from launcher.planner.memory import counts, full_layers, rank_layers, rank_params, recomputed_layers
+from launcher.planner.memory import counts, full_layers, rank_layers, rank_params, ranks_full, recomputed_layers
 
 # element passes over the score matrix: forward softmax (read, write), backward (read the gradient
 # and the probabilities, write); with dropout forward (read, write) and backward (read, write) too
@@ -87,7 +87,7 @@ def rank_work(m: ModelConfig, seq: float, layout: Layout, machine: Machine) -> l
     f_out = 6.0 * counts(m).output_matmul
     f_layer = (f_model - f_out) / m.n_layers  # without recompute
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)
-    full = [full_layers(m.n_layers, layout, r) for r in range(layout.pp)]
+    full = ranks_full(m.n_layers, layout)
     # with ep > 1 the busiest ep rank's experts route rank_imbalance x the mean rows: their extra FLOPs are
     # spread over the rank's blocks (a fully recomputed one repeats its forward, as for the rest)
     work = [
@@ -122,10 +122,16 @@ def pace(
     attended = span or seq
     work = rank_work(m, attended, layout, machine)
     flop_rate = machine.peak_flops * compute_efficiency(machine, m, layout, tokens)
-    a2a = [moe.all_to_all_time(m, layout, machine.levels, tokens, elem, r) for r in range(p)]
-    busiest = max(range(p), key=lambda r: tokens * work[r] / (t * flop_rate) + a2a[r])
+    a2a = (
+        [moe.all_to_all_time(m, layout, machine.levels, tokens, elem, r) for r in range(p)]
+        if layout.ep > 1
+        else [0.0] * p
+    )
+    times = [tokens * w / (t * flop_rate) for w in work]
+    slots = [c + a for c, a in zip(times, a2a, strict=True)]
+    busiest = slots.index(max(slots))  # the first of the slowest
     layers = rank_layers(m.n_layers, p, layout.chunks, layout.v_shape)[busiest]
-    compute = tokens * work[busiest] / (t * flop_rate)
+    compute = times[busiest]
     full = full_layers(m.n_layers, layout, busiest)
     if fp8 is not None:  # the matmul-only rate: compute_efficiency less the non-matmul work
         rate = t * flop_rate * (1.0 + non_matmul_share(machine, m, layout))

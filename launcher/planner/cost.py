@@ -50,6 +50,7 @@ from launcher.planner import comm, memory, moe
 from launcher.planner.compute import Pace, pace
 from launcher.planner.device import Level, Machine
 from launcher.planner.fp8 import Fp8, cast_seconds, gathered_saving
+from launcher.planner.memo import on_fields
 from launcher.planner.memory import GRAD_BYTES
 
 CONTENTION = {"cuda": 0.2, "tpu": 0.2, "cpu": 1.0}  # share of overlapped communication still taken from compute
@@ -237,6 +238,23 @@ def level_names(machine: Machine, layout: Layout) -> dict[str, str]:
     }
 
 
+@on_fields(
+    "tp", "pp", "cp", "micro", "chunks", "v_shape", "last_rank", "zero_bubble", "ep", "sequence_parallel", "recompute",
+    "recompute_layers",
+)  # fmt: skip
+def microbatch_time(
+    m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int, async_tp: bool, fused_attention: bool,
+    compiled: bool, fp8: Fp8 | None, span: float,
+) -> tuple[Pace, float, float, float, float]:  # fmt: skip
+    """The busiest rank (`pace`) and its seconds per microbatch of host dispatch (`host_time`), TP communication
+    and dispatch (`tp_time`) and CP communication: what neither the batch split nor the data-parallel split
+    changes, which the search shares between the layouts that differ in those alone."""
+    busy = pace(m, seq, layout, machine, elem, fused_attention, compiled, fp8, span)
+    t_tp, t_host = tp_time(m, layout, machine, busy, async_tp)
+    t_cp = cp_time(m, seq, layout, machine.levels, busy, elem)
+    return busy, host_time(m, layout, machine, busy, elem), t_tp, t_host, t_cp
+
+
 def step_time(
     m: ModelConfig,
     seq: int,
@@ -248,26 +266,27 @@ def step_time(
     compiled: bool = True,
     fp8: Fp8 | None = None,
     span: float = 0.0,
+    lower: bool = False,
 ) -> StepTime:
     """Seconds per optimizer step on the busiest rank, by component (the module docstring; `fp8`:
-    launcher/planner/fp8.py; `span`: the attention span under document masking, 0: seq)."""
-    busy = pace(m, seq, layout, machine, elem, fused_attention, compiled, fp8, span)
+    launcher/planner/fp8.py; `span`: the attention span under document masking, 0: seq). `lower`: without the
+    data-parallel traffic, the optimizer step, the tied embedding's all-reduce and the fp8 casts (each >= 0, so
+    its total is no larger, rounding included): `lower_bound`."""
+    args = (m, seq, layout, machine, elem, async_tp, fused_attention, compiled, fp8, span)
+    busy, t_block, t_tp, t_host, t_cp = microbatch_time(*args)
     mb = layout.microbatches
-    t_block = host_time(m, layout, machine, busy, elem)
-    t_tp, t_host = tp_time(m, layout, machine, busy, async_tp)
-    t_cp = cp_time(m, seq, layout, machine.levels, busy, elem)
     t_p2p = p2p_time(layout, machine.levels, busy)
     t_cast = (
         cast_seconds(fp8, m, layout, busy.tokens, busy.layers + busy.full / 3.0, machine.memory_bandwidth)
-        if fp8
+        if fp8 and not lower
         else 0.0
     )
     slot = busy.compute + t_block + t_tp + t_cp + t_host + t_p2p + busy.all_to_all + t_cast
-    dp_total, dp_exposed = dp_time(m, layout, machine, busy, elem, fp8)
+    dp_total, dp_exposed = (0.0, 0.0) if lower else dp_time(m, layout, machine, busy, elem, fp8)
     return StepTime(
         compute=mb * busy.compute,
         host=mb * t_block,
-        optimizer=optimizer_time(layout, machine, busy),
+        optimizer=0.0 if lower else optimizer_time(layout, machine, busy),
         tp_comm=mb * t_tp,
         cp_comm=mb * t_cp,
         tp_host=mb * t_host,
@@ -277,10 +296,23 @@ def step_time(
         dp_total=dp_total,
         ep_comm=mb * busy.all_to_all,
         loss=mb * loss_traffic(m, layout, machine, busy.tokens),
-        tied_comm=tied_time(m, layout, machine.levels),
+        tied_comm=0.0 if lower else tied_time(m, layout, machine.levels),
         fp8_cast=mb * t_cast,
         **level_names(machine, layout),
     )
+
+
+@on_fields(
+    "tp", "pp", "cp", "micro", "chunks", "v_shape", "last_rank", "zero_bubble", "ep", "sequence_parallel", "recompute",
+    "recompute_layers", "microbatches", "schedule", "dp",
+)  # fmt: skip
+def lower_bound(
+    m: ModelConfig, seq: int, layout: Layout, machine: Machine, elem: int, async_tp: bool, fused_attention: bool,
+    compiled: bool, fp8: Fp8 | None, span: float,
+) -> float:  # fmt: skip
+    """No more than `step_time(...).total`: `step_time(..., lower=True)`'s, which neither the data-parallel split
+    nor the reshard choice changes (the search shares it between the layouts that differ in those alone)."""
+    return step_time(m, seq, layout, machine, elem, async_tp, fused_attention, compiled, fp8, span, True).total
 
 
 def fsdp_copies(machine: Machine, nbytes: float, ranks: int, kind: str) -> float:

@@ -53,8 +53,9 @@ its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from functools import cache
+from operator import attrgetter
 
 from launcher.config import ModelConfig
 from launcher.flops import (
@@ -70,12 +71,14 @@ from launcher.flops import (
 from launcher.layout import Layout, rank_stages, stage_layers, stage_size
 from launcher.planner.memo import on_fields
 from launcher.planner.moe import mean_routed_per_layer, rank_expert_params, rank_moe_layers, routed_params, row_bytes
+from launcher.planner.timeline import in_flight, logits_in_flight
 
 MASTER_BYTES = 4  # fp32 parameters
 GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
 PARTS = ("params", "grads", "optimizer", "buffers", "activations", "logits", "overhead", "held")  # Memory's, in order
+_of_parts = attrgetter(*PARTS)
 OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.35}  # context, collective buffers, workspaces; cpu: the process
 
 
@@ -91,10 +94,10 @@ class Memory:
     logits: float
     overhead: float
     held: float = 0.0  # what the run keeps beside: a device rollback snapshot, replica groups' buckets
+    total: float = field(init=False, repr=False, compare=False)  # the parts' sum, once: the search compares many
 
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, k) for k in PARTS)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total", sum(_of_parts(self)))
 
     @property
     def checkpoint(self) -> float:
@@ -187,41 +190,32 @@ def layer_activation_bytes(
     rep = replicated / t if layout.sequence_parallel else replicated
     full = rep + (sharded + core) / t
     if layout.recompute == "full":
-        return (elem * h / t if layout.sequence_parallel else elem * h), full
+        return input_bytes(m, layout, elem), full
     if layout.recompute == "selective":
         return selective_bytes(m, layout, elem), full
     return full, full
 
 
+def input_bytes(m: ModelConfig, layout: Layout, elem: int) -> float:
+    """Saved bytes per token of a layer recomputed in full: its input (split by tp with sequence parallelism)."""
+    return elem * m.dim / layout.tp if layout.sequence_parallel else elem * m.dim
+
+
 @on_fields("pp", "chunks", "v_shape", "recompute", "recompute_layers")
+def ranks_full(n_layers: int, layout: Layout) -> tuple[int, ...]:
+    """Blocks of each pipeline rank recomputed in full (`recompute_layers` of each of its stages)."""
+    per_stage = [layout.full_layers(stage_size(n_layers, layout.stages, s)) for s in range(layout.stages)]
+    return tuple(sum(per_stage[s] for s in layout.pp_stages(r)) for r in range(layout.pp))
+
+
 def full_layers(n_layers: int, layout: Layout, rank: int) -> int:
-    """Blocks of pipeline rank `rank` recomputed in full (`recompute_layers` of each of its stages)."""
-    return sum(layout.full_layers(stage_size(n_layers, layout.stages, s)) for s in layout.pp_stages(rank))
+    """Blocks of pipeline rank `rank` recomputed in full."""
+    return ranks_full(n_layers, layout)[rank]
 
 
-@on_fields("pp", "chunks", "v_shape", "recompute", "recompute_layers")
 def recomputed_layers(n_layers: int, layout: Layout) -> int:
     """Blocks of the whole model recomputed in full (for flops.hardware_flops_per_token)."""
-    return sum(full_layers(n_layers, layout, r) for r in range(layout.pp))
-
-
-def in_flight(layout: Layout, rank: int) -> float:
-    """Microbatches whose activations rank `rank` holds at its peak (in units of all its layers)."""
-    m, p = layout.microbatches, layout.pp
-    if p == 1:
-        return 1.0
-    if layout.schedule == "gpipe":
-        return float(m)
-    if layout.schedule == "interleaved_zb":  # ZB1P: warm-up of (v - 1) p + p - r - 1 chunks, W's lag I's
-        return float(min(m, p))
-    if layout.schedule == "zbv":  # chunk 0's warm-up 2(p - r) - 1, then r pairs and p - r chunk-1 forwards
-        return min(2 * p, m + rank + 1) / 2
-    if layout.schedule == "dualpipev":  # 2p + 1 chunks on every rank (m >= 2p)
-        return (2 * p + 1) / 2
-    if layout.chunks > 1:
-        v = layout.chunks
-        return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v  # Megatron's warm-up depth
-    return float(min(m, p - rank))
+    return sum(ranks_full(n_layers, layout))
 
 
 def chunked_loss(layout: Layout) -> bool:
@@ -241,15 +235,6 @@ def loss_chunk_bytes(m: ModelConfig, tokens: int, elem: int, flop_per_byte: floa
     return float(max(rows * vocab * (MASTER_BYTES + low), low * (rows * vocab + vocab * m.dim)))
 
 
-def logits_in_flight(layout: Layout) -> int:
-    """Microbatches whose logits (and the loss's fp32 log-softmax) the last stage holds at once:
-    GPipe all; interleaved_zb p (its loss's graph lives from the input to the weight backward,
-    which ZB1P runs p microbatches later); every other schedule one."""
-    if layout.pp == 1:
-        return 1
-    return {"gpipe": layout.microbatches, "interleaved_zb": layout.pp}.get(layout.schedule, 1)
-
-
 def loss_bytes(m: ModelConfig, layout: Layout, elem: int, kind: str, tokens: int, flop_per_byte: float | None) -> float:
     """The last rank's loss working set for `tokens` per microbatch: with the chunked loss d loss / d h
     and one chunk's logits; else the logits of the microbatches in flight, with their fp32 upcast and
@@ -261,24 +246,24 @@ def loss_bytes(m: ModelConfig, layout: Layout, elem: int, kind: str, tokens: int
 
 
 def memory(
-    m: ModelConfig,
-    seq: int,
-    layout: Layout,
-    elem: int,
-    kind: str,
-    flop_per_byte: float | None = None,
+    m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, flop_per_byte: float | None = None,
     fused_attention: bool = True,
-) -> Memory:
+) -> Memory:  # fmt: skip
     """Memory of the busiest device (the first or the last pipeline rank, the first on a tie); `flop_per_byte`:
     the device's (`Machine.flop_per_byte`, which sizes the chunked loss), by default its kind's."""
-    first = rank_memory(m, seq, layout, elem, kind, 0, flop_per_byte, fused_attention)
+    state, kept = ends_state(m, seq, layout, elem, kind), ends_saved(m, seq, layout, elem, fused_attention)
+    first = _parts(m, seq, layout, elem, kind, 0, flop_per_byte, state[0], kept[0])
     if layout.pp == 1:
-        return first
-    last = rank_memory(m, seq, layout, elem, kind, layout.pp - 1, flop_per_byte, fused_attention)
-    return last if last.total > first.total else first
+        return Memory(*first)
+    last = _parts(m, seq, layout, elem, kind, layout.pp - 1, flop_per_byte, state[1], kept[1])
+    return Memory(*(last if sum(last) > sum(first) else first))  # Memory.total's sum (its `held` is 0)
 
 
-@on_fields("tp", "cp", "sequence_parallel", "recompute", "recompute_layers", "pp", "chunks", "v_shape", "zero_bubble")
+def ends(layout: Layout) -> tuple[int, ...]:
+    """The pipeline ranks one of which is the busiest: the first (the embedding) and the last (the loss)."""
+    return (0,) if layout.pp == 1 else (0, layout.pp - 1)
+
+
 def rank_saved(m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, rank: int) -> tuple[float, ...]:
     """Pipeline rank `rank`'s activations per token and microbatch in flight, whatever its batch split: (saved
     bytes of one of its layers on average, one layer's full working set, its blocks recomputed in full, its blocks)."""
@@ -286,15 +271,14 @@ def rank_saved(m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool,
     saved, working = layer_activation_bytes(m, seq, layout, elem, fused)
     full = full_layers(m.n_layers, layout, rank)
     if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
-        saved_full = layer_activation_bytes(m, seq, replace(layout, recompute="full"), elem, fused)[0]
-        saved = (saved * (layers - full) + saved_full * full) / layers
+        saved = (saved * (layers - full) + input_bytes(m, layout, elem) * full) / layers
     return saved, working, full, layers
 
 
-@on_fields("tp", "pp", "chunks", "v_shape", "ep", "last_rank", "dp_shard", "cp", "reshard_after_forward")
 def rank_state(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int) -> tuple[float, float, float]:
     """What pipeline rank `rank` holds whatever its batch split and recompute choice (the search asks for
-    each): (its parameters' FSDP shard, gradient bytes but the embedding's whole-table one, buffer bytes)."""
+    each, `ends_state`): (its parameters' FSDP shard, gradient bytes but the embedding's whole-table one,
+    buffer bytes)."""
     params = rank_params(m, layout, rank)
     s = layout.fsdp_shard
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
@@ -319,18 +303,32 @@ def rank_state(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, r
     return params / s + experts / edp, grads, buffers
 
 
+@on_fields("tp", "pp", "chunks", "v_shape", "ep", "last_rank", "dp_shard", "cp", "reshard_after_forward")
+def ends_state(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str) -> tuple[tuple[float, ...], ...]:
+    """`rank_state` of each of the `ends` (one lookup for both: the search asks thousands of times)."""
+    return tuple(rank_state(m, seq, layout, elem, kind, r) for r in ends(layout))
+
+
+@on_fields("tp", "cp", "sequence_parallel", "recompute", "recompute_layers", "pp", "chunks", "v_shape", "zero_bubble")
+def ends_saved(m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool) -> tuple[tuple[float, ...], ...]:
+    """`rank_saved` of each of the `ends`."""
+    return tuple(rank_saved(m, seq, layout, elem, fused, r) for r in ends(layout))
+
+
 def rank_memory(
-    m: ModelConfig,
-    seq: int,
-    layout: Layout,
-    elem: int,
-    kind: str,
-    rank: int,
-    flop_per_byte: float | None = None,
+    m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int, flop_per_byte: float | None = None,
     fused_attention: bool = True,
-) -> Memory:
-    sharded, grads, buffers = rank_state(m, seq, layout, elem, kind, rank)
-    saved, working, full, layers = rank_saved(m, seq, layout, elem, fused_attention, rank)
+) -> Memory:  # fmt: skip
+    state, kept = rank_state(m, seq, layout, elem, kind, rank), rank_saved(m, seq, layout, elem, fused_attention, rank)
+    return Memory(*_parts(m, seq, layout, elem, kind, rank, flop_per_byte, state, kept))
+
+
+def _parts(
+    m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int, flop_per_byte: float | None,
+    state: tuple[float, ...], kept: tuple[float, ...],
+) -> tuple[float, ...]:  # fmt: skip
+    """`rank_memory`'s parts (Memory's but `held`) from its `rank_state` and `rank_saved`."""
+    (sharded, grads, buffers), (saved, working, full, layers) = state, kept
     tokens = layout.micro * seq // layout.cp  # this rank's share of each sequence
     acts = saved * tokens * layers * in_flight(layout, rank)
     if full:
@@ -339,12 +337,4 @@ def rank_memory(
     if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, last in backward (docstring)
         table = GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
         grads += max(0.0, table - (acts + logits))  # the activations are freed by then
-    return Memory(
-        params=MASTER_BYTES * sharded,
-        grads=grads,
-        optimizer=ADAM_BYTES * sharded,  # fused AdamW (train/optim.py): no temporary per parameter
-        buffers=buffers,
-        activations=acts,
-        logits=logits,
-        overhead=OVERHEAD_GIB.get(kind, 1.0) * GIB,
-    )
+    return MASTER_BYTES * sharded, grads, ADAM_BYTES * sharded, buffers, acts, logits, OVERHEAD_GIB.get(kind, 1.0) * GIB

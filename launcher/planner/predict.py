@@ -5,13 +5,14 @@ and what bounds it (`bottleneck`), for one `Problem` (the model, sequence length
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Any
 
 from launcher.config import ModelConfig
 from launcher.flops import GIB, mfu
 from launcher.ft_config import BUCKET_BYTES, BUCKETS_IN_FLIGHT
 from launcher.layout import Layout
-from launcher.planner.cost import StepTime, step_time
+from launcher.planner.cost import StepTime, lower_bound, step_time
 from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency
 from launcher.planner.fp8 import Fp8, weight_bytes
@@ -102,23 +103,31 @@ class Prediction:
         }
 
 
+# the components `bottleneck` names, in its order of preference on a tie
+PARTS_OF = attrgetter(
+    "tp_comm", "cp_comm", "tp_host", "pp_bubble", "dp_exposed", "pp_p2p", "ep_comm", "loss", "tied_comm", "fp8_cast"
+)
+BOUND_NAMES = (
+    "TP communication over {t.tp_level}",
+    "CP communication over {t.cp_level}",
+    "tensor-parallel dispatch on the host",
+    "pipeline bubble",
+    "DP communication over {t.dp_level}",
+    "pipeline sends over {t.pp_level}",
+    "MoE all-to-all over {t.ep_level}",
+    "the chunked loss's weight traffic",
+    "the tied embedding's gradient all-reduce over {t.pp_level}",
+    "fp8 amax and cast passes",
+)
+
+
 def bottleneck(t: StepTime, efficiency: float) -> str:
     """The component that takes the largest share of the step, if 10% or more; else compute."""
-    parts = {
-        f"TP communication over {t.tp_level}": t.tp_comm,
-        f"CP communication over {t.cp_level}": t.cp_comm,
-        "tensor-parallel dispatch on the host": t.tp_host,
-        "pipeline bubble": t.pp_bubble,
-        f"DP communication over {t.dp_level}": t.dp_exposed,
-        f"pipeline sends over {t.pp_level}": t.pp_p2p,
-        f"MoE all-to-all over {t.ep_level}": t.ep_comm,
-        "the chunked loss's weight traffic": t.loss,
-        f"the tied embedding's gradient all-reduce over {t.pp_level}": t.tied_comm,
-        "fp8 amax and cast passes": t.fp8_cast,
-    }
-    name, share = max(((k, v / t.total) for k, v in parts.items()), key=lambda kv: kv[1])
-    if share >= 0.1:
-        return f"{name} ({share:.0%} of step)"
+    total = t.total
+    shares = [v / total for v in PARTS_OF(t)]
+    first = max(range(len(shares)), key=shares.__getitem__)  # the first largest; only its name is formatted
+    if shares[first] >= 0.1:
+        return f"{BOUND_NAMES[first].format(t=t)} ({shares[first]:.0%} of step)"
     return f"compute ({t.compute / t.total:.0%} of step at {efficiency:.0%} of peak)"
 
 
@@ -128,21 +137,33 @@ def problem_memory(problem: Problem, layout: Layout) -> Memory:
     mem = memory(m, problem.seq, layout, problem.elem, mach.kind, mach.flop_per_byte, problem.fused_attention)
     held = mem.checkpoint if problem.device_snapshot else 0.0  # what a checkpoint of this rank holds, on the device
     held += BUCKET_BYTES * BUCKETS_IN_FLIGHT if problem.ft else 0.0
-    mem = replace(mem, held=held)
+    if held:  # (memory's own is 0)
+        mem = replace(mem, held=held)
     if problem.fp8 is None:
         return mem
     layers = max(rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape))
     return replace(mem, buffers=mem.buffers + weight_bytes(problem.fp8, m, layout, layers))
 
 
+def _time_args(problem: Problem, layout: Layout) -> tuple[Any, ...]:
+    """`cost.step_time`'s arguments for `layout` in `problem`."""
+    return (
+        problem.model, problem.seq, layout, problem.machine, problem.elem, problem.async_tp, problem.fused_attention,
+        problem.compiled, problem.fp8, problem.span,
+    )  # fmt: skip
+
+
+def speed_bound(problem: Problem, layout: Layout) -> float:
+    """No less than `predict(problem, layout).tokens_per_s`, for less work: the step's `cost.lower_bound` in place
+    of its time (the same division, so rounding keeps the order)."""
+    return layout.global_batch * problem.seq / lower_bound(*_time_args(problem, layout))
+
+
 def predict(problem: Problem, layout: Layout, mem: Memory | None = None) -> Prediction:
     """Memory, step time and utilisation of `layout` (`mem`: its memory, when already known)."""
     m, mach = problem.model, problem.machine
     mem = mem or problem_memory(problem, layout)
-    t = step_time(
-        m, problem.seq, layout, mach, problem.elem, problem.async_tp, problem.fused_attention, problem.compiled,
-        problem.fp8, problem.span,
-    )  # fmt: skip
+    t = step_time(*_time_args(problem, layout))
     span = problem.span or problem.seq
     tokens_per_s = layout.global_batch * problem.seq / t.total
     peak = mach.peak_flops

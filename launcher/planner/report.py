@@ -40,7 +40,7 @@ def _recompute(lay: Layout) -> str:
     return lay.recompute + (f" +{lay.recompute_layers} full" if lay.recompute_layers else "")
 
 
-def _fmt_rate(x: float) -> str:
+def fmt_rate(x: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if x >= scale:
             return f"{x / scale:.3g}{unit}"
@@ -131,7 +131,7 @@ def _compact_cells(p: Prediction, rank: int) -> dict[str, str]:
     return {
         "#": str(rank), "layout": degrees_text(lay), "micro x m": f"{lay.micro} x {lay.microbatches}",
         "recompute": _recompute(lay), "mem GiB": f"{p.memory.total / GIB:.1f}", "step s": f"{p.time.total:.3g}",
-        "tokens/s": _fmt_rate(p.tokens_per_s), "MFU": f"{p.mfu:.1%}", "bottleneck": p.bottleneck,
+        "tokens/s": fmt_rate(p.tokens_per_s), "MFU": f"{p.mfu:.1%}", "bottleneck": p.bottleneck,
     }  # fmt: skip
 
 
@@ -163,7 +163,7 @@ def full_table(preds: list[Prediction]) -> Any:
             schedule_text(lay), _recompute(lay),
             "y" if lay.sequence_parallel else "-", f"{p.memory.total / GIB:.1f}", f"{p.memory.checkpoint / GIB:.2g}",
             f"{t.total:.3g}", f"{t.compute:.3g}", f"{t.tp_comm + t.tp_host:.2g}", f"{t.cp_comm:.2g}",
-            f"{t.pp_bubble:.2g}", f"{t.dp_exposed:.2g}", _fmt_rate(p.tokens_per_s), f"{p.mfu:.1%}", p.bottleneck,
+            f"{t.pp_bubble:.2g}", f"{t.dp_exposed:.2g}", fmt_rate(p.tokens_per_s), f"{p.mfu:.1%}", p.bottleneck,
         )  # fmt: skip
     return table
 
@@ -186,7 +186,7 @@ def precision_table(preds: list[Prediction], title: str, out: TextIO | None = No
         t = p.time
         table.add_row(
             p.dtype, f"{p.memory.total / GIB:.1f}", f"{t.total:.3g}", f"{t.compute:.3g}", f"{t.fp8_cast:.2g}",
-            f"{t.dp_exposed:.2g}", _fmt_rate(p.tokens_per_s), f"{p.tokens_per_s / base:.2f}x", f"{p.mfu:.1%}",
+            f"{t.dp_exposed:.2g}", fmt_rate(p.tokens_per_s), f"{p.tokens_per_s / base:.2f}x", f"{p.mfu:.1%}",
             "-" if p.mfu_fp8_peak is None else f"{p.mfu_fp8_peak:.1%}",
         )  # fmt: skip
     console = _console(out)
@@ -201,14 +201,14 @@ def budget_block(b: Budget, machine: str, grouped: tuple[int, Budget] | None = N
     out = out or sys.stdout
     gb = b.checkpoint_bytes / 1e9
     finish = (
-        f"{b.days:.1f} days, {_fmt_rate(b.device_hours)} device-hours"
-        + (f", ${_fmt_rate(b.cost)} at ${b.price_per_hour:.2f} per device-hour" if b.cost is not None else "")
+        f"{b.days:.1f} days, {fmt_rate(b.device_hours)} device-hours"
+        + (f", ${fmt_rate(b.cost)} at ${b.price_per_hour:.2f} per device-hour" if b.cost is not None else "")
         if b.goodput > 0
         else "never: failures come faster than a restart and half an interval (raise hardware.device_mtbf_hours?)"
     )
     lines = (
-        f"Budget: {_fmt_rate(b.tokens)} tokens on layout #1 ({b.devices:,} x {machine})",
-        f"  steps       {b.steps:,} of {_fmt_rate(b.tokens_per_step)} tokens, {b.step_time_s:.3g} s each: "
+        f"Budget: {fmt_rate(b.tokens)} tokens on layout #1 ({b.devices:,} x {machine})",
+        f"  steps       {b.steps:,} of {fmt_rate(b.tokens_per_step)} tokens, {b.step_time_s:.3g} s each: "
         f"{b.ideal_s / DAY:.1f} days without failures",
         f"  failures    one every {b.mtbf_s / HOUR:.3g} h (hardware.device_mtbf_hours="
         f"{b.mtbf_s * b.devices / HOUR:,.0f} / {b.devices:,} devices), "
@@ -264,7 +264,7 @@ def compare_table(rows: list[Row], tokens: float, what: str, out: TextIO | None 
     in two tables (the layout's, the budget's) where one does not fit, a profile that fits no layout under them."""
     cells = [_compared(row) for row in rows]
     console = _console(out)
-    console.print(f"plan.compare: {_fmt_rate(tokens)} tokens of {what}", highlight=False)
+    console.print(compare_title(tokens, what), highlight=False)
     heads = tuple(cells[0])
     table = _table(heads, ("hardware", "layout"))
     for row in cells:
@@ -282,6 +282,11 @@ def compare_table(rows: list[Row], tokens: float, what: str, out: TextIO | None 
             console.print(f"{row.hardware.name}: {row.error}", highlight=False)
 
 
+def compare_title(tokens: float, what: str) -> str:
+    """The heading of `plan.compare`'s table and of its chart (planner/charts.py)."""
+    return f"plan.compare: {fmt_rate(tokens)} tokens of {what}"
+
+
 def _compared(row: Row) -> dict[str, str]:
     """One `plan.compare` row's cells: hardware, COMPARED, then the budget ("-" where no layout fits)."""
     p, b = row.prediction, row.budget
@@ -292,8 +297,8 @@ def _compared(row: Row) -> dict[str, str]:
     ran = b.goodput > 0
     return dict(zip(heads, (
         row.hardware.name, f"{row.nodes:,}", f"{row.devices:,}", degrees_text(p.layout), f"{p.step_time_s:.3g}",
-        _fmt_rate(p.tokens_per_s), f"{p.mfu:.1%}", str(b.checkpoint_every), f"{b.goodput:.1%}",
-        f"{b.days:.1f}" if ran else "never", _fmt_rate(b.device_hours) if ran else "-",
+        fmt_rate(p.tokens_per_s), f"{p.mfu:.1%}", str(b.checkpoint_every), f"{b.goodput:.1%}",
+        f"{b.days:.1f}" if ran else "never", fmt_rate(b.device_hours) if ran else "-",
         "-" if b.price_per_hour is None else f"{b.price_per_hour:.2f}",
-        "-" if b.cost is None or not ran else _fmt_rate(b.cost),
+        "-" if b.cost is None or not ran else fmt_rate(b.cost),
     ), strict=True))  # fmt: skip

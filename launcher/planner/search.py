@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from operator import attrgetter
+from heapq import heappush, heappushpop
 
 from launcher.config import ModelConfig
 from launcher.errors import LauncherError
@@ -41,8 +41,9 @@ from launcher.layout import (
     split_dp,
     violations,
 )
+from launcher.planner.memo import private_model
 from launcher.planner.memory import Memory, chunked_loss
-from launcher.planner.predict import Prediction, Problem, predict, problem_memory
+from launcher.planner.predict import Prediction, Problem, predict, problem_memory, speed_bound
 
 MAX_MICRO = 32
 # Context parallelism is for long sequences: Llama 3's 128K stage ran cp=16, 8K tokens per rank.
@@ -51,8 +52,9 @@ MAX_MICRO = 32
 MIN_CP_TOKENS = 4096
 MAX_AUTO_CP = 32
 AUTO_VIRTUAL = (2, 4, 8)
-# a layout but for its batch split and recompute choice, which the memory of the state does not read
-_batchless = attrgetter("tp", "pp", "cp", "dp_replicate", "dp_shard", "ep", "schedule", "virtual_stages", "reshard")
+# a candidate before its reshard choice: Layout's first ten fields (tp, pp, dp_replicate, dp_shard, micro,
+# microbatches, schedule, virtual_stages, recompute, sequence_parallel), then cp and ep
+Point = tuple[int, int, int, int, int, int, str, int, str, bool, int, int]
 PRUNE_MARGIN = 1e-9  # relative: memory totals that differ by rounding alone are not pruned on
 
 
@@ -73,9 +75,19 @@ class Space:
 
 
 def candidates(problem: Problem, space: Space) -> Iterator[Layout | str]:
-    """Every layout the space allows, or for one that breaks a rule, the rule's message. Parts of a
-    layout are checked as soon as they are chosen (the fields not chosen yet at neutral values), so
-    a tp that does not divide the model is not expanded into thousands of candidates."""
+    """Every layout the space allows, or for one that breaks a rule, the rule's message."""
+    for point in _points(problem, space):
+        yield point if isinstance(point, str) else _layout(point)
+
+
+def _layout(point: Point, reshard: str = "auto") -> Layout:
+    return Layout(*point[:10], 0, reshard, *point[10:])
+
+
+def _points(problem: Problem, space: Space) -> Iterator[Point | str]:
+    """`candidates` as `Point`s (the search builds a layout only for those it evaluates). Parts of a layout
+    are checked as soon as they are chosen (the fields not chosen yet at neutral values), so a tp that does
+    not divide the model is not expanded into thousands of candidates."""
     m, seq, world, deg = problem.model, problem.seq, problem.world, space.degrees
     for tp in [deg["tp"]] if deg["tp"] else divisors(world):
         sp = space.sequence_parallel if space.sequence_parallel is not None else tp > 1
@@ -99,10 +111,11 @@ def _cp_options(ranks: int, seq: int) -> list[int]:
     return options
 
 
-def _inner(problem: Problem, space: Space, tp: int, cp: int, sp: bool) -> Iterator[Layout | str]:
-    """The candidates of one (tp, cp): pp, the dp split, micro and the schedule."""
+def _inner(problem: Problem, space: Space, tp: int, cp: int, sp: bool) -> Iterator[Point | str]:
+    """The candidates of one (tp, cp): pp, the dp split, micro and the schedule. The rules are checked once
+    for every micro-batch size: none reads it (tests/test_planner_speed.py)."""
     m, seq, deg = problem.model, problem.seq, space.degrees
-    rest = problem.world // (tp * cp)
+    rest, checked, rec = problem.world // (tp * cp), {}, space.recompute or "none"
     for pp in [deg["pp"]] if deg["pp"] else divisors(rest):
         dp = rest // pp
         if rest % pp or (deg["dp"] and deg["dp"] != dp):
@@ -110,18 +123,21 @@ def _inner(problem: Problem, space: Space, tp: int, cp: int, sp: bool) -> Iterat
         if broken := _first(Layout(tp=tp, pp=pp, microbatches=pp, sequence_parallel=sp, cp=cp), m, seq):
             yield broken
             continue
+        schedules, micros = list(_schedules(space, pp)), _micro_options(space, dp)
         for replicate, shard in _dp_splits(dp, deg["dp_shard"], deg["dp_replicate"]):
-            for micro in _micro_options(space, dp):
+            eps = _ep_options(m, deg["ep"], shard)
+            for micro in micros:
                 try:
                     count = microbatch_count(micro, dp, pp, space.global_batch, space.microbatches)
                 except LauncherError as err:
                     yield str(err)
                     continue
-                for schedule, v in _schedules(space, pp):
-                    for ep in _ep_options(m, deg["ep"], shard):
-                        rec = space.recompute or "none"
-                        lay = Layout(tp, pp, replicate, shard, micro, count, schedule, v, rec, sp, cp=cp, ep=ep)
-                        yield _first(lay, m, seq) or lay
+                for schedule, v in schedules:
+                    for ep in eps:
+                        point = (tp, pp, replicate, shard, micro, count, schedule, v, rec, sp, cp, ep)
+                        if (rules := (pp, replicate, shard, count, schedule, v, ep)) not in checked:
+                            checked[rules] = _first(_layout(point), m, seq)
+                        yield checked[rules] or point
 
 
 def _ep_options(m: ModelConfig, ep: int | None, shard: int) -> list[int]:
@@ -129,6 +145,12 @@ def _ep_options(m: ModelConfig, ep: int | None, shard: int) -> list[int]:
     if ep:
         return [ep]
     return [e for e in divisors(shard) if m.moe.experts % e == 0] if m.moe.experts else [1]
+
+
+def _variant(lay: Layout, **changes: object) -> Layout:
+    """`dataclasses.replace` at a third of its cost (it reads every field's metadata first): the search makes
+    a layout for each recompute choice it probes."""
+    return Layout(**{**vars(lay), **changes})
 
 
 def _first(lay: Layout, m: ModelConfig, seq: int) -> str | None:
@@ -170,14 +192,17 @@ def _schedules(space: Space, pp: int) -> Iterator[tuple[str, int]]:
 
 @dataclass
 class Result:
-    ranked: list[Prediction]  # fitting layouts, most tokens/s first (fastest step for a fixed batch)
-    tried: int  # valid layouts enumerated (before recompute choices)
+    ranked: list[Prediction]  # fitting layouts, most tokens/s first (fastest step for a fixed batch); the first `top`
+    tried: int  # valid layouts enumerated, each reshard choice apart (before recompute choices)
     smallest: Prediction | None  # the layout needing the least memory (for the error message)
     broken: str | None  # the first rule a candidate broke (for the error when none is valid)
+    fit: int = 0  # the layouts that fit (len(ranked) unless `top` cut it)
 
 
-def search(problem: Problem, space: Space) -> Result:
-    res = _search(problem, space, prune=True)
+def search(problem: Problem, space: Space, top: int = 0) -> Result:
+    """Every layout `space` allows, ranked; `top` > 0: only the first `top` of them (the others are counted,
+    not predicted, where `speed_bound` shows they cannot reach the top)."""
+    res = _search(problem, space, prune=True, top=top)
     if res.ranked or not res.tried:
         return res
     # nothing fits: the layout needing the least memory (for the error) over every choice, as the
@@ -185,29 +210,36 @@ def search(problem: Problem, space: Space) -> Result:
     return _search(problem, space, prune=False)
 
 
-def _search(problem: Problem, space: Space, prune: bool) -> Result:
+def _search(problem: Problem, space: Space, prune: bool, top: int = 0) -> Result:
+    problem = replace(problem, model=private_model(problem.model))
     ranked, tried, smallest, small_mem = [], 0, None, None
-    broken = None
-    exhausted: dict[tuple[object, ...], int] = {}  # (prune) `_batchless` key: the micro from which none fits
-    for lay in candidates(problem, space):
-        if isinstance(lay, str):
-            broken = broken or lay
+    broken, fit, fastest = None, 0, []  # fastest: a heap of the `top` most tokens/s so far (prune and top)
+    exhausted: dict[tuple[object, ...], int] = {}  # (prune) a layout but its batch split: the micro none fits from
+    for point in _points(problem, space):
+        if isinstance(point, str):
+            broken = broken or point
             continue
-        tried += 1
-        for reshard in _reshards(space, lay):
-            cand = lay if lay.reshard == reshard else replace(lay, reshard=reshard)
-            key = _batchless(cand)
-            if prune and cand.micro >= exhausted.get(key, cand.micro + 1):
+        tp, pp, replicate, shard, micro, _, schedule, v, _, _, cp, ep = point
+        for reshard in _reshards(space, shard, pp):
+            tried += 1  # each reshard choice a layout of its own, as `ranked` counts them
+            key = (tp, pp, cp, replicate, shard, ep, schedule, v, reshard)  # but the batch split and recompute
+            if prune and micro >= exhausted.get(key, micro + 1):
                 continue
-            fits, least = _fitting(problem, space, cand, prune)
-            ranked.extend(fits)
+            cand = _layout(point, reshard)
+            floor = fastest[0] if len(fastest) == top > 0 else 0.0  # the top's slowest: none slower joins it
+            best, fits, least = _fitting(problem, space, cand, prune, floor)
+            fit += fits
+            if best is not None:
+                ranked.append(best)
+                if prune and top:
+                    (heappushpop if len(fastest) == top else heappush)(fastest, best.tokens_per_s)
             if prune and not fits and (start := _none_fit_from(problem, cand, least[1])) is not None:
                 exhausted[key] = min(start, exhausted.get(key, start))
             elif not prune and not fits and (small_mem is None or least[1].total < small_mem.total):
                 smallest, small_mem = least
     ranked.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     best_small = predict(problem, smallest, small_mem) if smallest is not None and not ranked else None
-    return Result(ranked=ranked, tried=tried, smallest=best_small, broken=broken)
+    return Result(ranked=ranked[:top] if top else ranked, tried=tried, smallest=best_small, broken=broken, fit=fit)
 
 
 def _none_fit_from(problem: Problem, lay: Layout, least: Memory) -> int | None:
@@ -229,28 +261,30 @@ def _state(mem: Memory) -> float:
     return mem.params + mem.optimizer + mem.buffers + mem.overhead
 
 
-def _reshards(space: Space, lay: Layout) -> list[str]:
+def _reshards(space: Space, shard: int, pp: int) -> tuple[str, ...]:
     if space.reshard is not None:
-        return [space.reshard]
-    return ["always", "never"] if lay.dp_shard > 1 and lay.pp == 1 else ["auto"]
+        return (space.reshard,)
+    return ("always", "never") if shard > 1 and pp == 1 else ("auto",)
 
 
 def _fitting(
-    problem: Problem, space: Space, lay: Layout, prune: bool = False
-) -> tuple[list[Prediction], tuple[Layout, Memory]]:
-    """`lay`'s recompute choice that fits, if any (as a one-item list), and the least-memory choice
-    tried (for the error when nothing fits; `prune`: of every choice probed). The order is none <
-    selective < full; with recompute_layers auto, each of none and selective takes the smallest N that
-    fits, the faster wins. `prune`: skip the choices that cannot fit (`_left`)."""
+    problem: Problem, space: Space, lay: Layout, prune: bool = False, floor: float = 0.0
+) -> tuple[Prediction | None, bool, tuple[Layout, Memory]]:
+    """`lay`'s recompute choice that fits, if any, whether one fits, and the least-memory choice tried (for
+    the error when nothing fits; `prune`: of every choice probed). The order is none < selective < full;
+    with recompute_layers auto, each of none and selective takes the smallest N that fits, the faster wins.
+    `prune`: skip the choices that cannot fit (`_left`). A choice whose `speed_bound` is under `floor` is not
+    predicted: where none is left, the choice is None (the layout still fits)."""
     m, cap, fixed = problem.model, problem.machine.memory_bytes, space.recompute_layers
     most = m.n_layers // lay.stages  # the smallest stage's blocks (layout.stage_layers)
-    fits: list[Prediction] = []
+    fits: list[Prediction | None] = []
     least: tuple[Layout, Memory] | None = None
     tried: dict[tuple[str, int], tuple[Layout, Memory]] = {}
 
     def mem(recompute: str, layers: int) -> tuple[Layout, Memory]:
         if (recompute, layers) not in tried:
-            cand = replace(lay, recompute=recompute, recompute_layers=layers)
+            same = (lay.recompute, lay.recompute_layers) == (recompute, layers)
+            cand = lay if same else _variant(lay, recompute=recompute, recompute_layers=layers)
             tried[recompute, layers] = cand, problem_memory(problem, cand)
         return tried[recompute, layers]
 
@@ -266,13 +300,14 @@ def _fitting(
         if least is None or used.total < least[1].total:
             least = (cand, used)
         if n is not None and used.total <= cap:
-            fits.append(predict(problem, cand, used))
+            fits.append(predict(problem, cand, used) if not floor or speed_bound(problem, cand) >= floor else None)
             if not searched or n == 0:
                 break  # the first that fits in the order, or nothing recomputed: nothing is faster
     if prune:  # the least of every probe: what `_none_fit_from` reads
         least = min(tried.values(), key=lambda c: c[1].total)
     assert least is not None
-    return ([max(fits, key=lambda p: p.tokens_per_s)] if fits else []), least
+    scored = [p for p in fits if p is not None]  # any left outscores those not predicted: bound < floor <= it
+    return (max(scored, key=lambda p: p.tokens_per_s) if scored else None), bool(fits), least
 
 
 def _left(mem: Callable[[str, int], tuple[Layout, Memory]], cap: float) -> list[str] | None:

@@ -9,13 +9,16 @@ stage's forward; p2p is free. Where the order comes from torch (`pipeline_compat
 the timeline torch runs; the planner's closed forms (compute.py, cost.py, memory.py) are tested against it.
 
 A microbatch's activations on a stage are alive from its F to its B, or to its W: torch's input
-backward keeps the graph (`retain_graph=True`) for the weight backward.
+backward keeps the graph (`retain_graph=True`) for the weight backward. `in_flight` and `logits_in_flight`
+are the closed forms of those peaks that the planner's memory (memory.py) reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from launcher.layout import Layout
 
 Action = tuple[str, int, int]  # (kind, microbatch, stage)
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # backward = 2 forwards, split evenly
@@ -110,3 +113,33 @@ def render(timeline: Timeline, scale: float = 1.0) -> str:
                 row[c] = label
         lines.append(f"rank {r} | " + " ".join(f"{c:>3}" for c in row))
     return "\n".join(lines)
+
+
+def in_flight(layout: Layout, rank: int) -> float:
+    """Microbatches whose activations rank `rank` holds at its peak (in units of all its layers)."""
+    m, p = layout.microbatches, layout.pp
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "interleaved_zb":  # ZB1P: warm-up of (v - 1) p + p - r - 1 chunks, W's lag I's
+        return float(min(m, p))
+    if layout.schedule == "zbv":  # chunk 0's warm-up 2(p - r) - 1, then r pairs and p - r chunk-1 forwards
+        return min(2 * p, m + rank + 1) / 2
+    if layout.schedule == "dualpipev":  # 2p + 1 chunks on every rank (m >= 2p)
+        return (2 * p + 1) / 2
+    if layout.chunks > 1:
+        v = layout.chunks
+        return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v  # Megatron's warm-up depth
+    return float(min(m, p - rank))
+
+
+def logits_in_flight(layout: Layout) -> int:
+    """Microbatches whose logits (and the loss's fp32 log-softmax) the last stage holds at once:
+    GPipe all; interleaved_zb p (its loss's graph lives from the input to the weight backward,
+    which ZB1P runs p microbatches later); every other schedule one."""
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return layout.microbatches
+    return layout.pp if layout.schedule == "interleaved_zb" else 1

@@ -96,7 +96,7 @@ def no_readable(root: Path, failures: list[tuple[Path, str]], fix: str) -> Launc
     )
 
 
-RESUME_FIX = "resume=never starts over, resume=PATH picks one"
+RESUME_FIX = "resume=PATH picks one; a new run_dir (or checkpoint.dir) starts over"
 
 
 def preflight_resume(resume: str, default_root: Path, every_rank: bool = False) -> None:
@@ -104,6 +104,7 @@ def preflight_resume(resume: str, default_root: Path, every_rank: bool = False) 
     is one line (exit 2); training from step 0 would prune them. `every_rank`: each rank runs this
     (torchrun, SLURM), so each reads only the index and extras, not every rank's files."""
     candidates = resolve_resume(resume, default_root)
+    check_owner(resume, candidates, default_root)
     failures = []
     for path in candidates:
         try:
@@ -113,6 +114,18 @@ def preflight_resume(resume: str, default_root: Path, every_rank: bool = False) 
             failures.append((path, str(err)))
     if failures:
         raise no_readable(failures[0][0].parent, failures, RESUME_FIX)
+
+
+def check_owner(resume: str, candidates: list[Path], root: Path) -> None:
+    """Never overwrite (or prune) checkpoints this run did not write: a folder that holds some is only
+    continued (resume=auto, or a resume=PATH inside it), never started over in."""
+    found = complete_checkpoints(root)
+    if not found or resume == "auto" or any(p.resolve().parent == root.resolve() for p in candidates):
+        return
+    raise LauncherError(
+        f"{root} holds checkpoints this run did not write (newest {found[0].name}), and resume={resume} would "
+        "overwrite and prune them: resume=auto continues them; a new run_dir (or checkpoint.dir) starts over"
+    )
 
 
 def resolve_resume(resume: str, default_root: Path) -> list[Path]:
@@ -328,5 +341,5 @@ def check_shapes(path: Path, metadata: Any, state: dict[str, Any]) -> None:
         if saved is not None and tuple(saved) != tuple(tensor.shape):
             raise LauncherError(
                 f"checkpoint {path} holds {fqn} with shape {tuple(saved)} but the model has {tuple(tensor.shape)}: "
-                "resume it with the model it was trained with, or resume=never"
+                "resume it with the model it was trained with, or start over in a new run_dir"
             )
