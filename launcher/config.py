@@ -275,7 +275,7 @@ class TrainConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
-    steps: int = ranged(200, ge=0, le=10**9)  # 0: build every rank's shards for real, report memory, stop
+    steps: int = ranged(100, ge=0, le=10**9)  # 100: `train` in a minute; 0: build the shards, report memory, stop
     smoke: bool = False  # with steps=0: also run one forward/backward on one microbatch
     seq_len: int = ranged(256, ge=1)
     seed: int = ranged(1234, ge=0, le=2**64 - 1)  # torch.manual_seed's range

@@ -56,7 +56,7 @@ def runnable(command: str, tmp: Path) -> str | None:
         return command
     # shortened, with nothing switched off a user has on: evaluation (once, at the last step) and checkpoints
     quick = [
-        "steps=2",
+        *(["steps=2"] if "steps=0" not in args else []),  # steps=0 builds and stops: as written
         "eval.batches=1",
         "metrics.wandb.mode=disabled",
         f"data.cache_dir={tmp / 'cache'}",
