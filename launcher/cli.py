@@ -158,8 +158,8 @@ def _train_task(cfg: TrainConfig) -> None:
     check(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
     check_folder(cfg.model, cfg.init.get("from"))  # init.from: a readable Llama folder of exactly the model's shapes
     check_wandb(cfg)
-    # a bad path, or checkpoints none of which is readable, fails here
-    preflight_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"), every_rank=env is not None)
+    root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")  # a bad path, no readable checkpoint: fails here
+    preflight_resume(cfg.resume, root, every_rank=env is not None, data=cfg.data)
     # a failed worker raises WorkerFailed (exit 1); the loop puts the prediction into summary.json
     run = run_of(cfg, layout, prediction, options)
     if replica is not None:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import reduce
+from typing import Any
 
 from launcher.config import DataConfig
 from launcher.errors import LauncherError
@@ -99,3 +100,22 @@ def period(sources: list[Source]) -> int:
             f"give weights with fewer digits, e.g. 3, 2, 1 or 0.5, 0.3, 0.2"
         )
     return p
+
+
+def check_resumed_mix(state: dict[str, Any], labels: list[str] | None) -> None:
+    """A checkpoint's data position (`state`, the loader's) resumed by this run's data: a mixture's only by
+    the same sources in their order (`labels`; None: a single source), else each source's count would
+    go to another, or be lost. One line; the checkpoints stay as they are."""
+    phase = state.get("mix")
+    if phase is None:  # a single source's position: a mixture may begin there
+        return
+    if labels is None:
+        raise LauncherError(
+            f"the checkpoint was written by data=mix (sources {', '.join(phase['labels'])}): resume it "
+            "with data=mix and the same data.sources, or start over in a new run_dir"
+        )
+    if phase["labels"] != labels:
+        raise LauncherError(
+            f"data.sources: the checkpoint mixes {phase['labels']} in this order, this run {labels}: "
+            "keep the sources and their order (their weights may change), or start over in a new run_dir"
+        )

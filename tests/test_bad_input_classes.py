@@ -156,11 +156,13 @@ def test_a_mixture_resumed_with_other_sources(args: list[str], expected: str, tm
     run_dir = tmp_path / "run"
     train(run_for(tiny_config(tmp_path, "steps=2", "checkpoint.every=2", "data=mix", MIX)), run_dir)
     before = sorted(str(p) for p in (run_dir / "checkpoints").rglob("*"))
+    metrics = (run_dir / "metrics.jsonl").read_text()
     result = run_cli("train", *tiny_args(tmp_path / "cache", steps=4), *args, f"run_dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and expected in line and "Traceback" not in result.stderr
     assert sorted(str(p) for p in (run_dir / "checkpoints").rglob("*")) == before
+    assert (run_dir / "metrics.jsonl").read_text() == metrics  # refused before any worker (which opens it)
 
 
 @pytest.mark.parametrize(

@@ -155,5 +155,6 @@ def test_fp8_checkpoint_resumes_as_bf16_and_as_fp8_under_another_layout(
     """The first run saves at step 10 (dp_shard=2: FSDP's float8 all-gather weights, unwrapped in the
     checkpoint); the second resumes it at another layout and dtype and tracks bf16 to step 20."""
     train(tmp_path, "run", "+model=tiny", *FP8, *first.split(), steps=10, every=10)
-    run_dir = train(tmp_path, "run", "+model=tiny", *FP8, *then.split(), "resume=auto")
+    fp8 = FP8 if "dtype=fp8" in then else ()  # fp8's keys with dtype=bf16 are refused (launcher/feature_keys.py)
+    run_dir = train(tmp_path, "run", "+model=tiny", *fp8, *then.split(), "resume=auto")
     assert_tracks(losses(run_dir), reference["tiny"], range(11, STEPS + 1))

@@ -111,7 +111,7 @@ def test_train_and_plan_run_from_an_empty_directory(installed: Path, tmp_path: P
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "run" / "summary.json").is_file()
     result = run(installed, "plan", "+model=8b", "nodes=1", "plan.top=1", cwd=tmp_path)
-    assert result.returncode == 0 and "tp" in result.stdout, result.stderr[-2000:]
+    assert result.returncode == 0 and "layouts fit" in result.stdout, result.stderr[-2000:]
     result = run(installed, "export-weights", "--help", cwd=tmp_path)
     assert result.returncode == 0 and "format=hf" in result.stdout, result.stderr
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from launcher.errors import LauncherError
+from launcher.mix_config import check_resumed_mix
 from launcher.parallel.context import split_sequence
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -94,10 +94,6 @@ class BatchLoader:
         return {"position": self.position, "seed": self.seed, "skipped": [list(r) for r in self.skipped]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "mix" in state:  # a mixture's position read by one source (MixLoader strips it): its counts would be lost
-            raise LauncherError(
-                f"the checkpoint was written by data=mix (sources {', '.join(state['mix']['labels'])}): resume it "
-                "with data=mix and the same data.sources, or start over in a new run_dir"
-            )
+        check_resumed_mix(state, None)  # a mixture's position read by one source (MixLoader strips it)
         self.position, self.seed = int(state["position"]), int(state["seed"])
         self.skipped = [[int(first), int(last)] for first, last in state.get("skipped", [])]  # older: none

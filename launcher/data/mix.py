@@ -30,7 +30,7 @@ from launcher.config import DataConfig
 from launcher.data.corpus import Splits, check_source, load_splits
 from launcher.data.loader import BatchLoader, offsets_of
 from launcher.errors import LauncherError
-from launcher.mix_config import Source, mixture_sources, period, shares
+from launcher.mix_config import Source, check_resumed_mix, mixture_sources, period, shares
 
 
 @dataclass(frozen=True)
@@ -115,11 +115,7 @@ class MixLoader(BatchLoader):
             self.phase_start, self.base = self.position, [0] * len(self.parts)
             self.note = f"data: the mixture begins at sample {self.position} (the checkpoint read one source)"
             return
-        if phase["labels"] != self.labels:  # another order would carry each source's count over to another
-            raise LauncherError(
-                f"data.sources: the checkpoint mixes {phase['labels']} in this order, this run {self.labels}: "
-                "keep the sources and their order (their weights may change), or start over in a new run_dir"
-            )
+        check_resumed_mix(state, self.labels)  # another order would carry each source's count over to another
         old = [Fraction(w) for w in phase["weights"]]
         self.phase_start, self.base = int(phase["start"]), [int(n) for n in phase["consumed_at_start"]]
         if old != self.fractions:  # new weights: a new phase from here, each source's count carried on

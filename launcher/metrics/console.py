@@ -106,8 +106,8 @@ class ConsoleView:
                 self.console.print(load_table(loads))
 
     def note(self, text: str) -> None:
-        if self.mode != "none":
-            self.console.print(text)
+        if self.mode != "none":  # plain text: `launcher[plot]` or `[[1201,1400]]` is not rich markup
+            self.console.print(text, markup=False)
 
     def close(self, summary: dict[str, Any]) -> None:
         if self.live is not None:

@@ -49,7 +49,7 @@ def calibrate(
         )
     out_labels = held_out(runs)
     fitted = [r for r in runs if r.label not in out_labels]
-    found = knobs(hw, runs[0].problem.machine)
+    found = knobs(hw, max(runs, key=lambda r: r.problem.world).problem.machine)  # one process measures no TP host
     kept = [k for k, moved in zip(found, seen(fitted, found)) if moved]
     mults = fit(fitted, kept)
     rows = result_rows(runs, out_labels, step_times(runs, kept, [1.0] * len(kept)), step_times(runs, kept, mults))

@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from launcher.config import CheckpointConfig
+from launcher.config import CheckpointConfig, DataConfig
 from launcher.errors import CheckpointFailed, LauncherError
+from launcher.mix_config import check_resumed_mix, mixture_sources
 from launcher.parallel.float8 import high_precision
 from launcher.train.ckpt_write import (
     Pending,
@@ -51,6 +52,7 @@ from launcher.train.ckpt_write import (
     SizedPlanner,
     barrier,
     cause,
+    check_owner,
     commit,
     first_error,
     prepare,
@@ -99,33 +101,28 @@ def no_readable(root: Path, failures: list[tuple[Path, str]], fix: str) -> Launc
 RESUME_FIX = "resume=PATH picks one; a new run_dir (or checkpoint.dir) starts over"
 
 
-def preflight_resume(resume: str, default_root: Path, every_rank: bool = False) -> None:
+def preflight_resume(resume: str, root: Path, every_rank: bool = False, data: DataConfig | None = None) -> None:
     """Before any worker starts: a bad resume path, or checkpoints none of which passes `verify`,
     is one line (exit 2); training from step 0 would prune them. `every_rank`: each rank runs this
-    (torchrun, SLURM), so each reads only the index and extras, not every rank's files."""
-    candidates = resolve_resume(resume, default_root)
-    check_owner(resume, candidates, default_root)
+    (torchrun, SLURM), so each reads only the index and extras, not every rank's files. `data`: the
+    run's, which must be able to resume the checkpoint's data position (a mixture's sources)."""
+    candidates = resolve_resume(resume, root)
+    check_owner(resume, candidates, root, complete_checkpoints(root))
     failures = []
     for path in candidates:
         try:
-            read_index(path) if every_rank else verify(path)
-            return
+            _, extras = read_index(path)
+            if not every_rank:
+                verify(path)
         except UnreadableCheckpoint as err:
             failures.append((path, str(err)))
+            continue
+        if data is not None:
+            labels = [s.label for s in mixture_sources(data)] if data.name == "mix" else None
+            check_resumed_mix(extras.get("loader", {}), labels)
+        return
     if failures:
         raise no_readable(failures[0][0].parent, failures, RESUME_FIX)
-
-
-def check_owner(resume: str, candidates: list[Path], root: Path) -> None:
-    """Never overwrite (or prune) checkpoints this run did not write: a folder that holds some is only
-    continued (resume=auto, or a resume=PATH inside it), never started over in."""
-    found = complete_checkpoints(root)
-    if not found or resume == "auto" or any(p.resolve().parent == root.resolve() for p in candidates):
-        return
-    raise LauncherError(
-        f"{root} holds checkpoints this run did not write (newest {found[0].name}), and resume={resume} would "
-        "overwrite and prune them: resume=auto continues them; a new run_dir (or checkpoint.dir) starts over"
-    )
 
 
 def resolve_resume(resume: str, default_root: Path) -> list[Path]:

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from launcher.errors import LauncherError
 from launcher.train.preemption import agree, collective_device
 
 log = logging.getLogger("launcher")
@@ -226,3 +227,14 @@ class SaveStats:
 def row(seconds: float, nbytes: int) -> dict[str, float]:
     """A save's figures in its step's metrics row."""
     return {"ckpt_save_s": seconds, "ckpt_bytes": nbytes}
+
+
+def check_owner(resume: str, candidates: list[Path], root: Path, found: list[Path]) -> None:
+    """Never overwrite (or prune) checkpoints this run did not write (`found` in `root`): a folder that
+    holds some is only continued (resume=auto, or a resume=PATH inside it), never started over in."""
+    if not found or resume == "auto" or any(p.resolve().parent == root.resolve() for p in candidates):
+        return
+    raise LauncherError(
+        f"{root} holds checkpoints this run did not write (newest {found[0].name}), and resume={resume} would "
+        "overwrite and prune them: resume=auto continues them; a new run_dir (or checkpoint.dir) starts over"
+    )
