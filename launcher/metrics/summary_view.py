@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rich.console import Group
-from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from launcher.layout import Layout
 from launcher.layout.text import degrees_text
@@ -190,15 +190,12 @@ def notes(summary: dict[str, Any], pred: dict[str, Any]) -> list[str]:
     return lines
 
 
-def details(summary: dict[str, Any]) -> Table:
-    """Label and value, in words: what has no prediction to stand beside."""
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(min_width=LABEL_WIDTH)
-    grid.add_column()
+def details(summary: dict[str, Any]) -> Text:
+    """Label and value, in words: what has no prediction to stand beside. Lines, not a grid: a grid pads
+    every line out to its widest (trailing spaces in every log)."""
     stopped = [(label, str(summary[k])) for k, label in STOPPED if k in summary]
-    for label, text in [*losses(summary), *how(summary), *stopped]:
-        grid.add_row(label, text)
-    return grid
+    rows = [*losses(summary), *how(summary), *stopped]
+    return Text("\n".join(f"  {label:<{LABEL_WIDTH}}  {text}" for label, text in rows))
 
 
 def summary_view(summary: dict[str, Any]) -> Group:
@@ -211,5 +208,4 @@ def summary_view(summary: dict[str, Any]) -> Group:
         table.add_column(name, justify="right" if name else "left", min_width=LABEL_WIDTH if not name else None)
     for row in figures:
         table.add_row(*row[: len(table.columns)])
-    rest = Padding(details(summary), (0, 0, 0, 2), expand=False)  # not padded out to the console's width
-    return Group(title(summary), *([table] if figures else []), rest, *notes(summary, pred))
+    return Group(title(summary), *([table] if figures else []), details(summary), *notes(summary, pred))
