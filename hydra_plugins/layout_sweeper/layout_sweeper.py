@@ -18,7 +18,6 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf, open_dict
 
 import launcher.slurm  # noqa: F401  (importing it registers the ${slurm_job:...} resolver, before configs resolve)
 from launcher.config import TrainConfig
@@ -26,7 +25,7 @@ from launcher.hydra_compat import basic_sweeper
 from launcher.layout import DEGREES
 from launcher.validate import validate
 
-from .fixed_batch import FixedBatch
+from .fixed_batch import FixedBatch, point_config
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +71,7 @@ def ranked_layouts(cfg: TrainConfig, top: int, world: int | None = None) -> list
 
 def search_config(primary: Any, fixed: set[str]) -> TrainConfig:
     """The TrainConfig of the sweep's primary config with every degree not in `fixed` set to auto."""
-    cfg = OmegaConf.create(primary)  # a copy
-    with open_dict(cfg):
-        cfg.pop("hydra", None)
-    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
-    return dataclasses.replace(obj, **{k: "auto" for k in DEGREES if k not in fixed})
+    return dataclasses.replace(point_config(primary), **{k: "auto" for k in DEGREES if k not in fixed})
 
 
 class LayoutSweeper(FixedBatch, basic_sweeper()):

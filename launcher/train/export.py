@@ -198,7 +198,9 @@ def export(
 
 def exported_line(checkpoint: Path, written: Path, fmt: str) -> str:
     """The line that confirms an export: which checkpoint, where, how big."""
+    from launcher.metrics.summary_view import size
+
     files = [written] if written.is_file() else [p for p in written.rglob("*") if p.is_file()]
-    size = sum(p.stat().st_size for p in files) / 2**20
     what = "an HF Llama folder" if fmt == "hf" else "safetensors"
-    return f"export-weights: {checkpoint.name} of {checkpoint.parent} written to {written} ({what}, {size:,.1f} MiB)"
+    total = size(sum(p.stat().st_size for p in files))
+    return f"export-weights: {checkpoint.name} of {checkpoint.parent} written to {written} ({what}, {total})"
