@@ -6,8 +6,8 @@ end and by part. The budget: the command as a user runs it under half a second (
    time counts other processes' load; CPU time does not.
 2. The breakdown, each part timed in this process with time.perf_counter (CPU seconds beside it): the
    bare interpreter and the CLI's imports (fresh processes); the floor under any `plan` that composes
-   its config with Hydra (FLOOR: a fresh process that imports the schema, composes COMMAND once and
-   imports rich, which prints the table; nothing of the planner); Hydra's compose, validate, building the
+   its config with Hydra (FLOOR: a fresh process that imports the schema, composes COMMAND once;
+   nothing of the planner); Hydra's compose, validate, building the
    problem and the search space, the search as `plan` runs it (plan.top: the best 10 predicted, the rest
    counted; of which enumerating the candidates, and the memory, bound and prediction calls, timed in a
    separate instrumented run), the search ranking every layout (plan.top=0, memoised terms warm),
@@ -39,10 +39,7 @@ DEVICES = 16384
 COMMAND = ("+model=405b", "hardware=h100_sxm", f"nodes={DEVICES // 8}")
 HARDWARE = (("h100_sxm", 8), ("gb200_nvl72", 4), ("tpu_v5p", 4))  # profile, devices per node
 BIN = Path(sys.executable).parent
-FLOOR = (
-    "from launcher.config import compose_config; import rich.console, rich.table; "
-    f"compose_config(*{COMMAND!r}, config_name='plan')"
-)
+FLOOR = f"from launcher.config import compose_config; compose_config(*{COMMAND!r}, config_name='plan')"
 
 
 def search_405b(hardware: str, per_node: int, top: int = 0) -> Any:
@@ -82,7 +79,7 @@ def breakdown(repeats: int) -> dict[str, tuple[float, float]]:
     parts = {"interpreter": fresh([sys.executable, "-c", "pass"], repeats)}
     cli = fresh([sys.executable, "-c", "import launcher.cli"], repeats)
     parts["imports (launcher.cli)"] = (cli[0] - parts["interpreter"][0], cli[1] - parts["interpreter"][1])
-    parts["floor: Hydra compose + rich, fresh process"] = fresh([sys.executable, "-c", FLOOR], repeats)
+    parts["floor: Hydra compose, fresh process"] = fresh([sys.executable, "-c", FLOOR], repeats)
     from launcher.config import compose_config
     from launcher.layout_config import plan_world_size
     from launcher.planner import report, request

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, ValueNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from launcher.config import CONF_DIR, TrainConfig, compose_config
-from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError, usage_errors_raised
+from launcher.errors import INTERRUPTED, PREEMPTED, LauncherError, broken_pipe_quiet, usage_errors_raised
 from launcher.extras import install_hint, installed, require
 from launcher.files import make_dir, remove_if_unused
 from launcher.hydra_compat import hydra_errors_raised, hydra_full_error, plain_overrides
@@ -81,7 +81,7 @@ def run_app(config_name: str, task: Callable[[Any], None], overrides: list[str] 
     """Run a Hydra app (`overrides`: composed once, Hydra's compose API). Errors arrive as exception objects: ours
     (LauncherError, from the task or a plugin) exit with their code; Hydra's compose errors: one line, exit 2."""
     full_error = hydra_full_error()  # the user asked for Hydra's tracebacks: they get them
-    with hydra_errors_raised() as restore_hydra_errors, usage_errors_raised():  # one line for a bad flag
+    with hydra_errors_raised() as restore_hydra_errors, usage_errors_raised(), broken_pipe_quiet():
 
         def wrapped(cfg: DictConfig) -> None:
             restore_hydra_errors()  # from here on Hydra reports the task's own crashes as the user asked

@@ -8,7 +8,9 @@ sweep records it (launcher/sweep.py). Nothing parses error text.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -80,3 +82,14 @@ def usage_errors_raised() -> Iterator[None]:
         yield
     finally:
         argparse.ArgumentParser.error = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def broken_pipe_quiet() -> Iterator[None]:
+    """`plan | head`: the reader closed the pipe; stop as a command in a pipeline does, without a traceback
+    (stdout onto /dev/null first: Python's flush at exit would raise again)."""
+    try:
+        yield
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(FAILED)

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from launcher.config import CONF_DIR
+from launcher.planner.columns import Columns
 from launcher.planner.cost import StepTime
 from launcher.planner.predict import bottleneck
 from launcher.planner.report import HEADS, short_bottleneck
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_shell
 
 PLAN_70B = ("plan", "+model=70b", "hardware=h100_sxm", "nodes=16")
 FIELDS = ("tp", "pp", "cp", "dp", "schedule", "recompute", "memory_gib", "step_time_s", "tokens_per_s", "mfu")
@@ -62,6 +63,28 @@ def test_a_log_wide_and_json_keep_every_column(tmp_path: Path) -> None:
         assert "compute (" in out and "…" not in out  # the bottleneck's whole sentence
     layouts = json.loads(plan(*PLAN_70B, "plan.top=3", "plan.format=json", cwd=tmp_path))
     assert len(layouts) == 3 and all(k in layouts[0] for k in FIELDS), layouts[0]
+
+
+@pytest.mark.slow
+def test_a_narrow_terminal_cuts_no_number_and_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    """At 80 columns the words wrap and a table too wide runs past the edge, every cell whole (rich cut
+    them to `2.…`); no line ends in spaces; `plan | head -1` stops as a pipeline's command does."""
+    out = plan(*PLAN_70B, cwd=tmp_path, columns=80)
+    assert "…" not in out and not [line for line in out.splitlines() if line != line.rstrip()], out
+    rows = [line for line in out.splitlines() if re.match(r"\s*\d+  tp ", line)]
+    assert len(rows) == 10 and all(re.search(r"\d\.\d%$", line) for line in rows), out  # MFU last and whole
+    words = [line for line in out.splitlines() if "  " not in line and not line.startswith("─")]
+    assert all(len(line) <= 80 for line in words), out  # the lines of words wrapped
+    piped = run_shell("COLUMNS=80 plan +model=8b nodes=1 | head -1", cwd=tmp_path)
+    assert piped.stdout.startswith("8b on 8 x h100_sxm") and piped.stderr == "", piped.stderr
+
+
+def test_a_table_is_plain_aligned_text() -> None:
+    table = Columns(("name", "n", "note"), left=("name", "note"))
+    table.add_row("a", "1", "")
+    table.add_row("longer", "1,024", "x")
+    assert table.lines() == ["name        n  note", "───────────────────", "a           1", "longer  1,024  x"]
+    assert table.width == len("longer  1,024  note") and str(table).endswith("x\n")
 
 
 @pytest.mark.slow

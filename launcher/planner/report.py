@@ -1,4 +1,4 @@
-"""Output of `plan`: a ranked rich table as wide as the terminal (or COLUMNS) lets every number stay whole,
+"""Output of `plan`: a ranked table as wide as the terminal (or COLUMNS) lets every number stay whole,
 every column in a log file or with `plan.format=wide`, or JSON (an array, one object per layout per line); with
 `plan.tokens` the best layout's budget below the table (each layout's `budget` in JSON), with
 `plan.compare` a table one row per profile (JSON: an object, `layouts` and `compare`)."""
@@ -11,11 +11,12 @@ import os
 import shutil
 import sys
 import textwrap
-from typing import Any, TextIO
+from typing import TextIO
 
 from launcher.flops import GIB
 from launcher.layout import Layout, degrees_text, dp_text, schedule_text
 from launcher.planner.budget import DAY, HOUR, Budget, Row
+from launcher.planner.columns import Columns
 from launcher.planner.failures import MARGIN, ReplicaFt, prefer_ft
 from launcher.planner.predict import Prediction
 
@@ -64,23 +65,14 @@ def width_of(out: TextIO) -> int:
     return shutil.get_terminal_size().columns if out.isatty() else LOG_WIDTH
 
 
-def _console(out: TextIO | None, width: int | None = None) -> Any:
-    from rich.console import Console
-
+def _say(line: str, out: TextIO | None) -> None:
+    """A line above or below a table: wrapped at a terminal's width (or COLUMNS), a log's whole."""
     out = out or sys.stdout
-    return Console(file=out, width=width or width_of(out), height=25)  # both: rich takes 80 for TERM=dumb otherwise
+    out.write(_wrapped(line, out, indent=""))
 
 
-def _table(heads: tuple[str, ...], left: tuple[str, ...]) -> Any:
-    """The house style, light enough for 120 columns: a rule under the header, two spaces between
-    columns, every cell on one line."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
-    for h in heads:
-        table.add_column(h, justify="left" if h in left else "right", no_wrap=True)
-    return table
+def _print(table: Columns, out: TextIO | None) -> None:
+    (out or sys.stdout).write(str(table))
 
 
 def short_bottleneck(text: str) -> str:
@@ -95,35 +87,23 @@ def to_table(preds: list[Prediction], title: list[str], out: TextIO | None = Non
     """The ranking under its title lines: every column where they fit (a log file, a wide terminal, `wide`),
     else the columns a choice rests on, one line a layout: the bottleneck shortened, then a column the
     same in every row said once above the table, then the bottleneck of #1 alone, under it."""
-    console = _console(out)
+    width = width_of(out or sys.stdout)
     for line in title:
-        console.print(line, highlight=False)
+        _say(line, out)
     full = full_table(preds)
-    if wide or _fits(console, full):
-        _console(out, max(console.width, _width(console, full))).print(full)  # `wide`: past the terminal's edge
-        return
+    if wide or full.width <= width:
+        return _print(full, out)  # `wide`: past the terminal's edge
     rows = [_compact_cells(p, i) for i, p in enumerate(preds, 1)]
     same = tuple(h for h in ("micro x m", "recompute") if len({row[h] for row in rows}) == 1)
     for short, moved in ((False, ()), (True, ()), (True, same), (True, (*same, "bottleneck"))):
         table = compact_table(rows, short, moved)
-        if _fits(console, table):
+        if table.width <= width:
             break
     if shared := [f"{h} {rows[0][h]}" for h in moved if h != "bottleneck"]:
-        console.print(f"in every layout: {', '.join(shared)}", highlight=False)
-    console.print(table)
+        _say(f"in every layout: {', '.join(shared)}", out)
+    _print(table, out)
     if "bottleneck" in moved:
-        console.print(f"bottleneck of #1: {preds[0].bottleneck} (every column: plan.format=wide)", highlight=False)
-
-
-def _width(console: Any, table: Any) -> int:
-    """The columns `table` takes whole (rich's own measure stops at the console's width)."""
-    from rich.measure import Measurement
-
-    return Measurement.get(console, console.options.update(max_width=10_000), table).maximum
-
-
-def _fits(console: Any, table: Any) -> bool:
-    return _width(console, table) <= console.width
+        _say(f"bottleneck of #1: {preds[0].bottleneck} (every column: plan.format=wide)", out)
 
 
 def _compact_cells(p: Prediction, rank: int) -> dict[str, str]:
@@ -135,12 +115,12 @@ def _compact_cells(p: Prediction, rank: int) -> dict[str, str]:
     }  # fmt: skip
 
 
-def compact_table(rows: list[dict[str, str]], short: bool = False, moved: tuple[str, ...] = ()) -> Any:
+def compact_table(rows: list[dict[str, str]], short: bool = False, moved: tuple[str, ...] = ()) -> Columns:
     """The ranking in fewer columns (`_compact_cells`): the layout in one cell (as the run's first line says
     it), memory, step time, tokens/s, MFU, the bottleneck (`short`: in a few words); `moved`: columns left
     out. The time's parts are in the whole table (a wide terminal, a log file, `plan.format=wide` or json)."""
     heads = tuple(h for h in rows[0] if h not in moved)
-    table = _table(heads, ("layout", "micro x m", "recompute", "bottleneck"))
+    table = Columns(heads, ("layout", "micro x m", "recompute", "bottleneck"))
     for row in rows:
         cells = {**row, "bottleneck": short_bottleneck(row["bottleneck"]) if short else row["bottleneck"]}
         table.add_row(*(cells[h] for h in heads))
@@ -153,9 +133,9 @@ HEADS = (
 )  # fmt: skip
 
 
-def full_table(preds: list[Prediction]) -> Any:
+def full_table(preds: list[Prediction]) -> Columns:
     """Every column: the layout's degrees one by one, and the step time's parts."""
-    table = _table(HEADS, ("dtype", "dp", "micro x m", "schedule", "recompute", "bottleneck"))
+    table = Columns(HEADS, ("dtype", "dp", "micro x m", "schedule", "recompute", "bottleneck"))
     for i, p in enumerate(preds, 1):
         lay, t = p.layout, p.time
         table.add_row(
@@ -180,7 +160,7 @@ def batch_text(global_batch: int | None, preds: list[Prediction], seq: int) -> s
 def precision_table(preds: list[Prediction], title: str, out: TextIO | None = None) -> None:
     """One layout in each dtype: its step, the fp8 casts, tokens/s, MFU against the bf16 peak and the fp8 one."""
     heads = ("dtype", "mem GiB", "step s", "compute", "fp8 cast", "dp exp", "tokens/s", "vs bf16", "MFU")
-    table = _table((*heads, "MFU fp8 peak"), ("dtype",))
+    table = Columns((*heads, "MFU fp8 peak"), ("dtype",))
     base = preds[0].tokens_per_s
     for p in preds:
         t = p.time
@@ -189,9 +169,8 @@ def precision_table(preds: list[Prediction], title: str, out: TextIO | None = No
             f"{t.dp_exposed:.2g}", fmt_rate(p.tokens_per_s), f"{p.tokens_per_s / base:.2f}x", f"{p.mfu:.1%}",
             "-" if p.mfu_fp8_peak is None else f"{p.mfu_fp8_peak:.1%}",
         )  # fmt: skip
-    console = _console(out)
-    console.print(title, highlight=False)
-    console.print(table)
+    _say(title, out)
+    _print(table, out)
 
 
 def budget_block(b: Budget, machine: str, grouped: tuple[int, Budget] | None = None, out: TextIO | None = None) -> None:
@@ -223,11 +202,12 @@ def budget_block(b: Budget, machine: str, grouped: tuple[int, Budget] | None = N
     out.write("".join(_wrapped(line, out) for line in lines))
 
 
-def _wrapped(line: str, out: TextIO) -> str:
-    """`line` wrapped at a terminal's width (or COLUMNS), under its figure's name; a log whole (no hard wrap)."""
+def _wrapped(line: str, out: TextIO, indent: str = " " * 14) -> str:
+    """`line` wrapped at a terminal's width (or COLUMNS), by default under its figure's name; a log whole (no
+    hard wrap)."""
     if not (os.environ.get("COLUMNS") or out.isatty()):
         return line + "\n"
-    return textwrap.fill(line, width_of(out), subsequent_indent=" " * 14, break_on_hyphens=False) + "\n"
+    return textwrap.fill(line, width_of(out), subsequent_indent=indent, break_on_hyphens=False) + "\n"
 
 
 def _replica_ft_lines(b: Budget, grouped: tuple[int, Budget] | None) -> tuple[str, ...]:
@@ -263,23 +243,18 @@ def compare_table(rows: list[Row], tokens: float, what: str, out: TextIO | None 
     """`plan.compare`: one row per profile, its best layout and that layout's budget for `tokens` of `what`;
     in two tables (the layout's, the budget's) where one does not fit, a profile that fits no layout under them."""
     cells = [_compared(row) for row in rows]
-    console = _console(out)
-    console.print(compare_title(tokens, what), highlight=False)
+    _say(compare_title(tokens, what), out)
     heads = tuple(cells[0])
-    table = _table(heads, ("hardware", "layout"))
-    for row in cells:
-        table.add_row(*row.values())
-    if _fits(console, table):
-        console.print(table)
-    else:
-        for part in (heads[: len(COMPARED) + 1], (heads[0], *heads[len(COMPARED) + 1 :])):
-            table = _table(part, ("hardware", "layout"))
-            for row in cells:
-                table.add_row(*(row[h] for h in part))
-            console.print(table)
+    parts = [heads, heads[: len(COMPARED) + 1], (heads[0], *heads[len(COMPARED) + 1 :])]
+    tables = [Columns(part, ("hardware", "layout")) for part in parts]
+    for table in tables:
+        for row in cells:
+            table.add_row(*(row[h] for h in table.heads))
+    for table in tables[:1] if tables[0].width <= width_of(out or sys.stdout) else tables[1:]:
+        _print(table, out)
     for row in rows:
         if row.error is not None:
-            console.print(f"{row.hardware.name}: {row.error}", highlight=False)
+            _say(f"{row.hardware.name}: {row.error}", out)
 
 
 def compare_title(tokens: float, what: str) -> str:
