@@ -14,8 +14,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from launcher.cli import run_of
-from launcher.config import compose_config as make_config
+from launcher.config.schema import compose_config as make_config
+from launcher.launch.cli import run_of
 from launcher.model.init import initialized_model
 from launcher.planner import resolve
 from launcher.train.checkpoint import Checkpointer, Stateful, complete_checkpoints

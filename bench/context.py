@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from bench.planner_accuracy import TOLERANCE, block_saved_bytes, resolved_config, timing_worker
+from launcher.config.layout_keys import from_config
 from launcher.layout import build_mesh
-from launcher.layout_config import from_config
 from launcher.model.init import materialize, meta_model
 from launcher.parallel.context import apply_context_parallel
 from launcher.planner import resolve

@@ -15,12 +15,12 @@ from rich.table import Table
 
 from bench import attention_mask
 from bench.spike import median_s
-from launcher.config import compose_config as make_config
+from launcher.config.layout_keys import from_config
+from launcher.config.mix import MAX_PERIOD
+from launcher.config.schema import compose_config as make_config
 from launcher.data import BatchLoader, Splits
 from launcher.data.mix import Mixture, Schedule, mix_loader
-from launcher.layout_config import from_config
 from launcher.metrics import sources
-from launcher.mix_config import MAX_PERIOD
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.planner import build_options

@@ -25,10 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import launcher.parallel.runner
-from launcher.compat import inner_tensors
-from launcher.config import TrainConfig, compose_config
+from launcher.compat.torch_api import inner_tensors
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import TrainConfig, compose_config
 from launcher.layout import Layout, build_mesh
-from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.planner import build_options

@@ -24,9 +24,9 @@ import torch
 from omegaconf import OmegaConf
 
 from bench.peer_shape import SHAPE
-from launcher.config import TrainConfig
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import TrainConfig
 from launcher.layout import build_mesh
-from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.planner import build_options

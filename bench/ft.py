@@ -26,7 +26,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from launcher.spawn import launch
+from launcher.launch.spawn import launch
 from launcher.train.replicas import TEST_KILL_ENV
 from tests.conftest import run_for, tiny_config, worker_pids
 

@@ -144,7 +144,7 @@ def text(output: str | bytes | None) -> str:
 
 def train_cli(run_dir: Path, target: Target, clock: Clock, *overrides: str) -> tuple[int, dict[str, Any], str]:
     """`train` as a user runs it: (exit code, summary.json or {}, what went wrong)."""
-    cmd = [sys.executable, "-c", "from launcher.cli import train; train()", f"run_dir={run_dir}", *QUIET]
+    cmd = [sys.executable, "-c", "from launcher.launch.cli import train; train()", f"run_dir={run_dir}", *QUIET]
     rc, why = run_logged([*cmd, *target.hardware, *overrides], run_dir / "train.out", clock)
     summary_file = run_dir / "summary.json"
     return rc, json.loads(summary_file.read_text()) if summary_file.exists() else {}, why
@@ -335,7 +335,7 @@ def main(argv: list[str]) -> None:
     else:
         import torch
 
-        from launcher.hardware import profile_for_device
+        from launcher.hardware.resolve import profile_for_device
 
         if not torch.cuda.is_available():
             raise SystemExit("gpu-check: no CUDA device (torch.cuda.is_available() is False): run it on an NVIDIA GPU")

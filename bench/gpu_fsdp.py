@@ -14,17 +14,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from launcher.config import compose_config
+from launcher.config.layout_keys import from_config
+from launcher.config.precision import fsdp_policy
+from launcher.config.schema import compose_config
 from launcher.data import load_splits
+from launcher.launch.rank_env import cuda_env_defaults
 from launcher.layout import build_mesh
-from launcher.layout_config import from_config
 from launcher.metrics.meter import memory_gib
 from launcher.model.init import materialize, meta_model
 from launcher.parallel.data import shard_blocks
 from launcher.parallel.runner import ParallelRunner
 from launcher.planner import build_options
-from launcher.precision import fsdp_policy
-from launcher.spawn import cuda_env_defaults
 from launcher.train.optim import build_optimizer, optimizer_impl
 from launcher.train.setup import loaders, pick_device
 

@@ -1,4 +1,4 @@
-"""The MoE experts' two paths side by side (launcher/model/experts.py), for gpu_check on CUDA.
+"""The MoE experts' two paths side by side (launcher/ops/experts.py), for gpu_check on CUDA.
 
 The grouped GEMM against the loop over experts, both in bf16 on the same uneven groups (sizes not
 multiples of 8, so the padding runs, and one expert without tokens): the largest difference of the
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from launcher.model.experts import Experts, grouped_swiglu, loop_swiglu, select_impl
+from launcher.ops.experts import Experts, grouped_swiglu, loop_swiglu, select_impl
 
 
 def uneven_counts(experts: int, rows: int, generator: torch.Generator) -> list[int]:

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.memory import model_bytes, ranks_text, train
-from launcher.config import compose_config
+from launcher.config.schema import compose_config
 from launcher.flops import GIB
 
 MODEL = ["+model=125m"]

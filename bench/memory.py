@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher import flops
-from launcher.config import compose_config
+from launcher.config.schema import compose_config
 from launcher.flops import GIB
 
 TRAIN = str(Path(sys.executable).parent / "train")

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from launcher import flops
-from launcher.calibration import measure_gemm_flops
-from launcher.config import CONF_DIR, ModelConfig, TrainConfig
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import CONF_DIR, ModelConfig, TrainConfig
+from launcher.hardware.calibration import measure_gemm_flops
 from launcher.layout import build_mesh, worker_threads
-from launcher.layout_config import from_config
 from launcher.model.init import initialized_model, meta_model
 from launcher.parallel import parallelize
 from launcher.parallel.context import split_sequence

@@ -45,7 +45,7 @@ SHAPE = [
 ]
 LAYOUTS = {"1 process": ["batch.micro=8", "batch.global=8"], "tp=2": ["tp=2", "batch.micro=8", "batch.global=8"]}
 LAYOUTS["fsdp dp_shard=2"] = ["dp=2", "batch.micro=8", "batch.global=16"]
-ENTRY = "import sys; from launcher.cli import train; sys.argv[0] = 'train'; train()"
+ENTRY = "import sys; from launcher.launch.cli import train; sys.argv[0] = 'train'; train()"
 
 
 def run(code: Path, layout: list[str], steps: int, tmp: Path, tag: str) -> tuple[float, float, float, float]:

@@ -27,10 +27,10 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.parallel import LAYOUTS, SavedTensorMeter, train_step
-from launcher.config import TrainConfig, compose_config
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import TrainConfig, compose_config
 from launcher.flops import head_dim
 from launcher.layout import build_mesh, worker_threads
-from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.model.transformer import Block, rope_tables
 from launcher.parallel import parallelize
@@ -217,8 +217,8 @@ def memory_rows(seq_len: int) -> dict[str, Any]:
 
 def step_time_report(console: Console, seq_len: int, batch: int, steps: int) -> None:
     """The step-time table (planner vs runtime, every layout) and the GEMM peak it was predicted with."""
-    from launcher.calibration import measure_gemm_flops, offer_gemm_peak
-    from launcher.hardware import peak_flops
+    from launcher.hardware.calibration import measure_gemm_flops, offer_gemm_peak
+    from launcher.hardware.resolve import peak_flops
 
     cores = os.cpu_count() or 1
     base = resolved_config(1, 1, 1, seq_len, batch)

@@ -39,7 +39,7 @@ DEVICES = 16384
 COMMAND = ("+model=405b", "hardware=h100_sxm", f"nodes={DEVICES // 8}")
 HARDWARE = (("h100_sxm", 8), ("gb200_nvl72", 4), ("tpu_v5p", 4))  # profile, devices per node
 BIN = Path(sys.executable).parent
-FLOOR = f"from launcher.config import compose_config; compose_config(*{COMMAND!r}, config_name='plan')"
+FLOOR = f"from launcher.config.schema import compose_config; compose_config(*{COMMAND!r}, config_name='plan')"
 
 
 def search_405b(hardware: str, per_node: int, top: int = 0) -> Any:
@@ -77,13 +77,13 @@ def timed(parts: dict[str, tuple[float, float]], name: str, fn: Callable[[], Any
 def breakdown(repeats: int) -> dict[str, tuple[float, float]]:
     """Each part of `plan COMMAND` (the module docstring), the CLI's imports from fresh processes."""
     parts = {"interpreter": fresh([sys.executable, "-c", "pass"], repeats)}
-    cli = fresh([sys.executable, "-c", "import launcher.cli"], repeats)
-    parts["imports (launcher.cli)"] = (cli[0] - parts["interpreter"][0], cli[1] - parts["interpreter"][1])
+    cli = fresh([sys.executable, "-c", "import launcher.launch.cli"], repeats)
+    parts["imports (launcher.launch.cli)"] = (cli[0] - parts["interpreter"][0], cli[1] - parts["interpreter"][1])
     parts["floor: Hydra compose, fresh process"] = fresh([sys.executable, "-c", FLOOR], repeats)
-    from launcher.config import compose_config
-    from launcher.layout_config import plan_world_size
+    from launcher.config.layout_keys import plan_world_size
+    from launcher.config.schema import compose_config
+    from launcher.config.validate import validate
     from launcher.planner import report, request
-    from launcher.validate import validate
 
     search = sys.modules["launcher.planner.search"]  # the module: `launcher.planner.search` names the function
     cfg = timed(parts, "compose (Hydra)", lambda: compose_config(*COMMAND, config_name="plan"))

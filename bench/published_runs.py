@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher import planner
-from launcher.config import CONF_DIR, TrainConfig
+from launcher.config.schema import CONF_DIR, TrainConfig
+from launcher.config.validate import validate
 from launcher.errors import LauncherError
 from launcher.planner import Prediction
-from launcher.validate import validate
 
 CONF = Path(CONF_DIR)
 

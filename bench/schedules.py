@@ -21,9 +21,9 @@ import torch
 
 from bench.parallel import SavedTensorMeter, train_step
 from bench.planner_accuracy import TOLERANCE
-from launcher.config import TrainConfig, compose_config
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import TrainConfig, compose_config
 from launcher.layout import build_mesh, worker_threads
-from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.planner import build_options, resolve
@@ -121,9 +121,9 @@ def rows(steps: int) -> list[dict[str, Any]]:
 def timeline_text(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> str:
     """The schedule's timeline as the docs show it: torch's action order for each rank, timed by the
     planner's timeline (forward = input gradient = weight gradient = 1 cell, full backward 2)."""
+    from launcher.compat.pipeline_api import schedule_actions
     from launcher.layout import Layout
     from launcher.parallel.pipeline import SCHEDULES
-    from launcher.pipeline_compat import schedule_actions
     from launcher.planner.timeline import render, simulate
 
     lay = Layout(pp=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)

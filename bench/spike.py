@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from launcher.config import compose_config as make_config
+from launcher.config.schema import compose_config as make_config
 from launcher.data import BatchLoader
 from launcher.model.init import initialized_model
 from launcher.train.checkpoint import Checkpointer, Stateful, complete_checkpoints

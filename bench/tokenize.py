@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from launcher.config import compose_config
+from launcher.config.schema import compose_config
 from launcher.data.text import ensure_cache
 from tests.textdata import stdlib_texts, train_bpe
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher.extras import install_hint, installed
+from launcher.config.extras import install_hint, installed
 from launcher.files import shown
 
 

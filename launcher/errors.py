@@ -1,8 +1,8 @@
 """How a command ends when it cannot finish: exit codes, and exceptions that carry theirs.
 
 An error is raised where it arises, as an object with its message and exit code, and travels up
-unchanged: the CLI prints it as one line and exits with its code (launcher/cli.py); a point of a
-sweep records it (launcher/sweep.py). Nothing parses error text.
+unchanged: the CLI prints it as one line and exits with its code (launcher/launch/cli.py); a point of a
+sweep records it (launcher/launch/sweep.py). Nothing parses error text.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Conventions (as in PaLM, Chowdhery et al. 2022, appendix B):
 - MFU uses model FLOPs: recomputation does not count. Hardware FLOPs (HFU, used by the planner to
   predict time) add one extra forward of the recomputed part.
 - A device's FLOP per byte (peak FLOP/s over memory bandwidth) sets the chunked loss's chunk size,
-  read by the runtime (model/loss.py) and the planner alike: `loss_chunk_rows`.
+  read by the runtime (ops/loss.py) and the planner alike: `loss_chunk_rows`.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def mfu(tokens_per_s_per_device: float, model_flops_per_token: float, peak_flops
 # rows for 125m's 50304 x 768 output at 8 x 256 tokens, whose loss took 6.5-6.9 s of CPU time on one
 # thread against 7.3-8.0 s in 16 MiB chunks (83 rows) and 6.4-6.8 s in 1024 rows (two runs).
 FLOP_PER_BYTE = {"cuda": 256.0, "tpu": 256.0, "cpu": 45.0}
-# The chunked loss (model/loss.py) moves, for every chunk, each element of the output weight: read
+# The chunked loss (ops/loss.py) moves, for every chunk, each element of the output weight: read
 # twice in the compute dtype (the logits, d loss / d h), the chunk's weight gradient written and read
 # (bf16; fp32 adds it in place) and the fp32 sum read and written: 2+2 + 2+2 + 4+4 bytes in bf16,
 # 4+4 + 4+4 in fp32; against 6 FLOPs per weight element and token of the chunk.

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import run_of
-from launcher.config import TrainConfig, compose_config
+from launcher.config.layout_keys import from_config
+from launcher.config.run import Run
+from launcher.config.schema import TrainConfig, compose_config
 from launcher.files import HYDRA_ONLY
-from launcher.layout_config import from_config
+from launcher.launch.cli import run_of
 from launcher.planner import Prediction, build_options, resolve
 from launcher.planner.memory import Memory
-from launcher.run import Run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,7 +110,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def worker_pids(parent: int) -> list[int]:
-    """Local workers of a `train` process: the children of its forkserver (launcher/spawn.py)."""
+    """Local workers of a `train` process: the children of its forkserver (launcher/launch/spawn.py)."""
     procs = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from launcher.cli import train_task
-from launcher.config import TrainConfig
+from launcher.config.feature_keys import FEATURES, Feature, get_key
+from launcher.config.ranges import Range, leaves
+from launcher.config.schema import TrainConfig
+from launcher.config.validate import CHOICES, check_calibrate, validate
 from launcher.errors import LauncherError
-from launcher.feature_keys import FEATURES, Feature, get_key
+from launcher.launch.cli import train_task
 from launcher.planner.calibrate import calibrate
-from launcher.ranges import Range, leaves
-from launcher.validate import CHOICES, check_calibrate, validate
 from tests.conftest import assert_bad_input, make_config, run_cli, tiny_args
 
 # degrees and pipeline counts: int-or-auto, checked by launcher/layout/ rather than by a Range

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher import extras
-from launcher.cli import train_task
+from launcher.config import extras
 from launcher.errors import LauncherError
+from launcher.launch.cli import train_task
 from tests.conftest import assert_bad_input, make_config, run_cli, tiny_args
 
 CASES = [
@@ -46,7 +46,7 @@ def test_fp8_bad_input_is_one_line(args: list[str], expected: str, tmp_path: Pat
 
 def test_a_layer_below_the_filter_may_have_any_shape(tmp_path: Path) -> None:
     """ffn_dim=180 stays high precision under the default filter: no error, nothing to convert."""
-    from launcher.validate import validate
+    from launcher.config.validate import validate
 
     validate(make_config(*tiny_args(tmp_path / "cache"), "dtype=fp8", "fp8.emulate=true", "model.ffn_dim=180"))
 

@@ -20,10 +20,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from launcher.config import compose_config
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import compose_config
 from launcher.errors import LauncherError, OutOfMemory
 from launcher.layout import build_mesh
-from launcher.layout_config import from_config
 from launcher.model import Transformer
 from launcher.model.init import BLOCK, meta_model
 from launcher.parallel import parallelize, shard_model

@@ -5,7 +5,7 @@ are those a GPU gets; only inductor's kernels are left out), and one forward and
 model part: one graph per compiled unit and no graph break, under every recompute policy.
 
 Compiled and eager agree (one process, loss and gradients), so the plain chains the compiler traces
-(launcher/model/pointwise.py) are the eager nodes' maths.
+(launcher/ops/pointwise.py) are the eager nodes' maths.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.compat import fake_store
-from launcher.compile_compat import reset_compile_counts
+from launcher.compat.compile_api import reset_compile_counts
+from launcher.compat.torch_api import fake_store
+from launcher.config.layout_keys import from_config
 from launcher.layout import build_mesh
-from launcher.layout_config import from_config
 from launcher.model.init import materialize, meta_model
 from launcher.parallel import shard_model
 from launcher.parallel.compiled import CompileReport

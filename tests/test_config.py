@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from launcher.config.validate import validate
 from launcher.errors import LauncherError
 from launcher.planner import resolve
-from launcher.validate import validate
 from tests.conftest import assert_bad_input, make_config, run_cli
 
 

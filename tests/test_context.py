@@ -106,7 +106,7 @@ def _attend_recorded(rank: int, world_size: int, device_type: str, flash: bool) 
     from torch import nn
     from torch.nn.attention import bias
 
-    from launcher.config import ModelConfig
+    from launcher.config.schema import ModelConfig
     from launcher.model.transformer import Attention
     from launcher.parallel import context
     from launcher.parallel.context import apply_context_parallel

@@ -12,19 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.config import ModelConfig, OptimConfig, TrainConfig, compile_enabled
+from launcher.config.hardware import HardwareConfig
+from launcher.config.layout_keys import from_config
+from launcher.config.precision import autocast_for, fsdp_policy, precision_mode
+from launcher.config.schema import ModelConfig, OptimConfig, TrainConfig, compile_enabled
+from launcher.config.validate import validate
 from launcher.errors import LauncherError
-from launcher.hardware_config import HardwareConfig
+from launcher.launch.rank_env import CUDA_ENV, FLIGHT_RECORDER_FILE, cuda_env_defaults
+from launcher.launch.spawn import run_rank
 from launcher.layout import build_mesh
-from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.planner import build_options
-from launcher.precision import autocast_for, fsdp_policy, precision_mode
-from launcher.spawn import CUDA_ENV, FLIGHT_RECORDER_FILE, cuda_env_defaults, run_rank
 from launcher.train.optim import adamw_impl, build_optimizer, optimizer_impl
 from launcher.train.setup import pick_device
-from launcher.validate import validate
 from tests.conftest import run_for, symm_mem_needs_enabling
 from tests.dist import run
 
@@ -172,7 +173,7 @@ def _shard_on_fake_world(cfg: TrainConfig, rank: int, world: int) -> dict[str, s
     """Parallelize `cfg`'s meta model as `rank` of a fake world; the mesh's group names by dimension."""
     import torch.distributed as dist
 
-    from launcher import compat
+    from launcher.compat import torch_api as compat
     from launcher.model.init import meta_model as build
     from launcher.parallel import shard_model
 
@@ -232,7 +233,7 @@ def test_each_rank_joins_nccl_bound_to_its_gpu_with_the_flight_recorder_on(
     under the run directory."""
     import torch.distributed as dist
 
-    import launcher.spawn
+    import launcher.launch.spawn
     import launcher.train.loop
 
     for name in (*FLIGHT_RECORDER_FILE, "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT"):
@@ -251,7 +252,7 @@ def test_each_rank_joins_nccl_bound_to_its_gpu_with_the_flight_recorder_on(
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(launcher.train.loop, "train", lambda *args: {"trained": True})
-    monkeypatch.setattr(launcher.spawn, "leave_process_groups", lambda: None)
+    monkeypatch.setattr(launcher.launch.spawn, "leave_process_groups", lambda: None)
     cfg = make_cfg(CUDA)
     cfg.batch["global"] = 32  # 16 data-parallel ranks (the layout is train's, mocked here)
     assert run_rank(run_for(cfg, 16), tmp_path) == {"trained": True}

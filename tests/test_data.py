@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.config import DataConfig
+from launcher.config.schema import DataConfig
 from launcher.data import BatchLoader, load_splits
 from launcher.data.corpus import stdlib_files
 from launcher.errors import LauncherError

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import doctor
-from launcher.config import compose_config
-from launcher.doctor import Finding, Setting, findings, in_range
+from launcher.config.schema import compose_config
+from launcher.launch import doctor
+from launcher.launch.doctor import Finding, Setting, findings, in_range
 from tests.conftest import run_cli
 
 CHECKS = ["torch", "cuda", "attention", "compile", "process group", "slurm", "run_dir", "cache_dir", "peak", "extras"]
@@ -118,8 +118,8 @@ def test_a_peak_cached_on_a_busy_machine_is_raised(tmp_path: Path, monkeypatch: 
     import json
     import os
 
-    from launcher import calibration
-    from launcher.calibration.gemm import _gemm_key, gemm_record
+    from launcher.hardware import calibration
+    from launcher.hardware.calibration.gemm import _gemm_key, gemm_record
 
     s = setting(tmp_path)
     threads = os.cpu_count() or 1

@@ -14,18 +14,18 @@ import torch
 import torch.nn.functional as F
 
 from launcher import flops
-from launcher.config import ModelConfig, TrainConfig
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import ModelConfig, TrainConfig
+from launcher.config.validate import validate
 from launcher.data.documents import measured_span
 from launcher.errors import LauncherError
 from launcher.layout import build_mesh
-from launcher.layout_config import from_config
 from launcher.model.documents import attention_mask, dense_mask, document_ids, document_positions, masked_attention
 from launcher.model.init import initialized_model, meta_model
 from launcher.parallel import parallelize
 from launcher.planner import build_options
 from launcher.planner.request import problem
 from launcher.train.loop import train
-from launcher.validate import validate
 from tests.conftest import assert_bad_input, run_cli, run_for, tiny_args, tiny_config
 from tests.dist import run
 

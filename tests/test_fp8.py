@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.config import compose_config
+from launcher.config.options import Fp8Options
+from launcher.config.precision import precision_mode
+from launcher.config.schema import compose_config
 from launcher.layout import Layout
 from launcher.metrics.meter import Meter
 from launcher.model.init import meta_model
-from launcher.options import Fp8Options
 from launcher.parallel.float8 import decide, report
-from launcher.precision import precision_mode
 from tests.conftest import run_cli
 
 pytest.importorskip("torchao")
@@ -155,6 +155,6 @@ def test_fp8_checkpoint_resumes_as_bf16_and_as_fp8_under_another_layout(
     """The first run saves at step 10 (dp_shard=2: FSDP's float8 all-gather weights, unwrapped in the
     checkpoint); the second resumes it at another layout and dtype and tracks bf16 to step 20."""
     train(tmp_path, "run", "+model=tiny", *FP8, *first.split(), steps=10, every=10)
-    fp8 = FP8 if "dtype=fp8" in then else ()  # fp8's keys with dtype=bf16 are refused (launcher/feature_keys.py)
+    fp8 = FP8 if "dtype=fp8" in then else ()  # fp8's keys with dtype=bf16 are refused (launcher/config/feature_keys.py)
     run_dir = train(tmp_path, "run", "+model=tiny", *fp8, *then.split(), "resume=auto")
     assert_tracks(losses(run_dir), reference["tiny"], range(11, STEPS + 1))

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from launcher.config.extras import installed
+from launcher.config.ft import FtConfig, check_ft
 from launcher.data import BatchLoader
 from launcher.errors import LauncherError
-from launcher.extras import installed
-from launcher.ft_config import FtConfig, check_ft
-from launcher.spawn import launch
+from launcher.launch.spawn import launch
 from launcher.train import replicas
 from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.replicas import TEST_KILL_ENV
@@ -98,7 +98,7 @@ def test_bad_ft_is_one_line(ft: FtConfig, dp_replicate: int, message: str) -> No
 
 
 def test_ft_without_torchft_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("launcher.extras.installed", lambda module: module != "torchft")
+    monkeypatch.setattr("launcher.config.extras.installed", lambda module: module != "torchft")
     with pytest.raises(LauncherError, match=r"ft.replicas=2 needs the torchft package: pip install 'launcher\[ft\]'"):
         check_ft(FtConfig(replicas=2), 2)
 

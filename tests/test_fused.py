@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from launcher.config import ModelConfig
+from launcher.config.schema import ModelConfig
 from launcher.flops import device_flop_per_byte, head_dim, loss_chunk_rows
-from launcher.model import loss as loss_module
 from launcher.model import transformer
 from launcher.model.init import initialized_model
+from launcher.ops import loss as loss_module
 from launcher.parallel.pipeline import split_weight_passes
 from launcher.planner import build_options
 
@@ -156,8 +156,8 @@ def test_the_loss_chunks_follow_the_hardware_profile() -> None:
     so 4096 tokens made 8 chunks, each re-reading the output weight; an H200's 206 FLOP per byte
     asks for 2198 rows: 2 chunks of 2048. On the cpu profile (45 FLOP per byte: 480 rows) the 16 MiB
     chunk is the larger: 8 of 512."""
-    from launcher.config import compose_config
-    from launcher.layout_config import from_config
+    from launcher.config.layout_keys import from_config
+    from launcher.config.schema import compose_config
     from launcher.model.init import meta_model
     from launcher.parallel import parallelize
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.config import DataConfig
+from launcher.config.schema import DataConfig
 from launcher.errors import LauncherError
 from launcher.model import Transformer
 from launcher.train.checkpoint import complete_checkpoints

@@ -14,7 +14,7 @@ import torch
 
 from bench.gpu_check import GROUPED_RTOL, Check, Clock, close, failure_line, rehearsal, run_checks, run_logged
 from bench.gpu_moe import compare_paths
-from launcher.hardware import profile_for_device
+from launcher.hardware.resolve import profile_for_device
 from tests.conftest import ROOT
 
 

@@ -12,16 +12,16 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from launcher.config import TrainConfig
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import TrainConfig
 from launcher.errors import LauncherError
+from launcher.launch.spawn import start_local_workers
 from launcher.layout import build_mesh
-from launcher.layout_config import from_config
 from launcher.model import Transformer
 from launcher.model.hf import HFFolder, check_folder, hf_name
 from launcher.model.init import materialize, meta_model
 from launcher.parallel import parallelize
 from launcher.planner import build_options
-from launcher.spawn import start_local_workers
 from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.export import consolidated_model_state, export, shard_groups
 from launcher.train.loop import train

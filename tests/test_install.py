@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import CONF_DIR
+from launcher.config.schema import CONF_DIR
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -100,7 +100,7 @@ def quick(tmp: Path) -> list[str]:
 
 
 def test_the_wheel_imports_the_installed_package_not_the_checkout(installed: Path, tmp_path: Path) -> None:
-    result = run(installed, "python", "-c", "import launcher.config as c; print(c.CONF_DIR)", cwd=tmp_path)
+    result = run(installed, "python", "-c", "import launcher.config.schema as c; print(c.CONF_DIR)", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     conf = Path(result.stdout.strip())
     assert conf.is_relative_to(installed.parent) and (conf / "model" / "small.yaml").is_file(), conf

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from launcher.config.layout_keys import check_environment, from_config
 from launcher.errors import LauncherError
 from launcher.layout import Layout, owner_rank, rank_of, rank_stages, stage_layers
-from launcher.layout_config import check_environment, from_config
 from launcher.planner import build_options, resolve
 from tests.conftest import make_config, run_cli
 
@@ -163,7 +163,7 @@ def test_dry_run_8b_tp8_from_the_cli(tmp_path) -> None:
 
 def test_dry_run_70b_tp8_pp4_dp2_ranks() -> None:
     """The first and the last pipeline stage as built, and shard shapes of other ranks."""
-    from launcher.dryrun import build_rank, local_shapes
+    from launcher.launch.dryrun import build_rank, local_shapes
 
     cfg = make_config("+model=70b", "tp=8", "pp=4", "dp=2", "dry_run=true")
     layout, _, _ = resolve(cfg)
@@ -193,7 +193,7 @@ def test_dry_run_70b_tp8_pp4_dp2_ranks() -> None:
     ],
 )
 def test_dry_run_derived_shapes_equal_building_every_rank(overrides: tuple[str, ...]) -> None:
-    from launcher.dryrun import build_rank, local_shapes
+    from launcher.launch.dryrun import build_rank, local_shapes
 
     cfg = make_config(
         "+model=tiny", "model.n_layers=6", "model.dim=32", "model.ffn_dim=90", "batch.micro=3", *overrides

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.config import DataConfig, ModelConfig, TrainConfig
+from launcher.config.mix import mixture_sources
+from launcher.config.schema import DataConfig, ModelConfig, TrainConfig
+from launcher.config.validate import validate
 from launcher.data.corpus import Splits
 from launcher.data.mix import MixLoader, Mixture, Schedule, check_mix, mix_loader
 from launcher.errors import LauncherError
-from launcher.mix_config import mixture_sources
-from launcher.validate import validate
 from tests.conftest import make_config
 from tests.dist import run_many
 
@@ -156,10 +156,10 @@ IDS = torch.tensor([0, 2, 1, 0, 0, 2, 1, 0])  # the source of each of the batch'
 def per_source_case(rank: int, world_size: int, keys: dict) -> dict[str, torch.Tensor]:
     """Per-source sums from the runner of `keys`'s layout (a training pass, then an evaluation) and,
     on one process, each source's loss from the model on its sequences alone."""
+    from launcher.config.layout_keys import from_config
     from launcher.layout import build_mesh
-    from launcher.layout_config import from_config
     from launcher.model.init import meta_model
-    from launcher.model.loss import token_losses
+    from launcher.ops.loss import token_losses
     from launcher.parallel import parallelize
     from launcher.planner import build_options
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launcher.spawn import start_local_workers
+from launcher.launch.spawn import start_local_workers
 from launcher.train.loop import train
 from tests.conftest import assert_bad_input, losses, run_cli, run_for, tiny_config
 

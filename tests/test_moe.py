@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from launcher import flops
-from launcher.config import compose_config
+from launcher.config.schema import compose_config
 from launcher.errors import LauncherError
 from launcher.model.init import initialized_model
 from launcher.model.moe import MoE, balance_step, moe_layers

@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from launcher.config import compose_config
-from launcher.model import experts as ex
+from launcher.config.schema import compose_config
 from launcher.model.init import initialized_model
 from launcher.model.moe import MoE, moe_layers
+from launcher.ops import experts as ex
 from tests.conftest import run_for
 
 COUNTS = [3, 0, 9, 8]  # an empty group, groups of unaligned sizes

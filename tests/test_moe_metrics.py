@@ -16,7 +16,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from launcher.config import WandbConfig, compose_config
+from launcher.config.schema import WandbConfig, compose_config
 from launcher.errors import LauncherError
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.moe_load import load_histograms, load_table

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from launcher.config import compose_config
+from launcher.config.schema import compose_config
 from launcher.model.moe import local, moe_layers
 from tests.conftest import selected_cases
 from tests.dist import run_many

@@ -14,10 +14,10 @@ import dataclasses
 
 import pytest
 
-from launcher.config import compose_config
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import compose_config
 from launcher.flops import expert_params, flops_per_token
 from launcher.layout import Layout
-from launcher.layout_config import from_config
 from launcher.planner import comm, plan
 from launcher.planner.compute import pace
 from launcher.planner.cost import fsdp_copies, fsdp_time

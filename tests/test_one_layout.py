@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.cli import _train_task, plan_task
-from launcher.config import compose_config
+from launcher.config.schema import compose_config
 from launcher.data import Splits
 from launcher.errors import LauncherError
+from launcher.launch.cli import _train_task, plan_task
 from launcher.layout import INTERLEAVED, build_mesh
 from launcher.layout import rules as layout_rules
 from launcher.model.init import meta_model

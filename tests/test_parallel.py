@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from launcher.config import FSDPConfig, ModelConfig, OptimConfig, TrainConfig
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import FSDPConfig, ModelConfig, OptimConfig, TrainConfig
 from launcher.layout import build_mesh
-from launcher.layout_config import from_config
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
 from launcher.parallel.context import split_sequence

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import FAILED, WorkerFailed
-from launcher.spawn import first_cause, start_local_workers
+from launcher.launch.spawn import first_cause, start_local_workers
 from launcher.train.loop import train
 from tests.conftest import run_for, tiny_config
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import CONF_DIR
+from launcher.config.schema import CONF_DIR
 from launcher.planner.columns import Columns
 from launcher.planner.cost import StepTime
 from launcher.planner.predict import bottleneck

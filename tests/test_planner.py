@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from bench.planner_speed import search_405b
 from bench.published_runs import make_cfg
 from launcher import planner
-from launcher.config import CONF_DIR
+from launcher.config.schema import CONF_DIR
 from launcher.errors import LauncherError
 from launcher.flops import num_params
 from launcher.layout import ZERO_BUBBLE, Layout
@@ -313,7 +313,7 @@ def test_a_run_measures_mfu_against_the_peak_the_planner_predicts_with(monkeypat
 
 
 def test_cpu_profile_is_calibrated_through_resolve_hardware(monkeypatch):
-    import launcher.hardware as hardware
+    import launcher.hardware.resolve as hardware
 
     def fake(hw, threads, cache_dir, alone=False):
         links = [dict(name=x.name, size=x.size, bandwidth_gbs=2.0, latency_us=50.0) for x in hw.links]
@@ -333,7 +333,7 @@ def test_cpu_profile_is_calibrated_through_resolve_hardware(monkeypatch):
 def test_plan_yaml_composes_with_the_schema():
     from hydra import compose, initialize_config_dir
 
-    import launcher.config  # noqa: F401  (registers base_train)
+    import launcher.config.schema  # noqa: F401  (registers base_train)
 
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         raw = compose(config_name="plan", overrides=["+model=8b", "nodes=2", "tp=4", "seq_len=2048"])

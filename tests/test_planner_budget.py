@@ -13,16 +13,16 @@ import pytest
 
 from bench.published_runs import make_cfg
 from launcher import planner
+from launcher.config.ft import FtConfig
+from launcher.config.hardware import load_profile, profile_names
+from launcher.config.layout_keys import from_config
+from launcher.config.validate import validate
 from launcher.errors import LauncherError
-from launcher.ft_config import FtConfig
-from launcher.hardware_config import load_profile, profile_names
-from launcher.layout_config import from_config
 from launcher.planner.budget import DAY, HOUR, budget, compared_nodes, ft_budget, peer_bandwidth
 from launcher.planner.failures import ReplicaFt, goodput, groups, prefer_ft, replica_ft, stop_mtbf, young_daly_interval
 from launcher.planner.predict import predict
 from launcher.planner.report import to_json
 from launcher.planner.request import problem
-from launcher.validate import validate
 from tests.conftest import run_cli
 
 H100 = load_profile("h100_sxm")

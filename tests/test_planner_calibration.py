@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from launcher import calibration, hardware
-from launcher.config import CONF_DIR, compose_config
-from launcher.hardware_config import HardwareConfig
+from launcher.config.hardware import HardwareConfig
+from launcher.config.schema import CONF_DIR, compose_config
+from launcher.hardware import calibration
+from launcher.hardware import resolve as hardware
 
 CPU_YAML = Path(CONF_DIR) / "hardware" / "cpu.yaml"
 
@@ -99,8 +100,8 @@ def test_measured_gemm_peak_is_the_best_trial(monkeypatch):
 def test_cache_dir_of_a_config_built_in_python_resolves_its_environment_default(monkeypatch):
     """TrainConfig() holds the `${oc.env:...}` default unresolved: the cache must not land in a folder of
     that literal name under the working directory (one did, in the checkout)."""
-    from launcher.calibration.cache import cache_file
-    from launcher.config import TrainConfig
+    from launcher.config.schema import TrainConfig
+    from launcher.hardware.calibration.cache import cache_file
 
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
     assert cache_file(TrainConfig().cache_dir) == Path("/somewhere/cache/launcher/calibration.json")

@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.config import TrainConfig
+from launcher.config.hardware import HardwareConfig, LinkConfig
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import TrainConfig
+from launcher.config.validate import check_calibrate
 from launcher.errors import LauncherError
-from launcher.hardware_config import HardwareConfig, LinkConfig
-from launcher.layout_config import from_config
 from launcher.planner import fit as fit_module
 from launcher.planner.calibrate import calibrate
 from launcher.planner.fit import Observation, fit, held_out, knobs, seen, step_times
 from launcher.planner.machine import machine
 from launcher.planner.predict import problem_memory
 from launcher.planner.request import problem
-from launcher.validate import check_calibrate
 from tests.conftest import make_config, run_cli, tiny_args
 
 # a cpu profile with every number given: nothing is calibrated, the runs below are all synthetic

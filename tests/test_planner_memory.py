@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from launcher.allocator import allocator_mode
-from launcher.config import compose_config
+from launcher.config.schema import compose_config
 from launcher.flops import FLOP_PER_BYTE, GIB, device_flop_per_byte, loss_chunk_rows, loss_weight_bytes
 from launcher.layout import Layout
 from launcher.planner import memory
 from launcher.planner.predict import predict
 from launcher.planner.request import problem
+from launcher.train.allocator import allocator_mode
 from tests.test_planner import make_cfg
 
 
@@ -32,7 +32,7 @@ def test_fsdp_holds_the_root_unit_two_blocks_the_outputs_gradient_and_a_blocks_c
 
 def test_fused_adamw_has_no_temporary_and_the_chunked_loss_no_logits():
     """One process: the update adds only the two moments; the loss keeps d loss / d h and one chunk of
-    fp32 logits (model/loss.py: 469 of the 16384 tokens on a CPU, the runtime's rule), not tokens x
+    fp32 logits (ops/loss.py: 469 of the 16384 tokens on a CPU, the runtime's rule), not tokens x
     vocab; under tp one chunk of its vocabulary shard (parallel/vocab.py), never the whole shard."""
     m = make_cfg("125m").model
     lay = Layout(micro=8)
@@ -73,7 +73,7 @@ def test_cpu_overhead_is_the_worker_process():
 FREED = """
 import sys
 import torch
-from launcher.allocator import set_cpu_allocator
+from launcher.train.allocator import set_cpu_allocator
 
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
@@ -102,7 +102,7 @@ REUSED = """
 import resource
 import sys
 import torch
-from launcher.allocator import set_cpu_allocator
+from launcher.train.allocator import set_cpu_allocator
 
 if sys.argv[1] != "glibc":
     assert set_cpu_allocator(sys.argv[1])

@@ -29,9 +29,9 @@ from bench.planner_accuracy import (
     two_rank_worker,
 )
 from bench.recompute import held_bytes, memory_rows, tp2_memory_worker
-from launcher.config import compose_config
+from launcher.config.layout_keys import from_config
+from launcher.config.schema import compose_config
 from launcher.flops import head_dim
-from launcher.layout_config import from_config
 from launcher.model.init import initialized_model
 from launcher.model.transformer import Block, rope_tables
 from launcher.parallel.pipeline import split_weight_passes

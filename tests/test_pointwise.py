@@ -1,4 +1,4 @@
-"""The block's pointwise nodes (launcher/model/pointwise.py) against the op-by-op chains they replace:
+"""The block's pointwise nodes (launcher/ops/pointwise.py) against the op-by-op chains they replace:
 same values and gradients, the product's gradient written without a concatenation, and only the
 product saved."""
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from launcher.model.pointwise import rotary_qkv, swiglu
 from launcher.model.transformer import rope_tables
+from launcher.ops.pointwise import rotary_qkv, swiglu
 from tests.test_fused import apply_rope
 
 

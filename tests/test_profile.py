@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from launcher.config.validate import validate
 from launcher.errors import LauncherError
 from launcher.train.loop import train
-from launcher.validate import validate
 from tests.conftest import run_cli, run_for, tiny_args, tiny_config
 
 

@@ -1,4 +1,4 @@
-"""launcher/quick_exit.py: the heap is frozen after every exit handler registered later has run."""
+"""launcher/launch/quick_exit.py: the heap is frozen after every exit handler registered later has run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 SCRIPT = """
 import atexit, gc
-from launcher.quick_exit import skip_final_collections
+from launcher.launch.quick_exit import skip_final_collections
 atexit.register(lambda: print("first registered", gc.get_freeze_count() > 0))
 skip_final_collections()
 skip_final_collections()

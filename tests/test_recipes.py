@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import CONF_DIR, compose_config
+from launcher.config.schema import CONF_DIR, compose_config
+from launcher.config.validate import validate
 from launcher.planner import resolve
-from launcher.validate import validate
 from tests.conftest import run_cli
 
 RECIPES = sorted(p.stem for p in (Path(CONF_DIR) / "recipe").glob("*.yaml"))

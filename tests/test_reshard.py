@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.spawn import start_local_workers
+from launcher.launch.spawn import start_local_workers
 from launcher.train.loop import train
 from tests.conftest import losses, run_for, tiny_config, worker_pids
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import LauncherError
-from launcher.run_lock import acquire
+from launcher.launch.run_lock import acquire
 from tests.conftest import ROOT, run_cli, tiny_args
 
 pytestmark = pytest.mark.slow
 
 HOLD = (
-    "import time, pathlib; from launcher.run_lock import acquire; "
+    "import time, pathlib; from launcher.launch.run_lock import acquire; "
     "acquire(pathlib.Path({path!r}), 'run_dir'); print('held', flush=True); time.sleep(600)"
 )
 

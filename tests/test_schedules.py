@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from launcher.config.layout_keys import from_config
 from launcher.layout import Layout, owner_rank, rank_stages
-from launcher.layout_config import from_config
 from tests.conftest import losses
 from tests.dist import run
 from tests.test_layout import error
@@ -148,8 +148,8 @@ def test_planner_bubble_and_in_flight_match_torchs_action_orders() -> None:
     """The planner's closed forms against the timeline of the orders torch runs (forward, input and
     weight gradient equally long): the busiest rank's idle time, and each rank's peak of microbatch
     activations held (in units of all its layers)."""
+    from launcher.compat.pipeline_api import schedule_actions
     from launcher.parallel.pipeline import SCHEDULES as CLASSES
-    from launcher.pipeline_compat import schedule_actions
     from launcher.planner.cost import bubble_slots
     from launcher.planner.memory import in_flight, logits_in_flight
     from launcher.planner.timeline import peak_in_flight, simulate

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import LauncherError
+from launcher.launch.slurm import emit_script, group_nodes, job_resources, preflight
+from launcher.launch.slurm_job import expand_nodelist, rendezvous
 from launcher.planner import resolve
-from launcher.slurm import emit_script, group_nodes, job_resources, preflight
-from launcher.slurm_job import expand_nodelist, rendezvous
 from launcher.train.replicas import TEST_KILL_ENV
 from tests.conftest import make_config, run_cli, tiny_args, tiny_config
 from tests.slurm_fixture import job_state, slurm, slurm_cluster, wait_for  # noqa: F401  (fixture)
@@ -98,11 +98,11 @@ def test_emitted_script(tmp_path: Path) -> None:
 
 def test_a_gpu_job_script_is_written_on_a_machine_without_a_gpu(tmp_path: Path) -> None:
     """Login nodes, where job scripts are written, have no GPU: the CUDA checks belong to the job."""
-    from launcher.cli import train_task
+    from launcher.launch.cli import train_task
 
     run = tmp_path / "run"
     cfg = tiny_config(tmp_path, "hardware=h100_sxm", "nodes=2", "tp=2", "slurm.emit=true", f"run_dir={run}")
-    from launcher.spawn import CUDA_ENV
+    from launcher.launch.rank_env import CUDA_ENV
 
     names = [name for group in CUDA_ENV for name in group]
     before = {name: os.environ.get(name) for name in names}
@@ -146,7 +146,7 @@ def test_emitted_ft_script_runs_one_step_per_group(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, *FT_LAYOUT, "max_restarts=2")
     text = emit_script(cfg, tmp_path / "run", resolve(cfg)[0]).read_text()
     assert "--ntasks-per-node=2" in text  # the job holds every group's ranks
-    assert "-m launcher.ft_launch" in text and f"source {tmp_path / 'run' / 'ft_services.sh'}" in text
+    assert "-m launcher.launch.ft" in text and f"source {tmp_path / 'run' / 'ft_services.sh'}" in text
     assert "srun --exact --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --relative=$2" in text
     assert "for attempt in $(seq 0 2)" in text and "for g in $(seq 0 1)" in text
 
@@ -326,7 +326,7 @@ def test_ft_groups_are_job_steps_and_a_failed_one_heals(tmp_path: Path, cache: s
 def test_a_slurm_that_does_not_answer_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """sbatch installed but no controller (no slurm.conf, DNS SRV lookup failed): submitit's 65-line
     traceback before; one line naming the fix now, and a dry run still prints its script."""
-    import launcher.slurm as slurm_module
+    import launcher.launch.slurm as slurm_module
 
     said = "sinfo: fatal: Could not establish a configuration source"
     failed = subprocess.CompletedProcess(["sinfo"], 1, stdout="", stderr=f"sinfo: error: x\n{said}\n")

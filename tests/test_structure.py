@@ -16,24 +16,23 @@ from tests.test_imports import module_names
 MODULE_LINES = 350
 FUNCTION_LINES = 60
 
-# The modules that may name `TrainConfig`: the entry points (`cli`), the launchers (`spawn` and the SLURM
-# and sweep submission beside it), the planner's `resolve` and the request it reads, and the config and
-# validation modules themselves (`launcher.config`, `launcher.validate`, a package of either name, and the
-# module that defines the class).
+# The modules that may name `TrainConfig`: the entry points (`launch/cli.py`), the launchers (`spawn` and the
+# SLURM and sweep submission beside it), the planner's `resolve` and the request it reads, and the config room's
+# schema and checks (CONFIG_HOMES; `run.py`, `options.py` and `precision.py` there take what they read, not it).
 # Everything below them receives a `Layout`, a `Prediction` and a `BuildOptions`.
 MAY_READ_TRAIN_CONFIG = {
-    "launcher.cli",
-    "launcher.spawn",
-    "launcher.slurm",
-    "launcher.sweep",
+    "launcher.launch.cli",
+    "launcher.launch.spawn",
+    "launcher.launch.slurm",
+    "launcher.launch.sweep",
     "launcher.planner",
     "launcher.planner.request",
 }
 CONFIG_HOMES = (
-    "launcher.config",
-    "launcher.validate",
-    "launcher.feature_keys",
-    "launcher.layout_config",
+    "launcher.config.schema",
+    "launcher.config.validate",
+    "launcher.config.feature_keys",
+    "launcher.config.layout_keys",
 )  # schema, checks, the keys read into a Layout
 
 
@@ -118,7 +117,7 @@ def config_home(name: str, tree: ast.Module) -> bool:
 
 def test_only_the_entry_points_read_train_config() -> None:
     readers = {name: tree for name, _, tree in trees() if names_train_config(tree)}
-    assert "launcher.cli" in readers, "the detector sees the entry points read it"
+    assert "launcher.launch.cli" in readers, "the detector sees the entry points read it"
     below = sorted(name for name, tree in readers.items() if name not in MAY_READ_TRAIN_CONFIG)
     below = [name for name in below if not config_home(name, readers[name])]
     assert not below, (
@@ -131,11 +130,13 @@ def test_only_the_entry_points_read_train_config() -> None:
 
 def test_the_seam_detector_sees_each_way_of_naming_it() -> None:
     for source in (
-        "from launcher.config import TrainConfig",
+        "from launcher.config.schema import TrainConfig",
         "from .config import LauncherError, TrainConfig as T",
-        "import launcher.config as c\nx: c.TrainConfig",
+        "import launcher.config.schema as c\nx: c.TrainConfig",
         "def f(cfg: 'TrainConfig') -> None: ...",
         "def f() -> 'list[TrainConfig]': ...",
     ):
         assert names_train_config(ast.parse(source)), source
-    assert not names_train_config(ast.parse("from launcher.config import ModelConfig\n'TrainConfig in a docstring'"))
+    assert not names_train_config(
+        ast.parse("from launcher.config.schema import ModelConfig\n'TrainConfig in a docstring'")
+    )

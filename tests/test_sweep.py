@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.sweep import summarize
+from launcher.launch.sweep import summarize
 from tests.conftest import run_cli, tiny_args
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.extras import installed
-from launcher.layout_config import from_config
-from launcher.spawn import RankEnv, env_rank
+from launcher.config.extras import installed
+from launcher.config.layout_keys import from_config
+from launcher.launch.rank_env import RankEnv, env_rank
 from launcher.train.loop import train
 from tests.conftest import run_cli, run_for, tiny_config
 

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from launcher.model.loss import linear_cross_entropy, token_losses
+from launcher.ops.loss import linear_cross_entropy, token_losses
 from tests.dist import run
 
 BATCH, SEQ, DIM, VOCAB, ROWS = 2, 8, 16, 64, 5  # 16 tokens in chunks of 5: the last one short

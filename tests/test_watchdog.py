@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import WatchdogConfig
+from launcher.config.schema import WatchdogConfig
 from launcher.errors import HUNG
 from launcher.train.timeouts import timeout_for
 from launcher.train.watchdog import TEST_HANG_ENV, Beat, describe
@@ -176,7 +176,8 @@ def test_the_timeout_fits_the_predicted_step_with_a_floor() -> None:
 def test_gloo_process_group_timeout_follows_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    from launcher.spawn import RankEnv, join_group
+    from launcher.launch.rank_env import RankEnv
+    from launcher.launch.spawn import join_group
     from tests.conftest import run_for, tiny_config
 
     seen = {}
@@ -191,7 +192,7 @@ def test_gloo_process_group_timeout_follows_the_config(tmp_path: Path, monkeypat
 def test_the_collective_timeout_outlasts_the_watchdogs_first_step() -> None:
     """A GPU's default watchdog gives the first step (eight ranks compiling) 5 x 300 s: NCCL's 600 s
     would cut the run off before the watchdog could name the rank that is stuck."""
-    from launcher.config import WatchdogConfig
+    from launcher.config.schema import WatchdogConfig
     from launcher.train.timeouts import SLOW_FACTOR, collective_timeout_s
 
     gpu = timeout_for(WatchdogConfig(), "cuda", 0.0)
@@ -204,6 +205,6 @@ def test_the_collective_timeout_outlasts_the_watchdogs_first_step() -> None:
 def test_flight_recorder_trace_is_a_pickle_of_this_process() -> None:
     import pickle
 
-    from launcher.compat import flight_recorder_trace
+    from launcher.compat.torch_api import flight_recorder_trace
 
     assert isinstance(pickle.loads(flight_recorder_trace()), dict)

@@ -18,9 +18,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf, open_dict
 
-from launcher.config import TrainConfig
+from launcher.compat.hydra_api import basic_sweeper
+from launcher.config.schema import TrainConfig
 from launcher.errors import LauncherError
-from launcher.hydra_compat import basic_sweeper
 
 log = logging.getLogger(__name__)
 BATCH_KEYS = ("batch.global", "microbatches")  # a sweep that sets either chooses its batches itself

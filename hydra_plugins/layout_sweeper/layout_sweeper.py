@@ -19,11 +19,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-import launcher.slurm  # noqa: F401  (importing it registers the ${slurm_job:...} resolver, before configs resolve)
-from launcher.config import TrainConfig
-from launcher.hydra_compat import basic_sweeper
+import launcher.launch.slurm  # noqa: F401  (importing it registers the ${slurm_job:...} resolver, before configs resolve)
+from launcher.compat.hydra_api import basic_sweeper
+from launcher.config.schema import TrainConfig
+from launcher.config.validate import validate
 from launcher.layout import DEGREES
-from launcher.validate import validate
 
 from .fixed_batch import FixedBatch, point_config
 
@@ -41,7 +41,7 @@ ConfigStore.instance().store(group="hydra/sweeper", name="layouts", node=LayoutS
 
 def ranked_layouts(cfg: TrainConfig, top: int, world: int | None = None) -> list[tuple[list[str], dict[str, Any]]]:
     """The best `top` distinct layouts of `cfg` on `world` devices: (overrides, prediction) each."""
-    from launcher.layout_config import plan_world_size
+    from launcher.config.layout_keys import plan_world_size
     from launcher.planner import plan
 
     world = world or plan_world_size(cfg)
@@ -83,7 +83,7 @@ class LayoutSweeper(FixedBatch, basic_sweeper()):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         parsed = parser.parse_overrides(arguments)
         fixed = {o.key_or_group for o in parsed if o.key_or_group in DEGREES and not o.is_sweep_override()}
-        # a LauncherError reaches the CLI as it is (launcher.hydra_compat.hydra_errors_raised): one line, exit 2
+        # a LauncherError reaches the CLI as it is (launcher.compat.hydra_api.hydra_errors_raised): one line, exit 2
         cfg = search_config(self.config, fixed)
         validate(cfg)  # as plan and train check first: ranges (sweep.top, sweep.world among them)
         layouts = ranked_layouts(cfg, cfg.sweep.top, cfg.sweep.world)

@@ -1,25 +1,25 @@
 """`hydra/launcher=slurm` (launcher/conf/hydra/launcher/slurm.yaml): hydra-submitit-launcher's SLURM launcher,
-with the project's preflight checks first (launcher/slurm.py) and `slurm.dry_run=true` submitting nothing.
+with the project's preflight checks first (launcher/launch/slurm.py) and `slurm.dry_run=true` submitting nothing.
 Hydra only instantiates plugins from the hydra_plugins package, hence this thin class here."""
 
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from launcher.extras import installed
-from launcher.slurm import describe, preflight
+from launcher.config.extras import installed
+from launcher.launch.slurm import describe, preflight
 
 
 def job_task(cfg: Any) -> None:
     """What each SLURM task runs: `train` on the job's config. A failure is recorded by the sweep point
-    (launcher/sweep.py). The CLI's own task function is a closure (not picklable): this one is shipped."""
-    from launcher.cli import train_task
+    (launcher/launch/sweep.py). The CLI's own task function is a closure (not picklable): this one is shipped."""
+    from launcher.launch.cli import train_task
 
     train_task(OmegaConf.to_object(cfg))
 
 
 # Hydra imports every plugin module: on a minimal install (no submitit) this one defines nothing, and
-# `hydra/launcher=slurm` stops at composition with one line naming the extra (launcher/cli.py)
+# `hydra/launcher=slurm` stops at composition with one line naming the extra (launcher/launch/cli.py)
 if installed("hydra_plugins.hydra_submitit_launcher"):
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 

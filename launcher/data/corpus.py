@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.config import DataConfig
+from launcher.config.schema import DataConfig
 from launcher.data.build import TextCache
 from launcher.data.loader import min_tokens
 from launcher.errors import LauncherError
@@ -123,8 +123,8 @@ def check_source(cfg: DataConfig, vocab_size: int, seq_len: int, evaluates: bool
     data=text builds its token cache here, once, before any worker starts."""
     text = None
     if cfg.name == "text":
+        from launcher.config.extras import require
         from launcher.data.text import ensure_cache
-        from launcher.extras import require
 
         require("datasets", "tokenizers", what="data=text")
 

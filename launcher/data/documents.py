@@ -2,19 +2,19 @@
 
 data=text writes each document as [BOS] tokens EOS (launcher/data/build.py): its tokenizer's EOS ends
 a document. A data=tokens file names its end id in `data.eos_id`. A mixture's sources must share one.
-data=stdlib joins source files with a newline, no separator a mask could find: refused (launcher/validate.py).
+data=stdlib joins source files with a newline, no separator a mask could find: refused (launcher/config/validate.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from launcher.config import DataConfig
+from launcher.config.mix import mixture_sources
+from launcher.config.schema import DataConfig
 from launcher.data.corpus import Splits
 from launcher.data.mix import Mixture
 from launcher.errors import LauncherError
 from launcher.flops import document_span
-from launcher.mix_config import mixture_sources
 
 SAMPLED = 10_000_000  # tokens of the split whose documents set the measured span (a few ms)
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from launcher.mix_config import check_resumed_mix
+from launcher.config.mix import check_resumed_mix
 from launcher.parallel.context import split_sequence
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)

@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from launcher.config import DataConfig
+from launcher.config.mix import Source, check_resumed_mix, mixture_sources, period, shares
+from launcher.config.schema import DataConfig
 from launcher.data.corpus import Splits, check_source, load_splits
 from launcher.data.loader import BatchLoader, offsets_of
 from launcher.errors import LauncherError
-from launcher.mix_config import Source, check_resumed_mix, mixture_sources, period, shares
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.config import DataConfig
+from launcher.config.schema import DataConfig
 from launcher.data import tokenizer as tok
 from launcher.data.build import BUILDERS, TextCache, build_cache, check_text_key
 from launcher.errors import LauncherError

@@ -7,7 +7,7 @@ mesh.py      rank at coordinates, the output's owner, the DeviceMesh, workers an
 text.py      the layout in one line for people (the run's header, the planner's tables)
 
 The layout never reads a TrainConfig: the Layout a config fixes, and the world size it plans for,
-are launcher/layout_config.py's. This package's public names are re-exported here.
+are launcher/config/layout_keys.py's. This package's public names are re-exported here.
 """
 
 from launcher.layout.core import (

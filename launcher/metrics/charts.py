@@ -1,5 +1,5 @@
 """A run's loss curve as a PNG (loss.png), drawn by matplotlib (the optional `plot` extra) at the end of a run,
-and the metrics.jsonl reading a sweep's loss chart shares with it (launcher/sweep.py); the helpers every chart
+and the metrics.jsonl reading a sweep's loss chart shares with it (launcher/launch/sweep.py); the helpers every chart
 shares are launcher/charts.py's. matplotlib is imported only when a chart is drawn, never while a run trains."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.config import WandbConfig
+from launcher.config.schema import WandbConfig
 from launcher.errors import LauncherError
 from launcher.metrics.moe_load import load_histograms
 

@@ -11,7 +11,7 @@ import torch
 
 from launcher.data import BatchLoader
 from launcher.data.mix import MixLoader
-from launcher.model.loss import token_losses
+from launcher.ops.loss import token_losses
 from launcher.parallel.runner import Runner
 
 

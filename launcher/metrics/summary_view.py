@@ -10,9 +10,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from launcher.config.precision import MODE_TEXT
 from launcher.layout import Layout
 from launcher.layout.text import degrees_text
-from launcher.precision import MODE_TEXT
 
 Row = tuple[str, str, str, str]  # label, measured, predicted, ratio: measured / predicted
 LOSSES = (("final_loss", "loss"), ("val_loss", "val loss"), ("smoke_loss", "smoke step loss"))

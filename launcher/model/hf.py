@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.config import ModelConfig
+from launcher.config.extras import require
+from launcher.config.schema import ModelConfig
 from launcher.errors import LauncherError
-from launcher.extras import require
 from launcher.flops import head_dim
 
 if TYPE_CHECKING:

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from launcher.compat import local_shard_extent
-from launcher.config import ModelConfig
+from launcher.compat.torch_api import local_shard_extent
+from launcher.config.schema import ModelConfig
 from launcher.model.moe import MoE
 from launcher.model.transformer import Transformer
 

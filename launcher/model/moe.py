@@ -3,7 +3,7 @@
 A MoE layer replaces a block's dense MLP (`model.moe.experts` > 0, after `first_dense_layers` dense
 ones). Per token the router scores every routed expert (sigmoid as DeepSeek-V3, or softmax), picks
 the top k and weighs their outputs by the picked scores normalized to sum 1; shared experts see
-every token. Tokens are grouped by expert, run through each expert's SwiGLU (launcher/model/experts.py:
+every token. Tokens are grouped by expert, run through each expert's SwiGLU (launcher/ops/experts.py:
 a loop over experts, or one grouped GEMM per weight on CUDA), and summed back.
 
 Balancing (`model.moe.balance`):
@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.compat import in_backward
-from launcher.config import ModelConfig
+from launcher.compat.torch_api import in_backward
+from launcher.config.schema import ModelConfig
 from launcher.flops import expert_width
-from launcher.model.experts import Experts, local
 from launcher.model.moe_table import EXTRA, layer_loads, layer_rows
+from launcher.ops.experts import Experts, local
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:

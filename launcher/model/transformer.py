@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.config import ModelConfig
+from launcher.config.schema import ModelConfig
 from launcher.flops import head_dim, kv_heads
 from launcher.model.documents import attention_mask, document_ids, document_positions, masked_attention
-from launcher.model.fused import FusedLinear
-from launcher.model.loss import OutputLoss
 from launcher.model.moe import MoE, is_moe_layer
-from launcher.model.pointwise import rotary_qkv, split_heads, swiglu
+from launcher.ops.fused import FusedLinear
+from launcher.ops.loss import OutputLoss
+from launcher.ops.pointwise import rotary_qkv, split_heads, swiglu
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -74,7 +74,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv_heads(cfg) * self.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.dim, kv_heads(cfg) * self.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
-        self.qkv = FusedLinear()  # wq, wk and wv as one matmul (model/fused.py)
+        self.qkv = FusedLinear()  # wq, wk and wv as one matmul (ops/fused.py)
         self.core = CausalAttention(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: Any = None) -> torch.Tensor:
@@ -145,7 +145,7 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.output_loss = OutputLoss()  # with targets: the projection and the loss in chunks (model/loss.py)
+        self.output_loss = OutputLoss()  # with targets: the projection and the loss in chunks (ops/loss.py)
         self.register_buffer("rope", self._rope_tables(), persistent=False)
 
     def _rope_tables(self) -> torch.Tensor | None:
@@ -163,7 +163,7 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
         """tokens (batch, seq) → logits (batch, seq, vocab); a middle pipeline stage maps h → h.
-        With `targets` (batch, seq): the mean token loss instead, computed in chunks (model/loss.py)
+        With `targets` (batch, seq): the mean token loss instead, computed in chunks (ops/loss.py)
         so the full logits never exist (inside forward: FSDP has the output weight gathered).
         Under document masking the tokens' document ids (`documents`; from the tokens on the first
         stage when not given): per-document positions and attention."""

@@ -3,7 +3,7 @@ one takes the same steps, each a no-op at degree 1, and gets the plain runner):
 pipeline split → float8 conversion (dtype=fp8) → tensor (async TP with it), context and expert parallel
 → activation checkpointing → compile → data parallel.
 
-`parallelize` reads only the Layout, the mesh and the BuildOptions (launcher/options.py), and returns
+`parallelize` reads only the Layout, the mesh and the BuildOptions (launcher/config/options.py), and returns
 a step runner (launcher/parallel/runner.py).
 """
 
@@ -14,13 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.compat import enable_async_tp
+from launcher.compat.torch_api import enable_async_tp
+from launcher.config.options import BuildOptions
+from launcher.config.precision import autocast_for, fsdp_policy
 from launcher.layout import Layout, expert_mesh
-from launcher.model.experts import select_impl
 from launcher.model.hf import init_source
 from launcher.model.init import materialize
 from launcher.model.moe import moe_layers
-from launcher.options import BuildOptions
+from launcher.ops.experts import select_impl
 from launcher.parallel.compiled import compile_blocks, compiled_units
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel
@@ -30,7 +31,6 @@ from launcher.parallel.pipeline import split_weight_passes, stage_module
 from launcher.parallel.recompute import apply_recompute
 from launcher.parallel.runner import ParallelRunner, PipelineRunner, Runner
 from launcher.parallel.tensor import apply_tensor_parallel
-from launcher.precision import autocast_for, fsdp_policy
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: Any, options: BuildOptions, device: torch.device) -> Runner:

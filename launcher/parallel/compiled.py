@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from launcher.compile_compat import compile_counts
+from launcher.compat.compile_api import compile_counts
 from launcher.model.moe import moe_layers
 
 
@@ -44,7 +44,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> None:
 
 def quiet_checkpoint_notice() -> None:
     """torch warns, on every rank, that a checkpoint with a policy (selective recompute) is compiled and
-    must hold no in-place op: the compiled blocks hold none (launcher/model/pointwise.py's in-place
+    must hold no in-place op: the compiled blocks hold none (launcher/ops/pointwise.py's in-place
     nodes are eager's only), so the four lines a rank are dropped; every other warning stays."""
     wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
     if checkpoint_notice not in wrap_log.filters:

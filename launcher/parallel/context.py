@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from launcher.compat import all_gather_single, reduce_scatter_single
+from launcher.compat.torch_api import all_gather_single, reduce_scatter_single
 from launcher.model.transformer import CausalAttention, Positions
 from launcher.parallel.swap import swap_modules
 

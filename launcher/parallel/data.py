@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from launcher.compat import replicate, sub_mesh
+from launcher.compat.torch_api import replicate, sub_mesh
 from launcher.layout import Layout
 from launcher.model.moe import moe_layers
 from launcher.parallel.expert import expert_data_mesh, shard_experts
@@ -47,7 +47,7 @@ def apply_data_parallel(
     expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Wrap `model` (a whole model or a pipeline stage) in FSDP / HSDP / DDP over the dp mesh dims;
-    `mp_policy`: FSDP's mixed precision (launcher/precision.py), None for parameters' own dtype;
+    `mp_policy`: FSDP's mixed precision (launcher/config/precision.py), None for parameters' own dtype;
     `expert_mesh` (ep > 1, `layout.expert_mesh`): the experts shard over its edp dim instead."""
     if layout.dp * layout.cp == 1:
         return

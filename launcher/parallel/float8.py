@@ -5,14 +5,14 @@ Converted: attention's wq, wk, wv, wo and a dense MLP's w1, w2, w3, where both f
 this rank's shard of each is a multiple of 16 (what float8 GEMMs take). High precision: the
 embeddings and the output projection (the logits are sensitive, and the vocabulary GEMM is a small
 share of the FLOPs), and MoE layers whole: the router, the shared experts and the routed experts,
-whose grouped GEMM (launcher/model/experts.py) is ours, not torchao's float8 one.
+whose grouped GEMM (launcher/ops/experts.py) is ours, not torchao's float8 one.
 
 Where in the fixed order (launcher/parallel/__init__.py): right before the tensor-parallel plan, on
 the meta model. The plan's forward hooks live on the module objects, so a layer swapped after the plan
 would lose them; converted first, `ColwiseParallel` / `RowwiseParallel` shard the `Float8Linear`s
 like any `nn.Linear`, and torchao casts the DTensor weights with one scale for the whole tensor
 (amax all-reduced over the shards), so tp=2 computes what tp=1 does. Compile and FSDP2 come after.
-Fused projections (launcher/model/fused.py) run converted layers one by one.
+Fused projections (launcher/ops/fused.py) run converted layers one by one.
 
 FSDP2: with tensorwise scaling the weights are all-gathered in float8 (torchao's weight wrapper; on
 gloo too, as bytes) and every layer's scale is precomputed in one pass after the optimizer step
@@ -33,9 +33,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from launcher.config.options import Fp8Options
+from launcher.config.precision import COLUMN, ROW, fp8_layer
 from launcher.model.moe import MoE
-from launcher.options import Fp8Options
-from launcher.precision import COLUMN, ROW, fp8_layer
 
 MOE = "MoE layer: high precision (torchao's float8 grouped GEMM, CUDA only, is not used)"
 # What torchao's import logs at WARNING (each logger, and a phrase of the one record dropped) that float8

@@ -44,12 +44,12 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from launcher.compat.pipeline_api import pipeline_stage
 from launcher.layout import MULTI_STAGE, ZERO_BUBBLE, stage_layers
 from launcher.model import Transformer
-from launcher.model.fused import FusedLinear, SplitFusedLinear
 from launcher.model.moe import moe_layers
+from launcher.ops.fused import FusedLinear, SplitFusedLinear
 from launcher.parallel.swap import swap_modules
-from launcher.pipeline_compat import pipeline_stage
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,

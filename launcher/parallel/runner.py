@@ -17,17 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from launcher.compat import foreach_mul_, foreach_norm
+from launcher.compat.pipeline_api import forward_only
+from launcher.compat.torch_api import foreach_mul_, foreach_norm
 from launcher.layout import Layout
 from launcher.model.documents import document_ids
-from launcher.model.experts import local
-from launcher.model.loss import record, recording, token_losses
 from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers
+from launcher.ops.experts import local
+from launcher.ops.loss import record, recording, token_losses
 from launcher.parallel.data import set_gradient_sync
 from launcher.parallel.pipeline import build_schedule
 from launcher.parallel.tensor import loss_context
 from launcher.parallel.tied import output_copies, sum_tied_grads, tie_group, tied_copies
-from launcher.pipeline_compat import forward_only
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ class Runner:
         return self.autocast or contextlib.nullcontext()
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self._autocast():  # output projection and loss together, in chunks (model/loss.py; under tp
+        with self._autocast():  # output projection and loss together, in chunks (ops/loss.py; under tp
             return self.model(inputs, targets)  # over the vocabulary shards: parallel/vocab.py)
 
     def microbatches(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -21,7 +21,7 @@ Every parameter becomes a DTensor on the tensor-parallel mesh (duplicated ones a
 optimizer and gradient-norm code never mixes plain tensors with DTensors. Weights are cut from the
 full tensor every rank already holds (same seed), with no communication (`src_data_rank=None`).
 Between modules tensors stay plain (local) tensors, which is also what pipeline stages send; the
-fused projections (launcher/model/fused.py) run on the local shards (`LocalFusedLinear`).
+fused projections (launcher/ops/fused.py) run on the local shards (`LocalFusedLinear`).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from launcher.model.fused import FusedLinear, converted
 from launcher.model.init import tied_output
-from launcher.model.loss import OutputLoss
 from launcher.model.moe import MoE
+from launcher.ops.fused import FusedLinear, converted
+from launcher.ops.loss import OutputLoss
 from launcher.parallel.swap import swap_modules
 from launcher.parallel.vocab import VocabParallelLoss
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from launcher.layout import Layout
-from launcher.model.experts import local
+from launcher.ops.experts import local
 
 
 def tied_copies(parts: list[nn.Module]) -> list[nn.Parameter]:

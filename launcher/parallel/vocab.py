@@ -1,4 +1,4 @@
-"""The chunked loss over vocabulary shards (tensor parallelism): model/loss.py's output projection and
+"""The chunked loss over vocabulary shards (tensor parallelism): ops/loss.py's output projection and
 loss together, chunk by chunk, on this rank's slice of the output weight.
 
 Per chunk each rank computes its (rows, vocab / tp) logits, then two all-reduces of per-token scalars
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from launcher.flops import loss_chunk_rows
-from launcher.model.loss import OutputLoss, Vocab, linear_cross_entropy
+from launcher.ops.loss import OutputLoss, Vocab, linear_cross_entropy
 
 
 class VocabShard(Vocab):

@@ -2,7 +2,7 @@
 cannot fit. Pure Python: nothing here imports torch unless a profile needs calibrating (cpu).
 
 - `resolve(cfg, env_world_size)`: the run's one `Layout`, the prediction for it and the
-  `BuildOptions` (launcher/options.py). The CLI's only call into the planner: `train` and its dry
+  `BuildOptions` (launcher/config/options.py). The CLI's only call into the planner: `train` and its dry
   run use it once, and the runtime reads these, never the config.
 - `run_plan(cfg)`: the `plan` command (ranked table fitting the terminal, every column with plan.format=wide,
   or JSON with plan.format=json).
@@ -27,21 +27,21 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from launcher.config import DataConfig, TrainConfig, compile_enabled
+from launcher.config.layout_keys import from_config, launch_world_size, plan_world_size
+from launcher.config.options import BuildOptions
+from launcher.config.precision import fp8_options, precision_mode
+from launcher.config.schema import DataConfig, TrainConfig, compile_enabled
+from launcher.config.validate import compared_profiles, validate
 from launcher.errors import LauncherError
 from launcher.flops import GIB, device_flop_per_byte
-from launcher.hardware import peak_flops
+from launcher.hardware.resolve import peak_flops
 from launcher.layout import Layout, async_tp_applies, worker_threads, workers_per_node
-from launcher.layout_config import from_config, launch_world_size, plan_world_size
-from launcher.options import BuildOptions
 from launcher.planner.budget import Row, budget, compared_nodes, ft_budget
 from launcher.planner.charts import chart_path, compare_line, say
 from launcher.planner.predict import Prediction, Problem, predict
 from launcher.planner.report import batch_text, budget_block, compare_table, precision_table, to_json, to_table
 from launcher.planner.request import core_share, fp8_of, problem, space
 from launcher.planner.search import Result, search
-from launcher.precision import fp8_options, precision_mode
-from launcher.validate import compared_profiles, validate
 
 __all__ = ["resolve", "build_options", "run_plan", "plan", "Prediction", "Layout"]
 

@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.ft_config import FtConfig
-from launcher.hardware_config import HardwareConfig
+from launcher.config.ft import FtConfig
+from launcher.config.hardware import HardwareConfig
 from launcher.planner.comm import level_of
 from launcher.planner.device import Machine
 from launcher.planner.failures import ReplicaFt, checkpoint_every, goodput, groups, replica_ft, young_daly_interval

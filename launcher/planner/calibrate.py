@@ -16,13 +16,13 @@ from typing import Any, TextIO
 
 import yaml
 
+from launcher.config.hardware import HardwareConfig, LinkConfig
+from launcher.config.validate import check_calibrate
 from launcher.errors import LauncherError
 from launcher.files import make_dir, write_atomic
-from launcher.hardware_config import HardwareConfig, LinkConfig
 from launcher.planner.charts import calibration_line, say
 from launcher.planner.fit import HOST, Knob, Observation, fit, held_out, knobs, read_runs, seen, step_times
 from launcher.planner.machine import LINK_EFFICIENCY, needs_calibration, resolved_hardware
-from launcher.validate import check_calibrate
 
 
 def calibrate(

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.config import ModelConfig
+from launcher.config.schema import ModelConfig
 from launcher.flops import head_dim, kv_heads, loss_weight_bytes
 from launcher.layout import Layout, async_tp_applies
 from launcher.planner import comm, memory, moe

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.ft_config import FtConfig
+from launcher.config.ft import FtConfig
 
 MARGIN = 0.01  # the share of wall-clock time ft must save to be recommended: a dependency, a quorum a step
 

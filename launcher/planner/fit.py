@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.config.hardware import HardwareConfig
 from launcher.errors import LauncherError
 from launcher.files import shown
-from launcher.hardware_config import HardwareConfig
 from launcher.layout import Layout
 from launcher.planner.device import Machine
 from launcher.planner.machine import LINK_EFFICIENCY

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.config import ModelConfig
+from launcher.config.precision import COLUMN, fp8_layer
+from launcher.config.schema import ModelConfig
+from launcher.config.validate import block_linears
 from launcher.flops import moe_layer_count
 from launcher.layout import Layout
-from launcher.precision import COLUMN, fp8_layer
-from launcher.validate import block_linears
 
 # Bytes of memory traffic per converted element and microbatch (bf16 in, fp8 out). tensorwise: amax
 # (read 2) + scale-and-cast (read 2, write 1) + the transposed fp8 copy the backward GEMMs read (read 1,

@@ -3,17 +3,17 @@
 Datasheet link bandwidths are scaled by LINK_EFFICIENCY (what collectives reach in practice);
 measured ones (the cpu profile's gloo calibration) are used as they are; a link's own
 `efficiency` (a profile fitted to runs: 1) replaces either. Null numbers (cpu) are
-calibrated by `launcher.hardware.resolve_hardware` (launcher/calibration/), the only path on which
+calibrated by `launcher.hardware.resolve.resolve_hardware` (launcher/hardware/calibration/), the only path on which
 torch is imported.
 """
 
 from __future__ import annotations
 
+from launcher.config.hardware import CALIBRATED, HardwareConfig, LinkConfig
+from launcher.config.ranges import check_ranges
 from launcher.errors import LauncherError
 from launcher.flops import GIB, device_flop_per_byte
-from launcher.hardware_config import CALIBRATED, HardwareConfig, LinkConfig
 from launcher.planner.device import Level, Machine
-from launcher.ranges import check_ranges
 
 LINK_EFFICIENCY = 0.8  # nccl-tests bus bandwidth is typically 75-90% of the datasheet link rate
 KINDS = ("cpu", "cuda", "tpu")
@@ -42,7 +42,7 @@ def resolved_hardware(hw: HardwareConfig, threads: int, cache_dir: str, alone: b
     (`alone`: those a one-process layout uses)."""
     if not needs_calibration(hw):
         return hw
-    from launcher.hardware import resolve_hardware  # imports torch: cpu calibration only
+    from launcher.hardware.resolve import resolve_hardware  # imports torch: cpu calibration only
 
     return resolve_hardware(hw, threads, cache_dir, alone)
 

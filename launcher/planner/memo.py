@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from launcher import flops
-from launcher.config import ModelConfig
+from launcher.config.schema import ModelConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -25,7 +25,7 @@ MAX_MODELS = 64  # `private_model`'s copies kept
 _MODELS: dict[ModelConfig, ModelConfig] = {}
 MEMOISED: list[Callable[..., Any]] = []  # every function `on_fields` wraps (for the test)
 
-# flops.py's per-token counts for the model (hashable: launcher/config.py), asked for every prediction
+# flops.py's per-token counts for the model (hashable: launcher/config/schema.py), asked for every prediction
 flops_per_token = functools.cache(flops.flops_per_token)
 hardware_flops_per_token = functools.cache(flops.hardware_flops_per_token)
 

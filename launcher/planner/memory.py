@@ -29,8 +29,8 @@ activations and dropout), rebuilt term by term so that other shapes fit:
   norms, of the QKV projection and of the MLP (4 tensors of h), and the two dropout masks (1 B each);
   sharded by t: Q (h_q), K and V (h_kv each: GQA stores fewer), the output projection's input (h_q),
   the MLP's intermediates (GELU: input and output, 2f; SwiGLU: the gate|up product and silu(gate) x
-  up, 3f, its node recomputing silu(gate): model/pointwise.py; a MoE layer's routed experts gate and
-  up, 2f (model/experts.py), 4f under zero-bubble schedules); the attention core: the softmax output
+  up, 3f, its node recomputing silu(gate): ops/pointwise.py; a MoE layer's routed experts gate and
+  up, 2f (ops/experts.py), 4f under zero-bubble schedules); the attention core: the softmax output
   (a s elements), with dropout its mask and output; fused attention (SDPA's flash / memory-efficient
   kernels, as the runtime) stores none of these a s-sized tensors, only a log-sum-exp per head (fp32).
 For GPT (f = 4h, h_q = h_kv = h, dropout, 2-byte activations) this gives exactly 10 + 24/t and
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from operator import attrgetter
 
-from launcher.config import ModelConfig
+from launcher.config.schema import ModelConfig
 from launcher.flops import (
     FLOP_PER_BYTE,
     GIB,
@@ -219,7 +219,7 @@ def recomputed_layers(n_layers: int, layout: Layout) -> int:
 
 
 def chunked_loss(layout: Layout) -> bool:
-    """The runtime's loss: chunked (model/loss.py, each chunk's gradients computed in forward; under tp
+    """The runtime's loss: chunked (ops/loss.py, each chunk's gradients computed in forward; under tp
     on each rank's vocabulary shard) without pipelining; else the schedule's loss over whole logits."""
     return layout.pp == 1
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import Any
 
-from launcher.config import ModelConfig
+from launcher.config.ft import BUCKET_BYTES, BUCKETS_IN_FLIGHT
+from launcher.config.schema import ModelConfig
 from launcher.flops import GIB, mfu
-from launcher.ft_config import BUCKET_BYTES, BUCKETS_IN_FLIGHT
 from launcher.layout import Layout
 from launcher.planner.cost import StepTime, lower_bound, step_time
 from launcher.planner.device import Machine

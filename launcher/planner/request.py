@@ -12,18 +12,18 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher.config import TrainConfig, compile_enabled
+from launcher.config.hardware import HardwareConfig
+from launcher.config.layout_keys import given_degrees
+from launcher.config.schema import TrainConfig, compile_enabled
+from launcher.config.validate import require_fp8_units
 from launcher.errors import LauncherError
 from launcher.flops import document_span
-from launcher.hardware_config import HardwareConfig
 from launcher.layout import INTERLEAVED, check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
-from launcher.layout_config import given_degrees
 from launcher.planner.device import Machine
 from launcher.planner.fp8 import RECIPE_RATE, Fp8
 from launcher.planner.machine import machine
 from launcher.planner.predict import Problem
 from launcher.planner.search import Space
-from launcher.validate import require_fp8_units
 
 
 def core_share(cfg: TrainConfig, world: int) -> float:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from heapq import heappush, heappushpop
 
-from launcher.config import ModelConfig
+from launcher.config.schema import ModelConfig
 from launcher.errors import LauncherError
 from launcher.layout import (
     INTERLEAVED,

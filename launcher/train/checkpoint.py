@@ -42,9 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from launcher.config import CheckpointConfig, DataConfig
+from launcher.config.mix import check_resumed_mix, mixture_sources
+from launcher.config.schema import CheckpointConfig, DataConfig
 from launcher.errors import CheckpointFailed, LauncherError
-from launcher.mix_config import check_resumed_mix, mixture_sources
 from launcher.parallel.float8 import high_precision
 from launcher.train.ckpt_write import (
     Pending,

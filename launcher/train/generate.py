@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from launcher.config import CheckpointConfig, DataConfig, ModelConfig
+from launcher.config.schema import CheckpointConfig, DataConfig, ModelConfig
 from launcher.errors import LauncherError
 from launcher.model.init import meta_model, tied_output
 from launcher.model.transformer import Transformer
@@ -191,8 +191,8 @@ BYTES = Codec("byte-level", lambda text: list(text.encode()), lambda ids: bytes(
 
 def hf_codec(path: str) -> Codec:
     """The Hugging Face tokenizer at `path` (the loader data=text uses); documents started after EOS, BOS."""
+    from launcher.config.extras import require
     from launcher.data.tokenizer import load
-    from launcher.extras import require
 
     require("tokenizers", what="generate with a Hugging Face tokenizer")
     tok = load(path)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from launcher import flops
+from launcher.config.precision import precision_text
+from launcher.config.run import Run
 from launcher.data import BatchLoader
 from launcher.files import write_json
 from launcher.layout.text import degrees_text
@@ -23,8 +25,6 @@ from launcher.metrics.profile import StepProfiler
 from launcher.parallel.compiled import CompileReport
 from launcher.parallel.float8 import precompute_scales
 from launcher.parallel.runner import Runner
-from launcher.precision import precision_text
-from launcher.run import Run
 from launcher.train.checkpoint import Stateful
 from launcher.train.fit import (
     gather_ranks,
@@ -234,7 +234,7 @@ def finish(w: Worker, summary: dict[str, Any]) -> dict[str, Any]:
         summary["cpu_allocator"] = w.allocator
     if w.runner.fp8 is not None:  # dtype=fp8: which layers compute in float8, which stay high precision and why
         summary["fp8"] = w.runner.fp8
-    if w.runner.moe:  # the MoE experts' matmuls: loop, or grouped_mm (launcher/model/experts.py)
+    if w.runner.moe:  # the MoE experts' matmuls: loop, or grouped_mm (launcher/ops/experts.py)
         summary["expert_impl"] = w.runner.moe[0].experts.impl
     if run.prediction is not None:
         summary["prediction"] = run.prediction.as_dict()

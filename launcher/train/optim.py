@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from launcher.config import OptimConfig
+from launcher.config.schema import OptimConfig
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

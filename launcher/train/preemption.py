@@ -1,7 +1,7 @@
 """Preemption: SIGINT (Ctrl-C), SIGTERM or SIGUSR1 (what SLURM sends before preemption or the time limit)
 asks every rank to finish its step, save a checkpoint and exit with `PREEMPTED` (launcher/errors.py) so
 the job can be requeued or rerun; a second Ctrl-C stops at once (`KeyboardInterrupt`, which the CLI turns
-into exit `INTERRUPTED`). Local workers get the request from their launcher (see launcher/spawn.py)."""
+into exit `INTERRUPTED`). Local workers get the request from their launcher (see launcher/launch/spawn.py)."""
 
 from __future__ import annotations
 

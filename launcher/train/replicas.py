@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from launcher.ft_config import BUCKET_BYTES, BUCKETS_IN_FLIGHT
-from launcher.ft_launch import START_ENV
-from launcher.run import Run
-from launcher.slurm_job import ATTEMPT_ENV
+from launcher.config.ft import BUCKET_BYTES, BUCKETS_IN_FLIGHT
+from launcher.config.run import Run
+from launcher.launch.ft import START_ENV
+from launcher.launch.slurm_job import ATTEMPT_ENV
 
 if TYPE_CHECKING:
     from launcher.train.spike import SpikeGuard
@@ -276,7 +276,7 @@ def group_store(rank: int, world: int, ended: bool) -> tuple[str, int, Any, bool
 
 
 def meeting_store(timeout: timedelta) -> dist.TCPStore:
-    """The store the groups share for the whole run (served by the launcher: launcher/ft_launch.py)."""
+    """The store the groups share for the whole run (served by the launcher: launcher/launch/ft.py)."""
     host, port = os.environ[START_ENV].rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
 

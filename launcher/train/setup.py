@@ -1,5 +1,5 @@
 """A rank's setup for its run: its device, data, model shards, optimizer, metrics and checkpoints, and
-the state a resumed run continues from. Everything comes from the `Run` (launcher/run.py)."""
+the state a resumed run continues from. Everything comes from the `Run` (launcher/config/run.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from launcher import flops
-from launcher.allocator import allocator_mode, set_cpu_allocator
+from launcher.config.options import BuildOptions
+from launcher.config.precision import precision_text
+from launcher.config.run import Run
 from launcher.data import BatchLoader, Splits, load_splits
 from launcher.data.documents import data_span
 from launcher.data.mix import MixLoader, Mixture, load_mixture, mix_loader
@@ -21,11 +23,9 @@ from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter
 from launcher.metrics.sinks import JsonlSink, WandbSink
 from launcher.model.init import AllocationFailed, meta_model
-from launcher.options import BuildOptions
 from launcher.parallel import parallelize
 from launcher.parallel.runner import Runner
-from launcher.precision import precision_text
-from launcher.run import Run
+from launcher.train.allocator import allocator_mode, set_cpu_allocator
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
 from launcher.train.fit import out_of_memory
 from launcher.train.guard import Guard

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from launcher.config import GuardConfig
+from launcher.config.schema import GuardConfig
 from launcher.errors import NonFinite
 from launcher.train.checkpoint import complete_checkpoints, rng_states, set_rng_states
 

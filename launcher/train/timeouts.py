@@ -1,13 +1,13 @@
 """How long the watchdog lets a rank stay in a phase, how often ranks say where they are, and how long
 the process group waits in a collective: the watchdog's clock (launcher/train/watchdog.py), which the
-process setup (launcher/spawn.py) reads too. No torch here."""
+process setup (launcher/launch/spawn.py) reads too. No torch here."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from launcher.config import WatchdogConfig
+    from launcher.config.schema import WatchdogConfig
 
 PHASES = ("setup", "data", "forward_backward", "optimizer", "eval", "checkpoint", "done")  # in a step's order
 SLOW_PHASES = {"setup", "checkpoint"}  # and the first step (allocations, compile): SLOW_FACTOR x the timeout

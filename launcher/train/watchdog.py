@@ -48,7 +48,7 @@ from launcher.train.timeouts import PHASES, SLOW_FACTOR, SLOW_PHASES, beat_perio
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from launcher.config import WatchdogConfig
+    from launcher.config.schema import WatchdogConfig
 
 log = logging.getLogger("launcher")
 
@@ -144,8 +144,8 @@ def report_line(beats: dict[int, Beat | None], now: float, stale_s: float, folde
 
 
 def dump_flight_recorder(rank: int) -> None:
-    """This process's NCCL flight recorder, where torch writes it on a timeout (spawn.flight_recorder_env)."""
-    from launcher.compat import flight_recorder_trace
+    """This process's NCCL flight recorder, where torch writes it on a timeout (rank_env.flight_recorder_env)."""
+    from launcher.compat.torch_api import flight_recorder_trace
 
     prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     if prefix:
