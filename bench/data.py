@@ -21,8 +21,7 @@ from launcher.config.schema import compose_config as make_config
 from launcher.data import BatchLoader, Splits
 from launcher.data.mix import Mixture, Schedule, mix_loader
 from launcher.metrics import sources
-from launcher.model.init import meta_model
-from launcher.parallel import parallelize
+from launcher.parallel import build_runner
 from launcher.planner import build_options
 
 SHAPES = [("tiny", 8, 128), ("tiny", 64, 256), ("small", 8, 256)]  # model, sequences per step, seq_len
@@ -36,7 +35,7 @@ def corpus(n: int, seed: int) -> np.ndarray:
 def row(model: str, batch: int, seq: int) -> list[str]:
     cfg = make_config(f"+model={model}", f"seq_len={seq}", f"batch.micro={batch}", "threads=1")
     layout = from_config(cfg, 1)
-    runner = parallelize(meta_model(cfg.model), layout, None, build_options(cfg, layout), torch.device("cpu"))
+    runner = build_runner(cfg.model, layout, None, build_options(cfg, layout), torch.device("cpu"))
     parts = [corpus(4_000_000, s) for s in range(3)]
     plain = BatchLoader(parts[0], seq, batch)
     mixed = mix_loader(Mixture(["a", "b", "c"], SHARES, [Splits(p, p, 256) for p in parts]), "train", seq, batch, 0)

@@ -29,8 +29,7 @@ from launcher.compat.torch_api import inner_tensors
 from launcher.config.layout_keys import from_config
 from launcher.config.schema import TrainConfig, compose_config
 from launcher.layout import Layout, build_mesh
-from launcher.model.init import meta_model
-from launcher.parallel import parallelize
+from launcher.parallel import build_runner
 from launcher.planner import build_options
 from launcher.planner.memory import rank_memory
 from launcher.train.optim import build_optimizer
@@ -86,7 +85,7 @@ def held_between_microbatches(
     torch.set_num_threads(1)
     layout = from_config(cfg, world)
     mesh = build_mesh(layout) if layout.world_size > 1 else None
-    runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), torch.device("cpu"))
+    runner = build_runner(cfg.model, layout, mesh, build_options(cfg, layout), torch.device("cpu"))
     optimizer, _ = build_optimizer(runner.parts, cfg.optim, len(options) * (steps + 2))
     tokens = torch.randint(0, cfg.model.vocab_size, (layout.local_batch, cfg.seq_len + 1))
     starts: list[int] = []

@@ -27,8 +27,7 @@ from bench.peer_shape import SHAPE
 from launcher.config.layout_keys import from_config
 from launcher.config.schema import TrainConfig
 from launcher.layout import build_mesh
-from launcher.model.init import meta_model
-from launcher.parallel import parallelize
+from launcher.parallel import build_runner
 from launcher.planner import build_options
 from launcher.train.optim import build_optimizer
 
@@ -59,7 +58,7 @@ def worker(rank: int, world: int, dp: int, steps: int, extra: list[str]) -> dict
     cfg = peer_config(dp, extra)
     layout = from_config(cfg, dp)
     mesh = build_mesh(layout) if layout.world_size > 1 else None
-    runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), torch.device("cpu"))
+    runner = build_runner(cfg.model, layout, mesh, build_options(cfg, layout), torch.device("cpu"))
     optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, cfg.model.vocab_size, (BATCH, cfg.seq_len + 1), generator=gen)

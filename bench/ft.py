@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher.launch.spawn import launch
-from launcher.train.replicas import TEST_KILL_ENV
+from launcher.train.faults import TEST_KILL_ENV
 from tests.conftest import run_for, tiny_config, worker_pids
 
 WARMUP, KILL, EVERY = 5, 40, 25

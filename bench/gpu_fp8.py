@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.gpu_runs import Check, Clock, Target, close, losses, median, metrics, train_cli
+
 # float8 e4m3 casts in every block's matmuls, 30 steps from initialization: torchao's published loss
 # curves stay within about a percent of bf16; twice that catches a broken cast or scale
 FP8_LOSS_RTOL = 2e-2
@@ -17,8 +19,6 @@ FP8_LOSS_RTOL = 2e-2
 
 def logged(run: Path) -> list[dict[str, Any]]:
     """A run's metrics rows so far (none when it logged nothing)."""
-    from bench.gpu_check import metrics
-
     return metrics(run) if (run / "metrics.jsonl").exists() else []
 
 
@@ -26,9 +26,7 @@ def bf16_args(big: tuple[str, ...]) -> tuple[str, ...]:
     return (*(a for a in big if not a.startswith("dtype=")), "dtype=bf16")
 
 
-def fp8_vs_bf16(out: Path, t: Any, clock: Any) -> list[Any]:
-    from bench.gpu_check import Check, close, losses, median, metrics, train_cli
-
+def fp8_vs_bf16(out: Path, t: Target, clock: Clock) -> list[Check]:
     runs: dict[str, tuple[Path, dict[str, Any]]] = {}
     reuse = out / "throughput"
     if t.big == bf16_args(t.big) and any(r["step"] > t.warmup for r in logged(reuse)):

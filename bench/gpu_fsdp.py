@@ -44,7 +44,7 @@ def main(run_dir: Path, overrides: list[str]) -> None:
         model, mesh["dp_shard"], reshard_after_forward=True, mp_policy=fsdp_policy("fsdp_bf16" if cuda else "fp32")
     )
     materialize([model], cfg.seed, device)
-    runner = ParallelRunner([model], layout.micro, autocast=None, mesh=mesh, layout=layout)
+    runner = ParallelRunner([model], layout.micro, autocast=None, mesh=mesh, layout=layout, document_eos=None)
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
     train_loader, _ = loaders(layout, load_splits(cfg.data), options, 0)
     losses = {}

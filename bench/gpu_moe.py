@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from launcher.ops.experts import Experts, grouped_swiglu, loop_swiglu, select_impl
+from launcher.ops.experts import grouped_swiglu, loop_swiglu, select_impl
 
 
 def uneven_counts(experts: int, rows: int, generator: torch.Generator) -> list[int]:
@@ -74,7 +74,7 @@ def compare_paths(
 def main(out: Path, shapes: dict[str, int]) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = compare_paths(device, **shapes)
-    result["selected"] = select_impl(Experts(shapes["experts"], shapes["dim"], shapes["hidden"]), device, bf16=True)
+    result["selected"] = select_impl(shapes["dim"], shapes["hidden"], device, bf16=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result))
 

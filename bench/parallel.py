@@ -32,11 +32,11 @@ import torch
 from launcher import flops
 from launcher.config.layout_keys import from_config
 from launcher.config.schema import CONF_DIR, ModelConfig, TrainConfig
+from launcher.data.context_split import split_sequence
 from launcher.hardware.calibration import measure_gemm_flops
 from launcher.layout import build_mesh, worker_threads
-from launcher.model.init import initialized_model, meta_model
-from launcher.parallel import parallelize
-from launcher.parallel.context import split_sequence
+from launcher.model.init import initialized_model
+from launcher.parallel import build_runner
 from launcher.planner import build_options
 from launcher.train.optim import build_optimizer
 
@@ -93,9 +93,7 @@ def throughput_worker(rank: int, world: int, jobs: list[tuple[str, dict[str, int
     for model_name, lay in jobs:
         cfg = bench_config(model_config(model_name), lay, opts["seq_len"], opts["batch"])
         layout = from_config(cfg, world)
-        runner = parallelize(
-            meta_model(cfg.model), layout, build_mesh(layout), build_options(cfg, layout), torch.device("cpu")
-        )
+        runner = build_runner(cfg.model, layout, build_mesh(layout), build_options(cfg, layout), torch.device("cpu"))
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         dp_rank, local = layout.coordinates(rank)["dp"], opts["batch"] // layout.dp
         gen = torch.Generator().manual_seed(0)
@@ -207,9 +205,7 @@ def activation_worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, 
         cfg = replace(bench_config(model_config("small"), dict(tp=1, dp=1, pp=2), opts["seq_len"], 8), **keys)
         cfg = replace(cfg, batch={"micro": 1, "global": 8})  # 8 microbatches of 1
         layout = from_config(cfg, world)
-        runner = parallelize(
-            meta_model(cfg.model), layout, build_mesh(layout), build_options(cfg, layout), torch.device("cpu")
-        )
+        runner = build_runner(cfg.model, layout, build_mesh(layout), build_options(cfg, layout), torch.device("cpu"))
         tokens = torch.randint(0, 256, (8, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
         runner.forward_backward(tokens[:, :-1], tokens[:, 1:])  # shape inference happens on the first step
         params = {p.untyped_storage().data_ptr() for part in runner.parts for p in part.parameters()}

@@ -31,9 +31,10 @@ from launcher.config.layout_keys import from_config
 from launcher.config.schema import TrainConfig, compose_config
 from launcher.flops import head_dim
 from launcher.layout import build_mesh, worker_threads
+from launcher.model.attention import rope_tables
 from launcher.model.init import meta_model
-from launcher.model.transformer import Block, rope_tables
-from launcher.parallel import parallelize
+from launcher.model.transformer import Block
+from launcher.parallel import build_runner
 from launcher.parallel.pipeline import stage_module
 from launcher.planner import build_options, resolve
 from launcher.planner.memory import layer_activation_bytes, rank_memory, rank_params
@@ -70,9 +71,7 @@ def timing_worker(rank: int, world: int, cfgs: list[TrainConfig], steps: int) ->
     for cfg in cfgs:
         torch.set_num_threads(worker_threads(cfg.threads, world))  # what train() does
         layout = from_config(cfg, world)
-        runner = parallelize(
-            meta_model(cfg.model), layout, build_mesh(layout), build_options(cfg, layout), torch.device("cpu")
-        )
+        runner = build_runner(cfg.model, layout, build_mesh(layout), build_options(cfg, layout), torch.device("cpu"))
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         glob = layout.global_batch
         local = glob // layout.dp
@@ -181,7 +180,7 @@ def two_rank_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:
     cfg = resolved_config(2, 1, 1, seq_len, 1)
     m = cfg.model
     lay = from_config(cfg, world)
-    runner = parallelize(meta_model(cfg.model), lay, build_mesh(lay), build_options(cfg, lay), torch.device("cpu"))
+    runner = build_runner(cfg.model, lay, build_mesh(lay), build_options(cfg, lay), torch.device("cpu"))
     model = runner.parts[0]
     torch.manual_seed(0)
     x = torch.randn(1, seq_len, m.dim, requires_grad=True)
@@ -193,9 +192,7 @@ def two_rank_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:
     }  # fmt: skip
     fcfg = resolved_config(1, 1, 2, seq_len, 2)
     flay = from_config(fcfg, world)
-    frunner = parallelize(
-        meta_model(fcfg.model), flay, build_mesh(flay), build_options(fcfg, flay), torch.device("cpu")
-    )
+    frunner = build_runner(fcfg.model, flay, build_mesh(flay), build_options(fcfg, flay), torch.device("cpu"))
     shard = rank_memory(m, seq_len, flay, 4, "cpu", 0).params / 4  # fp32 master bytes / 4 = elements
     out["params"].append({"case": "fsdp dp=2", "rank": rank, "predicted": shard, "held": local_numel(frunner.parts[0])})
     return out

@@ -36,9 +36,9 @@ from launcher.config.layout_keys import from_config
 from launcher.config.schema import TrainConfig, compose_config
 from launcher.flops import head_dim
 from launcher.layout import Layout, build_mesh
-from launcher.model.init import meta_model
-from launcher.model.transformer import Block, rope_tables
-from launcher.parallel import parallelize
+from launcher.model.attention import rope_tables
+from launcher.model.transformer import Block
+from launcher.parallel import build_runner
 from launcher.parallel.recompute import apply_recompute
 from launcher.planner import build_options, resolve
 from launcher.planner.memory import layer_activation_bytes
@@ -141,7 +141,7 @@ def tp2_memory_worker(rank: int, world: int, seq_len: int) -> list[dict[str, Any
     for recompute in ("none", "selective", "full"):
         cfg = config(seq_len, 2, f"recompute={recompute}")
         lay = from_config(cfg, world)
-        runner = parallelize(meta_model(cfg.model), lay, build_mesh(lay), build_options(cfg, lay), torch.device("cpu"))
+        runner = build_runner(cfg.model, lay, build_mesh(lay), build_options(cfg, lay), torch.device("cpu"))
         model = runner.parts[0]
         torch.manual_seed(0)
         x = torch.randn(1, seq_len, cfg.model.dim, requires_grad=True)
@@ -198,7 +198,7 @@ def step_rows(seq_len: int, batch: int, steps: int) -> list[dict[str, Any]]:
         cfg = compose_config("+model=small", "hardware=cpu", f"seq_len={seq_len}", f"batch.global={batch}",
                              f"batch.micro={batch}", override)  # fmt: skip
         lay, prediction, _ = resolve(cfg, 1)
-        runner = parallelize(meta_model(cfg.model), lay, None, build_options(cfg, lay), torch.device("cpu"))
+        runner = build_runner(cfg.model, lay, None, build_options(cfg, lay), torch.device("cpu"))
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         runs.append((name, runner, optimizer, prediction.step_time_s, []))
     gen = torch.Generator().manual_seed(0)

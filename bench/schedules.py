@@ -24,8 +24,7 @@ from bench.planner_accuracy import TOLERANCE
 from launcher.config.layout_keys import from_config
 from launcher.config.schema import TrainConfig, compose_config
 from launcher.layout import build_mesh, worker_threads
-from launcher.model.init import meta_model
-from launcher.parallel import parallelize
+from launcher.parallel import build_runner
 from launcher.planner import build_options, resolve
 from launcher.planner.memory import rank_memory
 from launcher.train.optim import build_optimizer
@@ -74,9 +73,7 @@ def worker(rank: int, world: int, names: list[str], steps: int) -> dict[str, dic
     for name in names:
         cfg = case_config(name)
         layout = from_config(cfg, world)
-        runner = parallelize(
-            meta_model(cfg.model), layout, build_mesh(layout), build_options(cfg, layout), torch.device("cpu")
-        )
+        runner = build_runner(cfg.model, layout, build_mesh(layout), build_options(cfg, layout), torch.device("cpu"))
         optimizer, _ = build_optimizer(runner.parts, cfg.optim, 100)
         train_step(runner, optimizer, batches[0])  # warm-up: shapes, buffers
         exclude = {p.untyped_storage().data_ptr() for part in runner.parts for p in part.parameters()}
@@ -123,11 +120,11 @@ def timeline_text(schedule: str, pp: int, microbatches: int, virtual_stages: int
     planner's timeline (forward = input gradient = weight gradient = 1 cell, full backward 2)."""
     from launcher.compat.pipeline_api import schedule_actions
     from launcher.layout import Layout
-    from launcher.parallel.pipeline import SCHEDULES
+    from launcher.parallel.pipeline import schedule_class
     from launcher.planner.timeline import render, simulate
 
     lay = Layout(pp=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
-    orders = schedule_actions(SCHEDULES[schedule], pp, [lay.pp_stages(r) for r in range(pp)], microbatches)
+    orders = schedule_actions(schedule_class(schedule), pp, [lay.pp_stages(r) for r in range(pp)], microbatches)
     return render(simulate(orders))
 
 

@@ -17,7 +17,8 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from bench.planner_accuracy import resolved_config
 from launcher.flops import head_dim
-from launcher.model.transformer import Block, rope_tables
+from launcher.model.attention import rope_tables
+from launcher.model.transformer import Block
 from launcher.parallel.pipeline import split_weight_passes
 
 

@@ -26,7 +26,7 @@ from launcher.errors import LauncherError, OutOfMemory
 from launcher.layout import build_mesh
 from launcher.model import Transformer
 from launcher.model.init import BLOCK, meta_model
-from launcher.parallel import parallelize, shard_model
+from launcher.parallel import build_runner, shard_model
 from launcher.planner import build_options, resolve
 from launcher.train.loop import train
 from tests.conftest import predicted_at, run_cli, run_for, tiny_args, tiny_config
@@ -88,7 +88,7 @@ def build_within_budget(rank: int, world: int, overrides: list[str]) -> dict[str
     budget = AllocationBudget(shards + largest + SLACK)
     try:
         with budget:
-            runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), torch.device("cpu"))
+            runner = build_runner(cfg.model, layout, mesh, build_options(cfg, layout), torch.device("cpu"))
     except OverBudget as err:
         return {"over_budget": str(err), "shards": shards, "largest": largest}
     held = param_bytes(runner.parts)[0]

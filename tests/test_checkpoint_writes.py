@@ -14,7 +14,8 @@ from launcher.errors import CheckpointFailed
 from launcher.planner import resolve
 from launcher.train import ckpt_write
 from launcher.train.checkpoint import complete_checkpoints
-from launcher.train.ckpt_write import TEST_DISK_FULL_ENV, cause
+from launcher.train.ckpt_write import cause
+from launcher.train.faults import TEST_DISK_FULL_ENV
 from launcher.train.loop import train
 from tests.conftest import losses, run_cli, run_for, tiny_args, tiny_config
 

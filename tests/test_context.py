@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.parallel.context import local_positions, split_sequence
+from launcher.data.context_split import local_positions, split_sequence
 from tests.conftest import selected_cases
 from tests.dist import run_many
 from tests.test_parallel import VARIANTS, make_cfg, train_case
@@ -107,7 +107,7 @@ def _attend_recorded(rank: int, world_size: int, device_type: str, flash: bool) 
     from torch.nn.attention import bias
 
     from launcher.config.schema import ModelConfig
-    from launcher.model.transformer import Attention
+    from launcher.model.attention import Attention
     from launcher.parallel import context
     from launcher.parallel.context import apply_context_parallel
 

@@ -21,8 +21,7 @@ from launcher.errors import LauncherError
 from launcher.launch.rank_env import CUDA_ENV, FLIGHT_RECORDER_FILE, cuda_env_defaults
 from launcher.launch.spawn import run_rank
 from launcher.layout import build_mesh
-from launcher.model.init import meta_model
-from launcher.parallel import parallelize
+from launcher.parallel import build_runner
 from launcher.planner import build_options
 from launcher.train.optim import adamw_impl, build_optimizer, optimizer_impl
 from launcher.train.setup import pick_device
@@ -130,7 +129,7 @@ def train_losses(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, obje
     layout = from_config(cfg, world_size)
     device = torch.device("cpu")
     mesh = build_mesh(layout, "cpu") if world_size > 1 else None
-    runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), device)
+    runner = build_runner(cfg.model, layout, mesh, build_options(cfg, layout), device)
     fused = cfg.hardware.kind == "cuda"  # what a cuda run picks, forced onto these CPU tensors
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps, fusable=lambda p: fused)
     local = BATCH // layout.dp

@@ -99,6 +99,17 @@ def test_docs_show_commands() -> None:
     assert len(COMMANDS) >= 15
 
 
+def test_readme_is_a_front_door() -> None:
+    """README.md stays short (what it is, set-up, the tour, the five commands, where to read on: at most 12 KB)
+    and links every page of docs/; reference text belongs in docs/ (docs/config.md: every key)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 12 * 1024, (
+        f"README.md is {len(readme.encode()):,} bytes: move reference text to docs/"
+    )
+    unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{p.name}" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
 @pytest.mark.slow
 def test_documented_command_names_are_the_projects_scripts() -> None:
     """`export` was the shell's builtin: every name the docs type must reach our console script, and no

@@ -21,8 +21,8 @@ from launcher.data.documents import measured_span
 from launcher.errors import LauncherError
 from launcher.layout import build_mesh
 from launcher.model.documents import attention_mask, dense_mask, document_ids, document_positions, masked_attention
-from launcher.model.init import initialized_model, meta_model
-from launcher.parallel import parallelize
+from launcher.model.init import initialized_model
+from launcher.parallel import build_runner
 from launcher.planner import build_options
 from launcher.planner.request import problem
 from launcher.train.loop import train
@@ -93,16 +93,16 @@ def reference(variant: str, n_layers: int = 2) -> dict[str, Any]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_packed_batch_equals_each_document_alone(variant: str) -> None:
     model = initialized_model(model_cfg(variant), 3, torch.device("cpu"))
-    model.document_eos = EOS
     x, y = TOKENS[:, :-1], TOKENS[:, 1:]
-    losses = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none")
+    docs = document_ids(x, EOS)  # a forward input, as the runner passes it: the model holds no EOS
+    losses = F.cross_entropy(model(x, documents=docs).flatten(0, 1), y.flatten(), reduction="none")
     losses.mean().backward()
     ref = reference(variant)
     torch.testing.assert_close(losses.detach(), ref["losses"], rtol=1e-5, atol=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
     model.zero_grad()
-    chunked = model(x, y)  # the chunked loss path the single-process runner takes
+    chunked = model(x, y, docs)  # the chunked loss path the single-process runner takes
     torch.testing.assert_close(chunked, ref["losses"].mean(), rtol=1e-5, atol=1e-6)
 
 
@@ -118,7 +118,7 @@ def packed_case(rank: int, world: int, variant: str, degrees: dict[str, Any]) ->
     cfg = layout_cfg(variant, **degrees)
     layout = from_config(cfg, world)
     options = build_options(cfg, layout)
-    runner = parallelize(meta_model(cfg.model), layout, build_mesh(layout, "cpu"), options, torch.device("cpu"))
+    runner = build_runner(cfg.model, layout, build_mesh(layout, "cpu"), options, torch.device("cpu"))
     local = TOKENS.shape[0] // layout.dp
     rows = TOKENS[layout.coordinates(rank)["dp"] * local :][:local]
     loss = runner.forward_backward(rows[:, :-1], rows[:, 1:])

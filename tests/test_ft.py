@@ -20,7 +20,7 @@ from launcher.errors import LauncherError
 from launcher.launch.spawn import launch
 from launcher.train import replicas
 from launcher.train.checkpoint import complete_checkpoints
-from launcher.train.replicas import TEST_KILL_ENV
+from launcher.train.faults import TEST_KILL_ENV
 from launcher.train.spike import SpikeGuard, Trainee
 from launcher.train.untrusted import EXTRAS
 from tests.conftest import losses, make_config, run_cli, run_for, tiny_args, tiny_config

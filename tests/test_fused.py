@@ -16,11 +16,10 @@ from torch.utils._pytree import tree_flatten
 
 from launcher.config.schema import ModelConfig
 from launcher.flops import device_flop_per_byte, head_dim, loss_chunk_rows
-from launcher.model import transformer
+from launcher.model import attention, transformer
 from launcher.model.init import initialized_model
 from launcher.ops import loss as loss_module
 from launcher.parallel.pipeline import split_weight_passes
-from launcher.planner import build_options
 
 GQA = dict(n_heads=8, n_kv_heads=2)
 
@@ -33,7 +32,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 def unfused_attention(
-    self: transformer.Attention, x: torch.Tensor, rope: torch.Tensor | None, mask: None = None
+    self: attention.Attention, x: torch.Tensor, rope: torch.Tensor | None, mask: None = None
 ) -> torch.Tensor:
     """The attention as it was before fusing: three projections, three matmuls (no document mask)."""
     b, s, _ = x.shape
@@ -63,7 +62,7 @@ def test_fused_projections_match_the_separate_layers(arch: dict[str, Any], monke
     model = initialized_model(cfg, 3, torch.device("cpu"))
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     fused = logits_and_grads(model, tokens)
-    monkeypatch.setattr(transformer.Attention, "forward", unfused_attention)
+    monkeypatch.setattr(attention.Attention, "forward", unfused_attention)
     monkeypatch.setattr(transformer.FeedForward, "forward", unfused_feed_forward)
     separate = logits_and_grads(model, tokens)
     torch.testing.assert_close(fused[0], separate[0], rtol=1e-5, atol=1e-6)
@@ -77,7 +76,7 @@ def test_a_checkpoint_of_the_unfused_model_loads(tmp_path: Path, monkeypatch: py
     cfg = dataclasses.replace(ModelConfig(), n_layers=2, **GQA)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with monkeypatch.context() as old:
-        old.setattr(transformer.Attention, "forward", unfused_attention)
+        old.setattr(attention.Attention, "forward", unfused_attention)
         old.setattr(transformer.FeedForward, "forward", unfused_feed_forward)
         writer = initialized_model(cfg, 11, torch.device("cpu"))
         expected = writer(tokens).detach()
@@ -152,20 +151,18 @@ class LogitMatmuls(TorchDispatchMode):
 
 
 def test_the_loss_chunks_follow_the_hardware_profile() -> None:
-    """Through `parallelize`, as `train` runs it: a 16 MiB chunk of a 8192-token vocabulary is 512 rows,
-    so 4096 tokens made 8 chunks, each re-reading the output weight; an H200's 206 FLOP per byte
-    asks for 2198 rows: 2 chunks of 2048. On the cpu profile (45 FLOP per byte: 480 rows) the 16 MiB
-    chunk is the larger: 8 of 512."""
-    from launcher.config.layout_keys import from_config
+    """Through the rank's build (the knobs the model is built with), as `train` runs it: a 16 MiB chunk
+    of a 8192-token vocabulary is 512 rows, so 4096 tokens made 8 chunks, each re-reading the output
+    weight; an H200's 206 FLOP per byte asks for 2198 rows: 2 chunks of 2048. On the cpu profile
+    (45 FLOP per byte: 480 rows) the 16 MiB chunk is the larger: 8 of 512."""
     from launcher.config.schema import compose_config
-    from launcher.model.init import meta_model
-    from launcher.parallel import parallelize
+    from launcher.train.setup import build
+    from tests.conftest import run_for
 
     for hardware, rows in (("h200", [2048, 2048]), ("cpu", [512] * 8)):
         keys = ("+model=tiny", f"hardware={hardware}", "model.vocab_size=8192", "model.dim=32", "seq_len=256")
         cfg = compose_config(*keys, "batch.micro=16", "compile=false", "dtype=fp32")
-        layout = from_config(cfg, 1)
-        runner = parallelize(meta_model(cfg.model), layout, None, build_options(cfg, layout), torch.device("cpu"))
+        runner = build(run_for(cfg), 0, torch.device("cpu"))
         tokens = torch.randint(0, 8192, (16, 257), generator=torch.Generator().manual_seed(3))
         probe = LogitMatmuls(8192)
         with probe:
@@ -182,7 +179,7 @@ def test_split_backward_computes_each_gradient_once() -> None:
 
     cfg = dataclasses.replace(ModelConfig(), n_layers=1, bias=True, **GQA)
     block = transformer.Block(cfg)
-    rope = transformer.rope_tables(head_dim(cfg), 16, cfg.rope_theta, torch.device("cpu"))
+    rope = attention.rope_tables(head_dim(cfg), 16, cfg.rope_theta, torch.device("cpu"))
     x0, dy = torch.randn(2, 16, cfg.dim), torch.randn(2, 16, cfg.dim)
     params = list(block.parameters())
 

@@ -12,7 +12,7 @@ import pytest
 
 from launcher.errors import NON_FINITE
 from launcher.train.checkpoint import complete_checkpoints
-from launcher.train.guard import TEST_NAN_ENV
+from launcher.train.faults import TEST_NAN_ENV
 from launcher.train.loop import train
 from launcher.train.untrusted import verify
 from tests.conftest import losses, run_cli, run_for, tiny_args, tiny_config

@@ -12,19 +12,16 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from launcher.config.layout_keys import from_config
 from launcher.config.schema import TrainConfig
 from launcher.errors import LauncherError
 from launcher.launch.spawn import start_local_workers
-from launcher.layout import build_mesh
 from launcher.model import Transformer
-from launcher.model.hf import HFFolder, check_folder, hf_name
+from launcher.model.hf import check_folder, hf_name, load_weights
 from launcher.model.init import materialize, meta_model
-from launcher.parallel import parallelize
-from launcher.planner import build_options
 from launcher.train.checkpoint import complete_checkpoints
 from launcher.train.export import consolidated_model_state, export, shard_groups
 from launcher.train.loop import train
+from launcher.train.setup import build
 from tests.conftest import assert_bad_input, losses, run_cli, run_for, tiny_args, tiny_config
 from tests.dist import run
 
@@ -97,14 +94,12 @@ def test_exported_tiny_loads_in_transformers_with_our_logits(tmp_path: Path, key
 
 
 def read_on_every_layout(rank: int, world_size: int, folder: Path, cases: list[dict]) -> list[dict]:
-    """Each case's parameters after `parallelize` with init.from, gathered whole (names → tensors)."""
+    """Each case's parameters after the rank's build with init.from (`parallelize`, then the folder's
+    weights read into the shards), gathered whole (names → tensors)."""
     out = []
     for keys in cases:
         cfg = replace(tiny_config(Path("/unused"), f"init.from={folder}"), **keys)
-        layout = from_config(cfg, world_size)
-        runner = parallelize(
-            meta_model(cfg.model), layout, build_mesh(layout, "cpu"), build_options(cfg, layout), torch.device("cpu")
-        )
+        runner = build(run_for(cfg, world_size), rank, torch.device("cpu"))
         params = {n: p for part in runner.parts for n, p in part.named_parameters()}
         out.append({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()})
     return out
@@ -137,7 +132,8 @@ def test_import_gives_transformers_logits_then_trains_under_tp2_as_one_process(t
     folder = hf_folder(tmp_path / "llama")
     overrides = ("hardware.peak_tflops=1.0", "steps=5", "checkpoint.every=5", f"init.from={folder}")
     model = meta_model(tiny_config(tmp_path).model)
-    materialize([model], 0, torch.device("cpu"), HFFolder.open(folder))
+    materialize([model], 0, torch.device("cpu"), draw=False)
+    load_weights([model], str(folder))
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(TOKENS), hf_logits(folder), rtol=0, atol=1e-5)
 

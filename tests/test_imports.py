@@ -1,4 +1,6 @@
-"""The `launcher` package's import graph has no circle, and the light entry points stay light.
+"""The `launcher` package's import graph has no circle and no arrow back up its rooms' order, and the light
+entry points stay light: a worker's imports load no planner, `plan` and submission no torch. `bench`'s
+graph has no circle either.
 
 Every import counts, function-local ones too (a lazy import still ties the two modules together),
 and so does the package an import runs on the way (`import a.b.c` runs a/__init__ and a/b/__init__),
@@ -16,10 +18,36 @@ from tests.conftest import ROOT
 
 PACKAGE = ROOT / "launcher"
 
+# The rooms from the bottom up (docs/architecture.md, "Rooms"): a module imports its own room or one below.
+# A module belongs to the longest name here that it starts with.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("launcher.errors", "launcher.files", "launcher.flops"),  # the shared leaves
+    ("launcher.compat",),
+    ("launcher.config",),  # the schema and the checks that need no Layout: layout/ reads the model's shape there
+    ("launcher.layout",),
+    (  # config's modules that hold or check a Layout: the Layout a config fixes, the seam a worker receives
+        "launcher.config.layout_keys",
+        "launcher.config.validate",
+        "launcher.config.precision",
+        "launcher.config.run",
+        "launcher.config.prediction",
+    ),
+    ("launcher.charts",),  # over config: matplotlib's install hint is config/extras.py's
+    ("launcher.ops",),
+    ("launcher.data",),  # token streams need no model
+    ("launcher.metrics",),  # figures and sinks need no model: the runner, the MoE table come as plain values
+    ("launcher.model",),
+    ("launcher.parallel",),
+    ("launcher.train",),
+    ("launcher.hardware",),  # calibration's probes run real blocks (model, parallel, train's allocator)
+    ("launcher.planner",),
+    ("launcher.launch",),
+)
 
-def module_names() -> dict[str, Path]:
+
+def module_names(package: Path = PACKAGE) -> dict[str, Path]:
     names = {}
-    for path in PACKAGE.rglob("*.py"):
+    for path in package.rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
         names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return names
@@ -71,12 +99,74 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def graph_of(package: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = module_names(package)
+    return {name: imported(name, path, modules) for name, path in modules.items()}
+
+
 def test_no_import_circle() -> None:
-    modules = module_names()
-    graph = {name: imported(name, path, modules) for name, path in modules.items()}
+    graph = graph_of()
     assert len(graph) > 40 and graph["launcher.launch.cli"], "the graph is built from the whole package"
     found = cycle(graph)
     assert found is None, "import circle: " + " -> ".join(found or [])
+
+
+def test_no_import_circle_in_bench() -> None:
+    graph = graph_of(ROOT / "bench")
+    assert len(graph) > 20 and graph["bench.gpu_check"], "the graph is built from the whole of bench/"
+    found = cycle(graph)
+    assert found is None, "import circle: " + " -> ".join(found or [])
+
+
+def room_of(module: str) -> tuple[int, str]:
+    """The layer of `module` (its index in LAYERS) and the name in LAYERS it belongs to."""
+    found = [
+        (len(n), i, n) for i, names in enumerate(LAYERS) for n in names if module == n or module.startswith(n + ".")
+    ]
+    assert found, f"{module} is in no room of LAYERS: add it where its imports put it (docs/architecture.md too)"
+    _, layer, name = max(found)
+    return layer, name
+
+
+def arrows_back_up(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a room to one above it, as lines for people."""
+    found = []
+    for module in sorted(graph):
+        layer, own = room_of(module)
+        for target in sorted(graph[module]):
+            above, room = room_of(target)
+            if above > layer:
+                found.append(f"{module} -> {target} ({room} sits above {own})")
+    return found
+
+
+def test_no_arrow_back_up() -> None:
+    """Every import, a lazy or an annotation-only one too, goes to the module's own room or one below."""
+    graph = {name: targets for name, targets in graph_of().items() if name != "launcher"}  # the root: a docstring
+    found = arrows_back_up(graph)
+    assert not found, "imports up the rooms' order (tests/test_imports.py LAYERS):\n" + "\n".join(found)
+
+
+def test_the_order_check_finds_an_arrow_back_up() -> None:
+    graph = {"launcher.metrics.sources": {"launcher.parallel.runner", "launcher.data.mix", "launcher.config.run"}}
+    assert arrows_back_up(graph) == [
+        "launcher.metrics.sources -> launcher.parallel.runner (launcher.parallel sits above launcher.metrics)"
+    ]
+    assert (
+        room_of("launcher.config.schema")[0] < room_of("launcher.layout.rules")[0] < room_of("launcher.config.run")[0]
+    )
+
+
+def test_a_worker_loads_no_planner() -> None:
+    """What every rank imports (its Run, the loop) loads neither the planner nor the calibration: a worker
+    receives the prediction as a plain value (launcher/config/prediction.py)."""
+    code = (
+        "import sys, launcher.config.run, launcher.train.loop\n"
+        "up = sorted(m for m in sys.modules if m.startswith(('launcher.planner', 'launcher.hardware.calibration')))\n"
+        "assert not up, f'a worker loaded {up}'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_the_cycle_finder_finds_one() -> None:

@@ -214,3 +214,48 @@ def test_a_layout_reads_in_one_line_naming_what_differs_from_one_process() -> No
     text = describe(replace(lay, recompute="selective", micro=1, microbatches=8))
     assert text == "tp 8 sp · pp 4 interleaved x2 · dp 2 fsdp zero2 · selective recompute · micro 1 x 8"
     assert "2 blocks full recompute" in describe(Layout(dp_replicate=2, dp_shard=4, recompute_layers=2))
+
+
+def test_each_schedule_row_names_a_torch_class_of_its_kind() -> None:
+    """Every row of the schedule table resolves to the class that runs it, one stage or a list as the
+    row says (`multi_stage`), and the names `pp_schedule` accepts are the table's."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    from launcher.config.validate import CHOICES
+    from launcher.layout import SCHEDULE
+    from launcher.parallel.pipeline import schedule_class
+
+    assert CHOICES["pp_schedule"] == (*SCHEDULE, "auto")
+    for name, row in SCHEDULE.items():
+        kind = PipelineScheduleMulti if row.multi_stage else PipelineScheduleSingle
+        assert issubclass(schedule_class(name), kind), name
+        assert row.v_shape <= (row.virtual == 2) and row.zero_bubble <= row.multi_stage, name
+        assert row.virtual_tries() and row.bubble(1, row.virtual_tries()[0], 4) == 0.0, name  # no hop, no bubble
+
+
+def test_a_new_schedule_is_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row added to the table is read by the rules, the runtime's class lookup, the planner's bubble
+    and activations in flight, the report's text and the search, with nothing else to edit."""
+    from launcher.config.schema import ModelConfig
+    from launcher.layout import SCHEDULE, Schedule, schedule_text, violations
+    from launcher.layout.schedules import _one_logits
+    from launcher.parallel.pipeline import schedule_class
+    from launcher.planner.cost import bubble_slots
+    from launcher.planner.search import Space, _schedules
+    from launcher.planner.timeline import in_flight, logits_in_flight
+
+    row = Schedule(
+        name="looped_half", runtime="torch.distributed.pipelining.ScheduleInterleaved1F1B", virtual=None,
+        bubble=lambda p, v, m: (p - 1) / (2 * v), in_flight=lambda p, v, m, r: float(p + r), logits=_one_logits,
+        rounds=True, tries=(3,), label="half",
+    )  # fmt: skip
+    monkeypatch.setitem(SCHEDULE, row.name, row)
+    lay = Layout(pp=4, microbatches=8, schedule="looped_half", virtual_stages=3)
+    assert schedule_class("looped_half").__name__ == "ScheduleInterleaved1F1B"
+    assert (bubble_slots(lay), in_flight(lay, 1), logits_in_flight(lay)) == (0.5, 5.0, 1)
+    assert schedule_text(lay) == "half x3"
+    model = ModelConfig(n_layers=12)
+    assert list(violations(lay, model, 64)) == []
+    assert "not a multiple of pp=4 (looped_half)" in next(violations(replace(lay, microbatches=6), model, 64))
+    space = Space({}, None, None, None, None, None, None, False)
+    assert ("looped_half", 3) in list(_schedules(space, 4))

@@ -158,16 +158,15 @@ def per_source_case(rank: int, world_size: int, keys: dict) -> dict[str, torch.T
     on one process, each source's loss from the model on its sequences alone."""
     from launcher.config.layout_keys import from_config
     from launcher.layout import build_mesh
-    from launcher.model.init import meta_model
     from launcher.ops.loss import token_losses
-    from launcher.parallel import parallelize
+    from launcher.parallel import build_runner
     from launcher.planner import build_options
 
     model = ModelConfig(name="t", dim=32, n_layers=2, n_heads=4, ffn_dim=64, vocab_size=VOCAB, max_seq_len=SEQ)
     cfg = replace(TrainConfig(model=model, seq_len=SEQ, seed=3, batch={"micro": 4, "global": 8}), **keys)
     layout = from_config(cfg, world_size)
     mesh = build_mesh(layout, "cpu") if world_size > 1 else None
-    runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), torch.device("cpu"))
+    runner = build_runner(cfg.model, layout, mesh, build_options(cfg, layout), torch.device("cpu"))
     tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(9))
     x, y = tokens[:, :-1], tokens[:, 1:]
     out = {}

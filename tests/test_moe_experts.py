@@ -10,10 +10,13 @@ import dataclasses
 import pytest
 import torch
 
+from launcher.config.layout_keys import from_config
 from launcher.config.schema import compose_config
-from launcher.model.init import initialized_model
+from launcher.model.init import initialized_model, meta_model
+from launcher.model.knobs import Knobs, run_knobs
 from launcher.model.moe import MoE, moe_layers
 from launcher.ops import experts as ex
+from launcher.planner import build_options
 from tests.conftest import run_for
 
 COUNTS = [3, 0, 9, 8]  # an empty group, groups of unaligned sizes
@@ -54,9 +57,7 @@ def test_grouped_matches_the_loop_values_and_gradients(dtype: torch.dtype, tol: 
 def moe_layer(impl: str) -> MoE:
     m = compose_config("+model=moe_tiny").model
     cfg = dataclasses.replace(m, moe=dataclasses.replace(m.moe, shared_experts=0))
-    layer = moe_layers([initialized_model(cfg, 3, torch.device("cpu"))])[0]
-    layer.experts.impl = impl
-    return layer
+    return moe_layers([initialized_model(cfg, 3, torch.device("cpu"), Knobs(expert_impl=impl))])[0]
 
 
 def test_moe_layer_under_bf16_autocast_matches_the_loop() -> None:
@@ -77,15 +78,26 @@ def test_moe_layer_under_bf16_autocast_matches_the_loop() -> None:
 
 def test_the_path_is_grouped_only_on_a_fast_kernel_in_bf16_with_aligned_widths(monkeypatch) -> None:
     cpu = torch.device("cpu")
-    aligned, odd = ex.Experts(4, 64, 32), ex.Experts(4, 64, 36)
-    assert ex.select_impl(aligned, cpu, bf16=True) == "loop"  # no fast kernel on CPU
+    aligned, odd = (64, 32), (64, 36)
+    assert ex.select_impl(*aligned, cpu, bf16=True) == "loop"  # no fast kernel on CPU
     monkeypatch.setattr(ex, "grouped_mm_kernel", lambda device: True)  # as on an H100/H200
-    assert ex.select_impl(aligned, cpu, bf16=True) == "grouped_mm"
-    assert ex.select_impl(aligned, cpu, bf16=False) == "loop"  # fp32: the loop's exact matmuls
-    assert ex.select_impl(odd, cpu, bf16=True) == "loop"  # 36 bf16 = 72 bytes: rows not 16-byte aligned
+    assert ex.select_impl(*aligned, cpu, bf16=True) == "grouped_mm"
+    assert ex.select_impl(*aligned, cpu, bf16=False) == "loop"  # fp32: the loop's exact matmuls
+    assert ex.select_impl(*odd, cpu, bf16=True) == "loop"  # 36 bf16 = 72 bytes: rows not 16-byte aligned
 
 
-def test_parallelize_sets_the_path_and_the_summary_records_it(tmp_path) -> None:
+def test_the_run_builds_its_experts_on_the_path_it_picked(monkeypatch) -> None:
+    """The run's knobs carry the pick into the constructors: every MoE layer's experts run on it."""
+    cfg = compose_config("+model=moe_tiny", "dtype=bf16", "batch.micro=2", "batch.global=8")
+    layout = from_config(cfg, 1)
+    monkeypatch.setattr(ex, "grouped_mm_kernel", lambda device: True)  # as on an H100/H200
+    knobs = run_knobs(cfg.model, build_options(cfg, layout), layout.microbatches, torch.device("cpu"))
+    assert knobs.expert_impl == "grouped_mm" and knobs.aux_scale == 1 / 4  # 4 micro-batches of 2
+    layers = moe_layers([meta_model(cfg.model, knobs)])
+    assert {(m.experts.impl, m.aux_scale) for m in layers} == {("grouped_mm", 0.25)}
+
+
+def test_the_summary_records_the_path(tmp_path) -> None:
     from launcher.train.loop import train
     from tests.conftest import tiny_config
 

@@ -19,12 +19,12 @@ from rich.console import Console
 from launcher.config.schema import WandbConfig, compose_config
 from launcher.errors import LauncherError
 from launcher.metrics.console import ConsoleView
-from launcher.metrics.moe_load import load_histograms, load_table
+from launcher.metrics.moe_load import LayerLoad, layer_loads, load_histograms, load_table
 from launcher.metrics.sinks import WandbSink
 from launcher.model import moe_table
 from launcher.model.init import initialized_model
 from launcher.model.moe import balance_step, moe_layers
-from launcher.model.moe_table import LayerLoad, layer_loads, layer_rows
+from launcher.model.moe_table import layer_records, layer_rows
 from launcher.planner import resolve
 from launcher.train.loop import train
 from tests.conftest import run_for, tiny_config
@@ -40,7 +40,9 @@ def test_stages_tables_sum_to_every_layer_in_order() -> None:
     first = layer_rows([fake_layer(1, 0.5)], torch.tensor([[6.0, 2, 0, 0]]), torch.tensor([0.0]), (4, 4))
     second = layer_rows([fake_layer(3, -0.25, 1.0)], torch.tensor([[3.0, 3, 3, 1]]), torch.tensor([2.0]), (4, 4))
     assert first[[0, 2, 3]].abs().sum() == 0 and first.shape == (4, 4 + moe_table.EXTRA)
-    loads = layer_loads(first + second)
+    records = layer_records(first + second)  # plain numbers: the model packs nothing of the metrics'
+    assert all(type(v) in (int, float, list, type(None)) for r in records for v in r.values())
+    loads = layer_loads(records)
     assert loads == [LayerLoad(1, [6.0, 2, 0, 0], None, 0.5), LayerLoad(3, [3.0, 3, 3, 1], 2.0, 0.25)]
     assert loads[0].imbalance == 3.0 and loads[1].imbalance == 1.2
     assert loads[0].dropped_share is None and loads[1].dropped_share == pytest.approx(2 / 12)
@@ -61,7 +63,7 @@ def test_balance_step_rows_agree_with_its_averages(capacity: float | None) -> No
     model(torch.randint(0, 256, (2, 16))).sum().backward()
     layers = moe_layers([model])
     metrics = balance_step(layers, lambda t: t, lambda t: t, table=(3, 8))
-    loads = metrics["moe_layers"]
+    loads = layer_loads(metrics["moe_layers"])
     assert [load.layer for load in loads] == [1, 2]
     for load in loads:
         picks = sum(load.tokens) + (load.dropped or 0)
@@ -76,6 +78,11 @@ def test_balance_step_rows_agree_with_its_averages(capacity: float | None) -> No
         assert dropped > 0 and metrics["moe_dropped_share"] == pytest.approx(dropped / (2 * tokens * 2))
         assert max(max(load.tokens) for load in loads) == math.ceil(0.5 * tokens * 2 / 8)  # the capacity
     assert "moe_layers" not in balance_step(layers, lambda t: t, lambda t: t)  # only when asked
+
+
+def record(load: LayerLoad) -> dict[str, Any]:
+    """A load as the step hands it to the console and the sinks: plain numbers (model/moe_table.py)."""
+    return dataclasses.asdict(load)
 
 
 def rendered(table: Any) -> str:
@@ -99,7 +106,7 @@ def test_table_has_one_row_per_layer_and_dropped_only_with_a_capacity() -> None:
 @pytest.mark.parametrize("asked", [True, False])
 def test_rich_panel_shows_the_table_only_when_asked(asked: bool) -> None:
     view = ConsoleView("rich", 4, "header", moe_table=asked)
-    view.update({"step": 1, "loss": 2.0}, [LayerLoad(0, [1.0, 3.0], None, 0.0)])
+    view.update({"step": 1, "loss": 2.0}, [record(LayerLoad(0, [1.0, 3.0], None, 0.0))])
     titles = [getattr(part, "title", None) for part in view._view().renderables]
     view.close({})
     assert (load_table([]).title in titles) == asked
@@ -133,8 +140,7 @@ def fake_wandb(monkeypatch: pytest.MonkeyPatch) -> FakeWandb:
 
 def test_wandb_sink_logs_a_bar_per_expert_per_layer(fake_wandb: FakeWandb, tmp_path: Path) -> None:
     sink = WandbSink(WandbConfig(), tmp_path, {})
-    loads = [LayerLoad(2, [4.0, 0, 1], None, 0.0)]
-    sink.log({"step": 7, "loss": 1.5}, loads)
+    sink.log({"step": 7, "loss": 1.5}, [record(LayerLoad(2, [4.0, 0, 1], None, 0.0))])
     data, step = fake_wandb.logged[0]
     assert step == 7 and data["loss"] == 1.5
     assert data["moe_tokens_per_expert/layer_2"] == ("histogram", None, ([4.0, 0, 1], [0, 1, 2, 3]), 64)

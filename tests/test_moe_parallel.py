@@ -17,6 +17,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from launcher.config.schema import compose_config
+from launcher.metrics.moe_load import layer_loads
 from launcher.model.moe import local, moe_layers
 from tests.conftest import selected_cases
 from tests.dist import run_many
@@ -64,7 +65,7 @@ def train_case(cfg: Any, world_size: int) -> dict[str, Any]:
     def each_step(runner: Any) -> None:
         balance = runner.update_balance(per_layer=True)
         imbalance.append(balance["moe_load_imbalance"])
-        loads.append(balance["moe_layers"])
+        loads.append(layer_loads(balance["moe_layers"]))
         parts[:] = runner.parts
 
     out = parallel_case(cfg, world_size, each_step=each_step)

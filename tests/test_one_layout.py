@@ -13,11 +13,11 @@ from launcher.config.schema import compose_config
 from launcher.data import Splits
 from launcher.errors import LauncherError
 from launcher.launch.cli import _train_task, plan_task
-from launcher.layout import INTERLEAVED, build_mesh
+from launcher.layout import SCHEDULE, SCHEDULES, build_mesh
 from launcher.layout import rules as layout_rules
 from launcher.model.init import meta_model
 from launcher.parallel import parallelize
-from launcher.parallel.pipeline import SCHEDULES
+from launcher.parallel.pipeline import schedule_class
 from launcher.planner import build_options, resolve
 from launcher.train.setup import loaders
 
@@ -37,7 +37,7 @@ def cases() -> list[tuple[str, ...]]:
     for tp, pp, schedule, batch in itertools.product((1, 2, 4), (1, 2, 4), SCHEDULES, BATCHES.values()):
         if pp == 1 and schedule != "1f1b":
             continue  # no pipeline: the schedule is not read
-        v = ("virtual_stages=2",) if schedule in INTERLEAVED else ()
+        v = ("virtual_stages=2",) if SCHEDULE[schedule].interleaved else ()
         out.append((f"tp={tp}", f"pp={pp}", f"pp_schedule={schedule}", *v, *batch))
     return out
 
@@ -57,7 +57,7 @@ def runtime_step(cfg, lay) -> tuple[int, int, int]:
         runner = parallelize(model, lay, build_mesh(lay, "cpu"), build_options(cfg, lay), torch.device("cpu"))
         if lay.pp > 1:
             schedule = runner.schedule
-            assert isinstance(schedule, SCHEDULES[lay.schedule])
+            assert isinstance(schedule, schedule_class(lay.schedule))
             count = schedule._n_microbatches  # what schedule.step splits the rank's batch into
             per_microbatch = inputs.shape[0] // count
         else:

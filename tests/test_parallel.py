@@ -22,10 +22,9 @@ from torch.utils._pytree import tree_flatten
 
 from launcher.config.layout_keys import from_config
 from launcher.config.schema import FSDPConfig, ModelConfig, OptimConfig, TrainConfig
+from launcher.data.context_split import split_sequence
 from launcher.layout import build_mesh
-from launcher.model.init import meta_model
-from launcher.parallel import parallelize
-from launcher.parallel.context import split_sequence
+from launcher.parallel import build_runner
 from launcher.planner import build_options
 from launcher.train.optim import build_optimizer
 from tests.conftest import selected_cases
@@ -142,7 +141,7 @@ def train_case(
     `each_step(runner)` after every optimizer step (what a caller records beyond these)."""
     layout = from_config(cfg, world_size)
     mesh = build_mesh(layout, "cpu") if world_size > 1 else None
-    runner = parallelize(meta_model(cfg.model), layout, mesh, build_options(cfg, layout), torch.device("cpu"))
+    runner = build_runner(cfg.model, layout, mesh, build_options(cfg, layout), torch.device("cpu"))
     optimizer, schedule = build_optimizer(runner.parts, cfg.optim, cfg.steps)
     coords = layout.coordinates(torch.distributed.get_rank()) if mesh is not None else {"dp": 0, "cp": 0}
     local = GLOBAL_BATCH // layout.dp

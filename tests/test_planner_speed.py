@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bench.published_runs import make_cfg
-from launcher.layout import SCHEDULES, V_SHAPED, Layout, violations
+from launcher.layout import SCHEDULE, SCHEDULES, Layout, violations
 from launcher.planner import memo, memory
 from launcher.planner.predict import predict
 from launcher.planner.request import problem, space
@@ -34,7 +34,7 @@ def random_layouts(count: int, seed: int = 0) -> list[Layout]:
     )  # fmt: skip
     layouts = [Layout(**{k: rng.choice(v) for k, v in choices.items()}) for _ in range(count)]
     layouts = [dataclasses.replace(lay, ep=1) if lay.dp_shard % lay.ep else lay for lay in layouts]  # ep in dp_shard
-    return [dataclasses.replace(lay, virtual_stages=2) if lay.schedule in V_SHAPED else lay for lay in layouts]
+    return [dataclasses.replace(lay, virtual_stages=2) if SCHEDULE[lay.schedule].v_shape else lay for lay in layouts]
 
 
 def calls(fn: Any, m: Any, machine: Any, lay: Layout) -> list[tuple[tuple[Any, ...], Any]]:

@@ -32,8 +32,9 @@ from bench.recompute import held_bytes, memory_rows, tp2_memory_worker
 from launcher.config.layout_keys import from_config
 from launcher.config.schema import compose_config
 from launcher.flops import head_dim
+from launcher.model.attention import rope_tables
 from launcher.model.init import initialized_model
-from launcher.model.transformer import Block, rope_tables
+from launcher.model.transformer import Block
 from launcher.parallel.pipeline import split_weight_passes
 from launcher.planner import build_options
 from launcher.planner.memory import layer_activation_bytes
@@ -125,17 +126,14 @@ def zero_worker(rank: int, world: int) -> dict[str, int]:
     from torch.distributed.tensor import DTensor
 
     from launcher.layout import build_mesh
-    from launcher.model.init import meta_model
-    from launcher.parallel import parallelize
+    from launcher.parallel import build_runner
     from launcher.planner.memory import rank_params
 
     out = {}
     for reshard in ("always", "never"):
         cfg = resolved_config(1, 1, 2, SEQ, 2, f"fsdp.reshard_after_forward={reshard}")
         lay = from_config(cfg, world)
-        model = parallelize(
-            meta_model(cfg.model), lay, build_mesh(lay), build_options(cfg, lay), torch.device("cpu")
-        ).parts[0]
+        model = build_runner(cfg.model, lay, build_mesh(lay), build_options(cfg, lay), torch.device("cpu")).parts[0]
         model(torch.zeros(1, SEQ, dtype=torch.long))
         out[reshard] = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
         out["stage"] = rank_params(cfg.model, lay, 0)

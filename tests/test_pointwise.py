@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from launcher.model.transformer import rope_tables
+from launcher.model.attention import rope_tables
 from launcher.ops.pointwise import rotary_qkv, swiglu
 from tests.test_fused import apply_rope
 

@@ -149,14 +149,14 @@ def test_planner_bubble_and_in_flight_match_torchs_action_orders() -> None:
     weight gradient equally long): the busiest rank's idle time, and each rank's peak of microbatch
     activations held (in units of all its layers)."""
     from launcher.compat.pipeline_api import schedule_actions
-    from launcher.parallel.pipeline import SCHEDULES as CLASSES
+    from launcher.parallel.pipeline import schedule_class
     from launcher.planner.cost import bubble_slots
     from launcher.planner.memory import in_flight, logits_in_flight
     from launcher.planner.timeline import peak_in_flight, simulate
 
     for schedule, p, v, m in grid():
         lay = Layout(pp=p, microbatches=m, schedule=schedule, virtual_stages=v)
-        orders = schedule_actions(CLASSES[schedule], p, [lay.pp_stages(r) for r in range(p)], m)
+        orders = schedule_actions(schedule_class(schedule), p, [lay.pp_stages(r) for r in range(p)], m)
         case = (schedule, p, v, m)
         assert bubble_slots(lay) == pytest.approx(simulate(orders).bubble() / (3 * v)), case
         for r in range(p):

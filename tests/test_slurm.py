@@ -16,7 +16,7 @@ from launcher.errors import LauncherError
 from launcher.launch.slurm import emit_script, group_nodes, job_resources, preflight
 from launcher.launch.slurm_job import expand_nodelist, rendezvous
 from launcher.planner import resolve
-from launcher.train.replicas import TEST_KILL_ENV
+from launcher.train.faults import TEST_KILL_ENV
 from tests.conftest import make_config, run_cli, tiny_args, tiny_config
 from tests.slurm_fixture import job_state, slurm, slurm_cluster, wait_for  # noqa: F401  (fixture)
 

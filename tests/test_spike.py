@@ -20,9 +20,9 @@ from launcher.config.validate import validate
 from launcher.data import BatchLoader
 from launcher.errors import NON_FINITE, LauncherError
 from launcher.launch.spawn import start_local_workers
-from launcher.train.guard import TEST_NAN_ENV
+from launcher.train.faults import TEST_NAN_ENV, TEST_SPIKE_ENV
 from launcher.train.loop import train
-from launcher.train.spike import TEST_SPIKE_ENV, Detector
+from launcher.train.spike import Detector
 from tests.conftest import losses, make_config, run_cli, run_for, tiny_args, tiny_config
 
 # checked from step 6 (after 2 warm-up steps, a window of 3); a snapshot every 3 steps

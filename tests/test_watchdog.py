@@ -21,8 +21,9 @@ import pytest
 
 from launcher.config.schema import WatchdogConfig
 from launcher.errors import HUNG
+from launcher.train.faults import TEST_HANG_ENV
 from launcher.train.timeouts import timeout_for
-from launcher.train.watchdog import TEST_HANG_ENV, Beat, describe
+from launcher.train.watchdog import Beat, describe
 from tests.conftest import losses, tiny_args
 
 TIMEOUT_S = 5.0

@@ -2,8 +2,11 @@
 TrainConfig and its sections, the hardware profile's in `hardware.py`), the checks that refuse bad input
 before any process starts (`validate.py`, `ranges.py`, `feature_keys.py`, `mix.py`, `ft.py`,
 `layout_keys.py`), and the resolved values a worker receives instead of the config: `Run`
-(`run.py`), `BuildOptions` (`options.py`), the precision (`precision.py`). Optional dependencies and
-their install hints: `extras.py`.
+(`run.py`), `BuildOptions` (`options.py`), the precision (`precision.py`), the planner's `Prediction`
+(`prediction.py`). Optional dependencies and their install hints: `extras.py`.
 
-May import: errors, files, flops, compat, layout. Never the runtime, the planner or the launchers.
+May import: errors, files, flops, compat; layout only in the modules that hold or check a Layout
+(`layout_keys.py`, `validate.py`, `precision.py`, `run.py`, `prediction.py`): the rest, the schema, sits
+under layout/, which reads the model's shape there. Never the runtime, the planner or the launchers
+(tests/test_imports.py).
 """

@@ -16,6 +16,10 @@ from launcher.errors import LauncherError
 # the copies they take, which the planner counts, are two buckets, not a second set of gradients
 BUCKET_BYTES = 64 * 2**20
 BUCKETS_IN_FLIGHT = 2
+# what the launch side tells a replica group's worker (launcher/launch/ft.py, slurm.py; launcher/train/replicas.py)
+START_ENV = "LAUNCHER_FT_START"  # host:port of the store where the groups meet before their first step
+REPLICA_ENV = "LAUNCHER_FT_REPLICA"  # ft under SLURM: the replica group this job step is (launcher/launch/slurm.py)
+ATTEMPT_ENV = "LAUNCHER_FT_ATTEMPT"  # and how often the script has started it before
 
 
 @dataclass

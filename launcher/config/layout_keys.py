@@ -12,7 +12,7 @@ from launcher.config.schema import TrainConfig
 from launcher.errors import LauncherError
 from launcher.layout import (
     DEGREES,
-    V_SHAPED,
+    SCHEDULE,
     Layout,
     check,
     fixed_degrees,
@@ -64,8 +64,9 @@ def from_config(cfg: TrainConfig, world: int | None) -> Layout:
         micro, replicate * shard, pp, global_batch, int_or_auto("microbatches", cfg.microbatches, None)
     )
     v = int_or_auto("virtual_stages", cfg.virtual_stages, auto=None) or 1
-    if cfg.pp_schedule in V_SHAPED and v == 1:  # the default: a V is two stages per rank
-        v = 2
+    row = SCHEDULE.get(cfg.pp_schedule)
+    if row and row.virtual and v == 1:  # the default: the schedule's own count (a V is two stages per rank)
+        v = row.virtual
     layers = recompute_layers_of(cfg.recompute_layers)
     if layers is None:
         raise LauncherError("recompute_layers=auto is the planner's choice: give a world size or a value")

@@ -11,6 +11,7 @@ from typing import Any
 
 from launcher.config.ft import FtConfig
 from launcher.config.options import BuildOptions
+from launcher.config.prediction import Prediction
 from launcher.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -23,7 +24,6 @@ from launcher.config.schema import (
     WatchdogConfig,
 )
 from launcher.layout import Layout
-from launcher.planner.predict import Prediction
 
 
 @dataclass(frozen=True)

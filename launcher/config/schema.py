@@ -294,11 +294,11 @@ class TrainConfig:
     dp_shard: Any = "auto"  # FSDP degree inside dp; auto: all of dp (1 = plain DDP)
     dp_replicate: Any = "auto"  # DDP degree inside dp (HSDP when both > 1)
     sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv | dualpipev | auto
+    pp_schedule: str = "1f1b"  # a schedule of launcher/layout/schedules.py, or auto (the planner's choice)
     # per step per dp rank (pipeline microbatches, or accumulation steps without pipelining);
     # None: batch.global / (batch.micro x dp), or 2 x pp without batch.global (1 without pipelining)
     microbatches: int | None = None
-    virtual_stages: int = 1  # zbv and dualpipev: always 2 (a V of two stages per rank)
+    virtual_stages: int = 1  # interleaved schedules; a V (zbv, dualpipev) always holds 2 per rank
     recompute: str = "none"  # none | selective | full | auto
     # blocks of each pipeline stage (each model chunk) recomputed in full, the rest per `recompute`;
     # auto: the planner's smallest count that fits (launcher/parallel/recompute.py)

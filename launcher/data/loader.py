@@ -3,7 +3,7 @@
 Sample i of a run (counting over all ranks) starts at a pseudo-random offset that depends only on
 (seed, i), so the stream is the same whatever the data-parallel size: rank r of D takes the r-th
 contiguous share of each global batch. Context-parallel ranks of one dp rank read the same sequences
-and keep their own chunks of each (`context.split_sequence`). The state is the samples consumed, which
+and keep their own chunks of each (`context_split.split_sequence`). The state is the samples consumed, which
 is why a run can resume under a different data-parallel degree and see the same next samples, and the
 global batches never to serve (a loss spike's, launcher/train/spike.py): a run that skips batch n trains
 its step n on batch n + 1, exactly as a run whose data never held batch n.
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from launcher.config.mix import check_resumed_mix
-from launcher.parallel.context import split_sequence
+from launcher.data.context_split import split_sequence
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 

@@ -115,18 +115,33 @@ def train_task(cfg: TrainConfig) -> None:
             remove_if_unused(Path(cfg.run_dir or HydraConfig.get().runtime.output_dir), dated=not cfg.run_dir)
 
 
+def _check_inputs(cfg: TrainConfig, run_dir: Path, every_rank: bool) -> None:
+    """What the workers will read (data, init.from, wandb, the checkpoint to resume), checked before any starts."""
+    from launcher.data.corpus import check_source
+    from launcher.data.mix import check_mix
+    from launcher.model.hf import check_folder
+    from launcher.train.checkpoint import preflight_resume
+
+    if cfg.checkpoint.dir:
+        make_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
+    check = check_mix if cfg.data.name == "mix" else check_source  # a mixture: each source's checks, naming it
+    check(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
+    check_folder(cfg.model, cfg.init.get("from"))  # init.from: a readable Llama folder of exactly the model's shapes
+    check_wandb(cfg)
+    root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")  # a bad path, no readable checkpoint: fails here
+    preflight_resume(cfg.resume, root, every_rank=every_rank, data=cfg.data)
+
+
 def _train_task(cfg: TrainConfig) -> None:
     from launcher.config.ft import check_ft
     from launcher.config.layout_keys import check_environment
-    from launcher.data.corpus import check_source
-    from launcher.data.mix import check_mix
     from launcher.launch.ft import group_dir, group_run
     from launcher.launch.rank_env import cuda_env_defaults, env_rank
     from launcher.launch.spawn import launch
-    from launcher.model.hf import check_folder
     from launcher.planner import resolve, too_big
-    from launcher.train.checkpoint import preflight_resume
+    from launcher.train.faults import fault_plan
 
+    fault_plan()  # tests only: a LAUNCHER_TEST_* value that does not parse is refused before any worker starts
     env = env_rank()
     replica, world = ft_step(cfg, env.world_size if env else None)
     # the run's one layout (resolve checks the ranges first: the world size and the layout read them)
@@ -151,14 +166,7 @@ def _train_task(cfg: TrainConfig) -> None:
 
         print(emit_script(cfg, run_dir, layout))
         return
-    if cfg.checkpoint.dir:
-        make_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")
-    check = check_mix if cfg.data.name == "mix" else check_source  # a mixture: each source's checks, naming it
-    check(cfg.data, cfg.model.vocab_size, cfg.seq_len, evaluates=cfg.eval.every > 0)
-    check_folder(cfg.model, cfg.init.get("from"))  # init.from: a readable Llama folder of exactly the model's shapes
-    check_wandb(cfg)
-    root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")  # a bad path, no readable checkpoint: fails here
-    preflight_resume(cfg.resume, root, every_rank=env is not None, data=cfg.data)
+    _check_inputs(cfg, run_dir, every_rank=env is not None)
     # a failed worker raises WorkerFailed (exit 1); the loop puts the prediction into summary.json
     run = run_of(cfg, layout, prediction, options)
     if replica is not None:

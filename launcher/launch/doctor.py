@@ -135,7 +135,8 @@ def check_compile(s: Setting) -> Finding:
 
     from launcher.compat.compile_api import reset_compile_counts
     from launcher.config.schema import ModelConfig
-    from launcher.model.transformer import Block, rope_tables
+    from launcher.model.attention import rope_tables
+    from launcher.model.transformer import Block
     from launcher.parallel.compiled import CompileReport
 
     dev = device(s)

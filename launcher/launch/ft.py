@@ -24,12 +24,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from launcher.config.ft import FtConfig
+from launcher.config.ft import START_ENV, FtConfig
 from launcher.config.run import Run
 from launcher.errors import WorkerFailed
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-START_ENV = "LAUNCHER_FT_START"  # host:port of the store where the groups meet before their first step
 CONSOLE_LOG = "console.log"  # group g > 0's console output, in its run_dir (group 0's is the terminal)
 LOSSES = (("final_loss", "loss"), ("val_loss", "val loss"))
 Launch = Callable[[Run, Path], dict[str, Any]]

@@ -23,11 +23,11 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from launcher.compat.hydra_api import SUBMITIT_COMMAND, sbatch_script
+from launcher.config.ft import ATTEMPT_ENV, REPLICA_ENV
 from launcher.config.layout_keys import given_degrees
 from launcher.config.schema import TrainConfig
 from launcher.errors import PREEMPTED, LauncherError
 from launcher.files import make_dir
-from launcher.launch.slurm_job import ATTEMPT_ENV, REPLICA_ENV
 from launcher.layout import Layout, fixed_degrees, workers_per_node
 
 RESOLVER = "slurm_job"

@@ -18,11 +18,10 @@ import sys
 import time
 
 from launcher.compat.hydra_api import submitit_requeue_signal
+from launcher.config.ft import REPLICA_ENV
 
 PORT_BASE, PORT_SPAN = 20000, 20000
 STEP_PORT_STRIDE = 4099  # a prime not dividing PORT_SPAN: every step of a job gets a port of its own
-REPLICA_ENV = "LAUNCHER_FT_REPLICA"  # ft under SLURM: the replica group this job step is (launcher/launch/slurm.py)
-ATTEMPT_ENV = "LAUNCHER_FT_ATTEMPT"  # and how often the script has started it before
 REQUEUE_WAIT_S = 120.0  # how long a task other than rank 0 waits for the requeue to stop it
 
 

@@ -1,6 +1,7 @@
 """The one Layout, and every rule about layouts, once each.
 
-core.py      the frozen `Layout`, the schedule names, the rank order, the stage split
+core.py      the frozen `Layout`, the rank order, the stage split
+schedules.py the pipeline schedules, one row each (placement, rules, bubble, in flight, search, torch class)
 degrees.py   int-or-auto, the world-size rule, the data-parallel split, the microbatch rule
 rules.py     the validity rules `plan` and `train` both apply (`violations`, `check`)
 mesh.py      rank at coordinates, the output's owner, the DeviceMesh, workers and threads
@@ -12,14 +13,9 @@ are launcher/config/layout_keys.py's. This package's public names are re-exporte
 
 from launcher.layout.core import (
     DEGREES,
-    INTERLEAVED,
     MESH_DIMS,
-    MULTI_STAGE,
     RECOMPUTE,
     RESHARD,
-    SCHEDULES,
-    V_SHAPED,
-    ZERO_BUBBLE,
     Layout,
     rank_stages,
     stage_layers,
@@ -36,19 +32,18 @@ from launcher.layout.degrees import (
 )
 from launcher.layout.mesh import build_mesh, expert_mesh, owner_rank, rank_of, worker_threads, workers_per_node
 from launcher.layout.rules import async_tp_applies, check, expert_split, violations
+from launcher.layout.schedules import SCHEDULE, SCHEDULES, Schedule
 from launcher.layout.text import degrees_text, describe, dp_text, schedule_text
 
 __all__ = [
     "DEGREES",
-    "INTERLEAVED",
     "MESH_DIMS",
-    "MULTI_STAGE",
     "RECOMPUTE",
     "RESHARD",
+    "SCHEDULE",
     "SCHEDULES",
-    "V_SHAPED",
-    "ZERO_BUBBLE",
     "Layout",
+    "Schedule",
     "async_tp_applies",
     "build_mesh",
     "check",

@@ -18,12 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")  # looped placement: stages r, r + pp, ... on rank r
-V_SHAPED = ("zbv", "dualpipev")  # exactly two stages per rank, in a V: rank r holds r and 2 pp - 1 - r
-MULTI_STAGE = (*INTERLEAVED, *V_SHAPED)  # schedules with virtual stages
-ZERO_BUBBLE = ("interleaved_zb", *V_SHAPED)  # backward split into input and weight gradients
-# pipeline schedules (launcher/parallel/pipeline.py); the last three are zero-bubble schedules
-SCHEDULES = ("gpipe", "1f1b", *MULTI_STAGE)
+from launcher.layout.schedules import SCHEDULE, Schedule
+
 RECOMPUTE = ("none", "selective", "full")  # activation checkpointing (launcher/parallel/recompute.py)
 RESHARD = ("always", "never", "auto")  # fsdp.reshard_after_forward (launcher/parallel/data.py)
 DEGREES = ("tp", "pp", "cp", "dp", "dp_shard", "dp_replicate", "ep")  # the config keys of the parallel degrees
@@ -38,8 +34,8 @@ class Layout:
     dp_shard: int = 1  # FSDP degree (1: parameters replicated)
     micro: int = 1  # sequences per microbatch per data-parallel rank
     microbatches: int = 1  # per step per dp rank: pipeline microbatches, or accumulation steps
-    schedule: str = "1f1b"  # pipeline schedule (SCHEDULES), read when pp > 1
-    virtual_stages: int = 1  # model chunks per pipeline rank (MULTI_STAGE schedules; V_SHAPED: 2)
+    schedule: str = "1f1b"  # pipeline schedule (a name of launcher/layout/schedules.py), read when pp > 1
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules; in a V: 2)
     recompute: str = "none"  # RECOMPUTE: the policy of every block not in recompute_layers
     sequence_parallel: bool = False
     recompute_layers: int = 0  # blocks of each stage (model chunk) recomputed in full, the first ones
@@ -89,13 +85,18 @@ class Layout:
         return self.virtual_stages if self.pp > 1 else 1
 
     @property
+    def pipe(self) -> Schedule:
+        """The pipeline schedule's row: its placement, rules and formulas (launcher/layout/schedules.py)."""
+        return SCHEDULE[self.schedule]
+
+    @property
     def v_shape(self) -> bool:
         """Stages placed in a V (zbv, dualpipev): the first and the last stage share pipeline rank 0."""
-        return self.pp > 1 and self.schedule in V_SHAPED
+        return self.pp > 1 and self.pipe.v_shape
 
     @property
     def zero_bubble(self) -> bool:
-        return self.pp > 1 and self.schedule in ZERO_BUBBLE
+        return self.pp > 1 and self.pipe.zero_bubble
 
     @property
     def last_rank(self) -> int:

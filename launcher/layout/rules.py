@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 from launcher.config.schema import ModelConfig
 from launcher.errors import LauncherError
 from launcher.flops import expert_width
-from launcher.layout.core import INTERLEAVED, MULTI_STAGE, V_SHAPED, Layout, stage_layers
+from launcher.layout.core import Layout, stage_layers
 from launcher.layout.degrees import divisors
+from launcher.layout.schedules import SCHEDULE
 
 
 def _tensor_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
@@ -56,12 +57,14 @@ def _stages(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
         key = "pp_schedule" if lay.schedule != "1f1b" else "virtual_stages"
         value = lay.schedule if key == "pp_schedule" else lay.virtual_stages
         return f"{key}={value} schedules pipeline stages, and pp=1 has none: set pp=2 or more, or drop {key}"
-    if lay.virtual_stages > 1 and lay.schedule not in MULTI_STAGE:
-        return f"virtual_stages={lay.virtual_stages} needs pp_schedule={' or '.join(INTERLEAVED)} (got {lay.schedule})"
-    if lay.pp > 1 and lay.schedule in V_SHAPED and lay.virtual_stages != 2:
+    row = lay.pipe
+    if lay.virtual_stages > 1 and not row.multi_stage:
+        interleaved = " or ".join(s.name for s in SCHEDULE.values() if s.interleaved)
+        return f"virtual_stages={lay.virtual_stages} needs pp_schedule={interleaved} (got {lay.schedule})"
+    if lay.pp > 1 and row.v_shape and lay.virtual_stages != 2:
         return f"pp_schedule={lay.schedule} holds exactly 2 stages per rank (a V): set virtual_stages=2"
     stages = lay.pp * lay.virtual_stages
-    if stages > m.n_layers and lay.schedule in V_SHAPED:
+    if stages > m.n_layers and row.v_shape:
         return (
             f"pp_schedule={lay.schedule} needs 2 x pp = {stages} stages, more than model.n_layers={m.n_layers}: "
             f"use pp <= {m.n_layers // 2} or pp_schedule=1f1b"
@@ -88,15 +91,17 @@ def _microbatches(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
             f"{lay.microbatches} microbatches per step cannot fill pp={lay.pp} stages: set microbatches "
             f"(or batch.global / (batch.micro x dp)) to at least {lay.pp}"
         )
-    if lay.schedule in INTERLEAVED and lay.microbatches % lay.pp:
+    row = lay.pipe
+    if row.rounds and lay.microbatches % lay.pp:
         return (
             f"microbatches={lay.microbatches} is not a multiple of pp={lay.pp} ({lay.schedule}): "
             f"use {(lay.microbatches // lay.pp + 1) * lay.pp}"
         )
-    if lay.schedule == "dualpipev" and lay.microbatches < 2 * lay.pp:
+    if lay.microbatches < row.fill * lay.pp:
+        least = row.fill * lay.pp
         return (
-            f"{lay.microbatches} microbatches per step cannot fill the 2 x pp = {2 * lay.pp} stages of dualpipev: "
-            f"set microbatches (or batch.global / (batch.micro x dp)) to at least {2 * lay.pp}"
+            f"{lay.microbatches} microbatches per step cannot fill the {row.fill} x pp = {least} stages of "
+            f"{lay.schedule}: set microbatches (or batch.global / (batch.micro x dp)) to at least {least}"
         )
     return None
 

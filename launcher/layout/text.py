@@ -17,11 +17,7 @@ def dp_text(lay: Layout) -> str:
 
 def schedule_text(lay: Layout) -> str:
     """The pipeline schedule with its virtual stages: `1f1b`, `interleaved x2`, `zbv`; `-` without pp."""
-    if lay.pp == 1:
-        return "-"
-    if lay.schedule == "interleaved_1f1b":
-        return f"interleaved x{lay.chunks}"
-    return f"{lay.schedule} x{lay.chunks}" if lay.schedule == "interleaved_zb" else lay.schedule
+    return lay.pipe.text(lay.chunks) if lay.pp > 1 else "-"
 
 
 def degrees_text(lay: Layout) -> str:

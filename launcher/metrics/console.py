@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from launcher.metrics.moe_load import load_table
+from launcher.metrics.moe_load import LayerLoad, layer_loads, load_table
 from launcher.metrics.summary_view import summary_view
-
-if TYPE_CHECKING:
-    from launcher.model.moe_table import LayerLoad  # annotations only: `plan` imports no torch
 
 COLUMNS = [  # (key, label, format)
     ("step", "step", "{:d}"),
@@ -93,10 +90,10 @@ class ConsoleView:
             tables.append(load_table(self.loads))
         return Group(self.progress, *tables)
 
-    def update(self, row: dict[str, Any], loads: Sequence[LayerLoad] = ()) -> None:
-        """A logged step's figures; `loads`: its MoE layers' (shown with `moe_table`)."""
+    def update(self, row: dict[str, Any], records: Sequence[Mapping[str, Any]] = ()) -> None:
+        """A logged step's figures; `records`: its MoE layers' loads (shown with `moe_table`)."""
         self.last.update(row)
-        self.loads = loads
+        self.loads = loads = layer_loads(records)
         if self.live is not None:
             self.progress.update(self.task, completed=row["step"])
             self.live.update(self._view())

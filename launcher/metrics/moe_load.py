@@ -1,19 +1,45 @@
 """Per-layer expert load of a mixture of experts, shown: the rich panel's table (`metrics.moe_table=true`)
-and wandb's histograms of tokens per expert, from the `LayerLoad`s the step sums
-(launcher/model/moe_table.py). rich is imported where used: the sinks import this module.
+and wandb's histograms of tokens per expert. The step sums each layer's load as plain numbers
+(launcher/model/moe_table.py `layer_records`); `layer_loads` packs them here. rich is imported where
+used: the sinks import this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from launcher.model.moe_table import LayerLoad  # annotations only: `plan` imports no torch
-
 HISTOGRAM_BINS = 512  # wandb.Histogram's most bins: more experts than that are shown as a distribution
+
+
+@dataclass(frozen=True)
+class LayerLoad:
+    """One MoE layer's routing over a step's global batch."""
+
+    layer: int
+    tokens: list[float]  # (token, expert) picks each expert ran, summed over the data-parallel ranks
+    dropped: float | None  # picks over an expert's capacity; None: dropless (no capacity_factor)
+    bias_abs_mean: float
+
+    @property
+    def imbalance(self) -> float:
+        """The busiest expert's tokens over the mean (what moe_load_imbalance averages over layers)."""
+        return max(self.tokens) / max(sum(self.tokens) / len(self.tokens), 1e-9)
+
+    @property
+    def dropped_share(self) -> float | None:
+        if self.dropped is None:
+            return None
+        return self.dropped / max(sum(self.tokens) + self.dropped, 1.0)
+
+
+def layer_loads(records: Sequence[Mapping[str, Any]]) -> list[LayerLoad]:
+    """The step's per-layer records (plain numbers: model/moe_table.py `layer_records`) as `LayerLoad`s."""
+    return [LayerLoad(**record) for record in records]
 
 
 def load_table(loads: Sequence[LayerLoad]) -> Table:

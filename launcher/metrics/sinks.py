@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launcher.config.schema import WandbConfig
 from launcher.errors import LauncherError
-from launcher.metrics.moe_load import load_histograms
-
-if TYPE_CHECKING:
-    from launcher.model.moe_table import LayerLoad  # annotations only: `plan` imports no torch
+from launcher.metrics.moe_load import layer_loads, load_histograms
 
 
 class JsonlSink:
@@ -23,8 +20,8 @@ class JsonlSink:
     def __init__(self, path: Path) -> None:
         self.file = path.open("a", buffering=1)
 
-    def log(self, row: dict[str, Any], loads: Sequence[LayerLoad] = ()) -> None:
-        """`row`; MoE layers' loads stay out (their averages are in the row)."""
+    def log(self, row: dict[str, Any], records: Sequence[Mapping[str, Any]] = ()) -> None:
+        """`row`; MoE layers' loads (`records`) stay out (their averages are in the row)."""
         self.file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
@@ -87,9 +84,9 @@ class WandbSink:
                 flush=True,
             )
 
-    def log(self, row: dict[str, Any], loads: Sequence[LayerLoad] = ()) -> None:
-        """`row`'s figures, and per MoE layer a histogram of tokens per expert."""
-        charts = load_histograms(loads, self.wandb)
+    def log(self, row: dict[str, Any], records: Sequence[Mapping[str, Any]] = ()) -> None:
+        """`row`'s figures, and per MoE layer (`records`: the step's loads) a histogram of tokens per expert."""
+        charts = load_histograms(layer_loads(records), self.wandb)
         self.run.log({k: v for k, v in row.items() if k != "step"} | charts, step=int(row["step"]))
 
     def close(self) -> None:

@@ -5,14 +5,17 @@ and grouped by the loader's source of each sequence: no extra pass, one small al
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from launcher.data import BatchLoader
 from launcher.data.mix import MixLoader
 from launcher.ops.loss import token_losses
-from launcher.parallel.runner import Runner
+
+
+class SumsBySource(Protocol):  # launcher.parallel.runner.Runner: metrics sits under parallel/ and names no runner
+    def source_sums(self, per_token: list[torch.Tensor], sources: torch.Tensor, k: int) -> torch.Tensor: ...
 
 
 def recording(loader: BatchLoader) -> contextlib.AbstractContextManager[list[torch.Tensor] | None]:
@@ -20,7 +23,7 @@ def recording(loader: BatchLoader) -> contextlib.AbstractContextManager[list[tor
     return token_losses() if isinstance(loader, MixLoader) else contextlib.nullcontext()
 
 
-def sums(runner: Runner, loader: BatchLoader, recorded: list[torch.Tensor] | None) -> torch.Tensor | None:
+def sums(runner: SumsBySource, loader: BatchLoader, recorded: list[torch.Tensor] | None) -> torch.Tensor | None:
     """(sources, 2): summed loss and tokens of each source over the pass's batch on every rank."""
     if recorded is None or not isinstance(loader, MixLoader):
         return None

@@ -202,9 +202,13 @@ def safetensors_keys(file: Path) -> list[str]:
         return list(f.keys())
 
 
-def init_source(path: str | None) -> HFFolder | None:
-    """Where a run's initial weights come from: an HF folder (`init.from`), or None (seeded random)."""
-    return HFFolder.open(path) if path else None
+def load_weights(parts: list[Any], path: str | None) -> None:
+    """init.from: this rank's shards of `parts` (allocated by `parallelize`) read from the HF folder at
+    `path`, each rank only its own boxes; nothing without a folder (the shards keep their seeded values)."""
+    from launcher.model.init import fill_from
+
+    if path:
+        fill_from(parts, HFFolder.open(path))
 
 
 def check_folder(model: ModelConfig, path: str | None) -> None:

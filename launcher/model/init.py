@@ -9,7 +9,8 @@ blocks whole: a generator cannot skip), so initializing adds one block (`BLOCK`)
 neither a whole parameter nor the model. The blocks are independent, so torch's intra-op threads draw
 them in parallel (the same values whatever the thread count). Names are the full model's
 (`layers.5.wo.weight`, also on a pipeline stage), so the same name gives the same values wherever it
-lives.
+lives. Weights read from a folder instead (init.from) fill the allocated shards the same way, box by
+box (`fill_from`, launcher/model/hf.py `load_weights`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from launcher.compat.torch_api import local_shard_extent
 from launcher.config.schema import ModelConfig
+from launcher.model.knobs import PLAIN, Knobs
 from launcher.model.moe import MoE
 from launcher.model.transformer import Transformer
 
@@ -42,10 +44,11 @@ class WeightSource(Protocol):
     def fill_(self, local: torch.Tensor, name: str, offset: tuple[int, ...]) -> None: ...
 
 
-def meta_model(cfg: ModelConfig) -> Transformer:
-    """The model on the meta device: shapes and names, no storage (what `parallelize` cuts)."""
+def meta_model(cfg: ModelConfig, knobs: Knobs = PLAIN) -> Transformer:
+    """The model on the meta device: shapes and names, no storage (what `parallelize` cuts); `knobs`:
+    the run's (launcher/model/knobs.py `run_knobs`)."""
     with torch.device("meta"):
-        return Transformer(cfg)
+        return Transformer(cfg, knobs)
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -161,28 +164,34 @@ def local_bytes(p: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-@torch.no_grad()
-def materialize(parts: list[nn.Module], seed: int, device: torch.device, source: WeightSource | None = None) -> None:
-    """Allocate this rank's shards of `parts` (Transformers or pipeline stages of one, on meta) on
-    `device` and initialize them, from `source` when given (each rank reads only its own boxes), else
-    seeded random; recompute their buffers (RoPE tables)."""
+def local_params(parts: list[nn.Module]) -> Iterator[tuple[nn.Module, str, torch.Tensor, torch.Tensor, tuple]]:
+    """Each parameter of `parts` (allocated) once, tied embeddings once: (its part, its name, the
+    parameter, this rank's part of it, where that part lies in the whole)."""
     done: set[int] = set()
-    jobs: list[Callable[[], None]] = []
     for part in parts:
-        with allocating(sum(local_bytes(p) for p in part.parameters()), "this rank's shards"), tied_output(part):
-            part.to_empty(device=device)
         for name, p in part.named_parameters():
-            if id(p) in done:  # tied embeddings: one parameter, filled once
+            if id(p) in done:
                 continue
             done.add(id(p))
             local = p.to_local() if isinstance(p, DTensor) else p
             shape, offset = extent(p)
             assert tuple(local.shape) == shape, f"{name}: local shard {tuple(local.shape)}, placements say {shape}"
-            if source is not None:
-                source.fill_(local, name, offset)
-            else:
-                jobs += fill_jobs(local, part.cfg, seed, init_name(part.cfg, name), tuple(p.shape), offset)
-    run_jobs(jobs, torch.get_num_threads())
+            yield part, name, p, local, offset
+
+
+@torch.no_grad()
+def materialize(parts: list[nn.Module], seed: int, device: torch.device, draw: bool = True) -> None:
+    """Allocate this rank's shards of `parts` (Transformers or pipeline stages of one, on meta) on
+    `device` and, with `draw`, initialize them seeded random (without: the caller fills them next,
+    `fill_from`); recompute their buffers (RoPE tables, MoE routing biases and counters)."""
+    for part in parts:
+        with allocating(sum(local_bytes(p) for p in part.parameters()), "this rank's shards"), tied_output(part):
+            part.to_empty(device=device)
+    if draw:
+        jobs: list[Callable[[], None]] = []
+        for part, name, p, local, offset in local_params(parts):
+            jobs += fill_jobs(local, part.cfg, seed, init_name(part.cfg, name), tuple(p.shape), offset)
+        run_jobs(jobs, torch.get_num_threads())
     for part in parts:
         part.reset_buffers()
         for module in part.modules():  # MoE routing biases and counters start at zero
@@ -190,8 +199,15 @@ def materialize(parts: list[nn.Module], seed: int, device: torch.device, source:
                 module.reset_buffers()
 
 
-def initialized_model(cfg: ModelConfig, seed: int, device: torch.device) -> Transformer:
+@torch.no_grad()
+def fill_from(parts: list[nn.Module], source: WeightSource) -> None:
+    """This rank's shards of `parts` (allocated) read from `source`: each rank reads only its own boxes."""
+    for _, name, _, local, offset in local_params(parts):
+        source.fill_(local, name, offset)
+
+
+def initialized_model(cfg: ModelConfig, seed: int, device: torch.device, knobs: Knobs = PLAIN) -> Transformer:
     """The whole model, allocated and initialized as every layout starts from it (one process)."""
-    model = meta_model(cfg)
+    model = meta_model(cfg, knobs)
     materialize([model], seed, device)
     return model

@@ -33,7 +33,8 @@ from torch import nn
 from launcher.compat.torch_api import in_backward
 from launcher.config.schema import ModelConfig
 from launcher.flops import expert_width
-from launcher.model.moe_table import EXTRA, layer_loads, layer_rows
+from launcher.model.knobs import PLAIN, Knobs
+from launcher.model.moe_table import EXTRA, layer_records, layer_rows
 from launcher.ops.experts import Experts, local
 
 
@@ -84,7 +85,9 @@ class _Combine(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, shared_mlp: Callable[[ModelConfig], nn.Module], layer: int = 0) -> None:
+    def __init__(
+        self, cfg: ModelConfig, shared_mlp: Callable[[ModelConfig], nn.Module], layer: int = 0, knobs: Knobs = PLAIN
+    ) -> None:
         super().__init__()
         moe = cfg.moe
         self.layer = layer  # the block's index in the whole model (pipeline stages keep it): metrics per layer
@@ -93,11 +96,11 @@ class MoE(nn.Module):
         self.aux_coef = moe.aux_loss_coef if moe.balance == "aux" else 0.0
         self.seq_aux_coef = moe.seq_aux_loss_coef
         self.bias_rate = moe.bias_update_rate
-        self.aux_scale = 1.0  # the loss's scale per micro-batch (1 / microbatches): set by `parallelize`
+        self.aux_scale = knobs.aux_scale  # the auxiliary losses' scale per micro-batch (1 / microbatches)
         # expert parallelism's (x, counts) -> outputs over the ep ranks, set by launcher/parallel/expert.py
         self.exchange: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.router = nn.Parameter(torch.empty(moe.experts, cfg.dim))
-        self.experts = Experts(moe.experts, cfg.dim, expert_width(cfg))
+        self.experts = Experts(moe.experts, cfg.dim, expert_width(cfg), knobs.expert_impl)
         self.shared: nn.Module | None = None
         if moe.shared_experts:  # one SwiGLU as wide as all shared experts together
             width = expert_width(cfg) * moe.shared_experts
@@ -196,7 +199,8 @@ def balance_step(
     metrics over every MoE layer of every pipeline stage (`sum_over_stages`). Every stage of a MoE
     model calls this, also one holding only dense layers (`first_dense_layers`): it adds zeros to
     the sum over stages (on `device`), which every stage must join. `table` = (n_layers, experts):
-    also "moe_layers", every MoE layer's `LayerLoad` (launcher/model/moe_table.py), in the same sum."""
+    also "moe_layers", every MoE layer's load as plain numbers (`layer_records`, launcher/model/moe_table.py),
+    in the same sum."""
     size = 5 + (table[0] * (table[1] + EXTRA) if table else 0)
     totals = _stage_totals(layers, sum_over_data, table) if layers else torch.zeros(size, device=device)
     totals = sum_over_stages(totals)
@@ -207,7 +211,7 @@ def balance_step(
         "moe_dropped_share": dropped / max(picks, 1.0),
     }
     if table:
-        metrics["moe_layers"] = layer_loads(totals[5:].view(table[0], -1))
+        metrics["moe_layers"] = layer_records(totals[5:].view(table[0], -1))
     return metrics
 
 

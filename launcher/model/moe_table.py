@@ -3,15 +3,14 @@
 `balance_step` (launcher/model/moe.py) already sums each layer's token counts over the data-parallel
 ranks; `layer_rows` lays this stage's layers out at their global index in a table of every layer,
 zeros elsewhere, and that table rides in the tensor `balance_step` sums over pipeline stages anyway:
-no extra collective. `layer_loads` reads the summed table back as plain numbers (`LayerLoad`), which
-the metrics show (launcher/metrics/moe_load.py). torch is imported where used.
+no extra collective. `layer_records` reads the summed table back as plain numbers, one dict per MoE
+layer, which the metrics pack and show (launcher/metrics/moe_load.py). torch is imported where used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -23,27 +22,6 @@ class RoutedLayer(Protocol):  # launcher.model.moe.MoE, which imports this modul
     layer: int
     expert_bias: torch.Tensor
     capacity_factor: float | None
-
-
-@dataclass(frozen=True)
-class LayerLoad:
-    """One MoE layer's routing over a step's global batch."""
-
-    layer: int
-    tokens: list[float]  # (token, expert) picks each expert ran, summed over the data-parallel ranks
-    dropped: float | None  # picks over an expert's capacity; None: dropless (no capacity_factor)
-    bias_abs_mean: float
-
-    @property
-    def imbalance(self) -> float:
-        """The busiest expert's tokens over the mean (what moe_load_imbalance averages over layers)."""
-        return max(self.tokens) / max(sum(self.tokens) / len(self.tokens), 1e-9)
-
-    @property
-    def dropped_share(self) -> float | None:
-        if self.dropped is None:
-            return None
-        return self.dropped / max(sum(self.tokens) + self.dropped, 1.0)
 
 
 def layer_rows(
@@ -62,11 +40,14 @@ def layer_rows(
     return rows
 
 
-def layer_loads(rows: torch.Tensor) -> list[LayerLoad]:
-    """The MoE layers of a table `layer_rows` built and the stages summed, in layer order."""
-    loads = []
+def layer_records(rows: torch.Tensor) -> list[dict[str, Any]]:
+    """The MoE layers of a table `layer_rows` built and the stages summed, in layer order: per layer its
+    index ("layer"), the (token, expert) picks each expert ran ("tokens"), the picks over an expert's
+    capacity ("dropped"; None: dropless) and its selection bias' mean |value| ("bias_abs_mean")."""
+    records = []
     for i, row in enumerate(rows.tolist()):
         *tokens, dropped, bias, moe, capacity = row
         if moe:
-            loads.append(LayerLoad(i, tokens, dropped if capacity else None, bias))
-    return loads
+            dropped = dropped if capacity else None
+            records.append({"layer": i, "tokens": tokens, "dropped": dropped, "bias_abs_mean": bias})
+    return records

@@ -4,8 +4,8 @@
 `torch._grouped_mm` runs all experts' matmuls of one weight in one kernel (`compat.grouped_mm`),
 given each group's end row as int32 offsets. Its bf16 kernel wants 16-byte aligned rows and group
 starts, so the widths must be multiples of 8 and every group is padded with zero rows to a multiple
-of 8 (zero rows give zero outputs and add nothing to the weights' gradients). `parallelize` picks
-the path once per run (`select_impl`); the summary records it as `expert_impl`.
+of 8 (zero rows give zero outputs and add nothing to the weights' gradients). A run picks the path
+once (`select_impl`, launcher/model/knobs.py); the summary records it as `expert_impl`.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def select_impl(experts: Experts, device: torch.device, bf16: bool) -> str:
-    """`grouped_mm` where its fast kernel runs (CUDA sm90/sm100, bf16 compute, widths aligned), else `loop`."""
-    widths = experts.w1.shape[1:]
-    aligned = all(w % ALIGN == 0 for w in widths)
+def select_impl(dim: int, hidden: int, device: torch.device, bf16: bool) -> str:
+    """`grouped_mm` where its fast kernel runs (CUDA sm90/sm100, bf16 compute, the experts' widths `dim`
+    and `hidden` aligned), else `loop`."""
+    aligned = dim % ALIGN == 0 and hidden % ALIGN == 0
     return "grouped_mm" if bf16 and aligned and grouped_mm_kernel(device) else "loop"
 
 
@@ -151,12 +151,12 @@ class GradDivide(torch.autograd.Function):
 class Experts(nn.Module):
     """Routed SwiGLU experts stacked along dim 0: w1, w3 (E, dim, hidden), w2 (E, hidden, dim)."""
 
-    def __init__(self, n: int, dim: int, hidden: int) -> None:
+    def __init__(self, n: int, dim: int, hidden: int, impl: str = "loop") -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
-        self.impl = "loop"  # or "grouped_mm": `select_impl`, set once by `parallelize`
+        self.impl = impl  # loop | grouped_mm (`select_impl`)
         self.grad_divide = 1.0  # outside FSDP: FSDP's division of the gradients (launcher/parallel/expert.py)
         self.split_weights = False  # a zero-bubble schedule's: the loop as autograd's chain, not one node
 

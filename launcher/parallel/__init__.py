@@ -4,7 +4,9 @@ pipeline split → float8 conversion (dtype=fp8) → tensor (async TP with it), 
 → activation checkpointing → compile → data parallel.
 
 `parallelize` reads only the Layout, the mesh and the BuildOptions (launcher/config/options.py), and returns
-a step runner (launcher/parallel/runner.py).
+a step runner (launcher/parallel/runner.py). It sets nothing on the model for the run: what the model
+computes with (loss chunks, kernels, scales) it was built with (launcher/model/knobs.py), and a folder's
+weights (init.from) the rank's setup reads into the shards after (launcher/model/hf.py `load_weights`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from torch import nn
 from launcher.compat.torch_api import enable_async_tp
 from launcher.config.options import BuildOptions
 from launcher.config.precision import autocast_for, fsdp_policy
+from launcher.config.schema import ModelConfig
 from launcher.layout import Layout, expert_mesh
-from launcher.model.hf import init_source
-from launcher.model.init import materialize
-from launcher.model.moe import moe_layers
-from launcher.ops.experts import select_impl
+from launcher.model.init import materialize, meta_model
+from launcher.model.knobs import run_knobs
 from launcher.parallel.compiled import compile_blocks, compiled_units
 from launcher.parallel.context import apply_context_parallel
 from launcher.parallel.data import apply_data_parallel
@@ -35,27 +36,30 @@ from launcher.parallel.tensor import apply_tensor_parallel
 
 def parallelize(model: nn.Module, layout: Layout, mesh: Any, options: BuildOptions, device: torch.device) -> Runner:
     """Cut `model` (the full model on the meta device: shapes only) for this rank of `layout`, then
-    allocate this rank's shards on `device` and initialize them (launcher/model/init.py): no rank
-    ever holds the whole model. Everything about the cut comes from the layout; `options` say whether
-    to compile, in which precision, and the seed.
+    allocate this rank's shards on `device` and initialize them from the seed (launcher/model/init.py;
+    with init.from only allocate them: the folder's weights come next): no rank ever holds the whole
+    model. Everything about the cut comes from the layout; `options` say whether to compile, in which
+    precision, and the seed.
 
     `mesh`: the layout's DeviceMesh (`layout.build_mesh`); None for a world of one.
     """
-    model.flop_per_byte = options.flop_per_byte  # the chunked loss's chunk size (flops.loss_chunk_rows)
-    model.document_eos = options.document_eos  # pipeline stages copy it (stage_module)
-    for moe in moe_layers([model]):  # auxiliary losses enter each micro-batch's gradient at its scale
-        moe.aux_scale = 1.0 / layout.microbatches
-        # loop, or grouped GEMM on CUDA
-        moe.experts.impl = select_impl(moe.experts, device, options.precision != "fp32")
     emesh = expert_mesh(layout, mesh.device_type) if layout.ep > 1 else None
     fp8 = decide(model, options.fp8, layout.tp) if options.fp8 else {}  # the whole model's, before the split
     parts, stages = shard_model(model, layout, options, mesh, emesh, fp8)
-    materialize(parts, options.seed, device, init_source(options.init_from))
-    runner = _runner(model, parts, stages, layout, mesh, autocast_for(options.precision, device))
+    materialize(parts, options.seed, device, draw=not options.init_from)  # init.from: the setup reads the folder
+    runner = _runner(parts, stages, layout, mesh, options, device)
     runner.fp8 = report(fp8, options.fp8) if options.fp8 else None
     if compiles(layout, options):
         runner.compiled_units = sum(len(compiled_units(b)) for part in parts for b in part.layers.values())
     return runner
+
+
+def build_runner(cfg: ModelConfig, layout: Layout, mesh: Any, options: BuildOptions, device: torch.device) -> Runner:
+    """The model of `cfg` on meta, built with the run's knobs (launcher/model/knobs.py: the options',
+    the layout's micro-batches, the device's), cut by `parallelize`: what a rank trains."""
+    return parallelize(
+        meta_model(cfg, run_knobs(cfg, options, layout.microbatches, device)), layout, mesh, options, device
+    )
 
 
 def compiles(layout: Layout, options: BuildOptions) -> bool:
@@ -64,10 +68,13 @@ def compiles(layout: Layout, options: BuildOptions) -> bool:
     return options.compile and not layout.zero_bubble
 
 
-def _runner(model: nn.Module, parts: list, stages: list[int], layout: Layout, mesh: Any, autocast: Any) -> Runner:
+def _runner(
+    parts: list, stages: list[int], layout: Layout, mesh: Any, options: BuildOptions, device: torch.device
+) -> Runner:
+    autocast, eos = autocast_for(options.precision, device), options.document_eos
     if mesh is None:
-        return Runner(model, layout.micro, autocast)
-    kw = {"autocast": autocast, "mesh": mesh}
+        return Runner(parts[0], layout.micro, autocast, eos)
+    kw = {"autocast": autocast, "mesh": mesh, "document_eos": eos}
     if layout.pp > 1:
         return PipelineRunner(parts, stages, layout, **kw)
     return ParallelRunner(parts, layout.micro, layout=layout, **kw)

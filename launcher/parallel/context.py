@@ -1,8 +1,8 @@
 """Context parallelism: each sequence split over the cp ranks, attention by all-gathering K and V.
 
 Load balancing. A sequence of S tokens is cut into 2 cp equal chunks; cp rank i holds chunks i and
-2 cp - 1 - i (`local_positions`). Under a causal mask a query attends to the keys before it, so a
-rank with an early chunk also holds a late one, and every rank does the same attention work.
+2 cp - 1 - i (launcher/data/context_split.py, the rule the loader splits by), so every rank does the
+same causal attention work.
 
 Attention (the scheme Llama 3 trained its long-context stage with, Dubey et al. 2024, sec. 3.3.2):
 each rank projects Q, K, V for its own tokens, all-gathers K and V over the cp group (one collective
@@ -23,8 +23,6 @@ weights; their gradients are reduced with the data-parallel ones: FSDP shards ov
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,30 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 from launcher.compat.torch_api import all_gather_single, reduce_scatter_single
-from launcher.model.transformer import CausalAttention, Positions
+from launcher.data.context_split import local_positions, rank_chunks
+from launcher.model.attention import CausalAttention, Positions
 from launcher.parallel.swap import swap_modules
-
-
-def rank_chunks(cp: int, rank: int) -> tuple[int, int]:
-    """The global chunks (of 2 cp) cp rank `rank` holds, in local order: one early, its mirror late."""
-    return rank, 2 * cp - 1 - rank
-
-
-@cache
-def _positions(seq_len: int, cp: int, rank: int) -> tuple[int, ...]:
-    chunk = seq_len // (2 * cp)
-    return tuple(p for c in rank_chunks(cp, rank) for p in range(c * chunk, (c + 1) * chunk))
-
-
-def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
-    """Global positions of cp rank `rank`'s tokens of an S-token sequence: chunks rank and
-    2 cp - 1 - rank of 2 cp (layout.violations has checked that 2 cp divides S)."""
-    return torch.tensor(_positions(seq_len, cp, rank), dtype=torch.long)
-
-
-def split_sequence(t: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    """This cp rank's tokens of (batch, seq, ...) rows: what the data loader hands it."""
-    return t if cp == 1 else t[:, local_positions(t.shape[1], cp, rank)]
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -2,63 +2,49 @@
 
 Stages. With pp ranks and v virtual stages per rank there are S = pp * v stages; rank r holds the
 stages r, r + pp, ..., r + (v - 1) * pp (the looped placement of interleaved 1F1B, Narayanan et al.
-2021: `layout.rank_stages`). The embeddings live on stage 0, the final norm, the output projection
-and the loss on stage S - 1. Layers are split as evenly as possible (`layout.stage_layers`, which
-the planner counts with too): when S does not divide n_layers, the first n_layers % S stages take
-one layer more (the last stage already carries the output projection and the loss, the heaviest
-non-block work, so it is never the one given the extra layer).
+2021), or r and 2 pp - 1 - r in a V, as its schedule places them (`layout.rank_stages`). The
+embeddings live on stage 0, the final norm, the output projection and the loss on stage S - 1.
+Layers are split as evenly as possible (`layout.stage_layers`, which the planner counts with too):
+when S does not divide n_layers, the first n_layers % S stages take one layer more (the last stage
+already carries the output projection and the loss, the heaviest non-block work, so it is never the
+one given the extra layer).
 
 A stage is a copy of the (meta) `Transformer` with the parts it does not hold deleted, as torchtitan
 cuts its stages: its blocks keep their global names (`layers.5`), so parameter names, and therefore
 checkpoints, do not depend on the layout.
 
-Schedules: gpipe (all forwards, then all backwards: every micro-batch's activations are alive at
-once), 1f1b (after a warm-up of pp - stage forwards, one forward then one backward: at most pp
-micro-batches in flight per stage) and interleaved_1f1b (1F1B over v smaller stages per rank: the
-bubble shrinks by v). Gradients are the mean over micro-batches (`scale_grads`).
-
-Zero-bubble schedules (Qi et al. 2024) split each backward into the input gradient (I, which the
-previous stage waits for) and the weight gradient (W, which nobody waits for) and move the W's into
-the bubbles: interleaved_zb (ZB1P: looped placement, any v), zbv (ZB-V) and dualpipev (DeepSeek's
-DualPipe folded into a V), the last two with exactly two stages per rank placed in a V
-(`layout.rank_stages`: rank r holds stages r and 2 pp - 1 - r, so rank 0 holds the embedding and
-the loss). torch runs I as `autograd.grad` over the stage's inputs with the graph retained, so a
-microbatch's saved activations live until its W: the planner counts them in flight until then. The
-fused projections' weight gradients get a node of their own there (`split_weight_passes`).
+Schedules are the rows of launcher/layout/schedules.py: each names its placement, its rules and the
+class that runs it (torch's own, `schedule_class`); `build_schedule` builds that class over this
+rank's stages. Gradients are the mean over micro-batches (`scale_grads`). A zero-bubble schedule
+splits each backward into the input gradient (I, which the previous stage waits for) and the weight
+gradient (W, which nobody waits for): torch runs I as `autograd.grad` over the stage's inputs with
+the graph retained, so a microbatch's saved activations live until its W (the planner counts them in
+flight until then), and the fused projections' weight gradients get a node of their own
+(`split_weight_passes`).
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 
 from launcher.compat.pipeline_api import pipeline_stage
-from launcher.layout import MULTI_STAGE, ZERO_BUBBLE, stage_layers
+from launcher.layout import SCHEDULE, stage_layers
 from launcher.model import Transformer
 from launcher.model.moe import moe_layers
 from launcher.ops.fused import FusedLinear, SplitFusedLinear
 from launcher.parallel.swap import swap_modules
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
+
+def schedule_class(schedule: str) -> type:
+    """The class that runs `schedule`: its row's `runtime` (launcher/layout/schedules.py), imported here."""
+    module, _, name = SCHEDULE[schedule].runtime.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
@@ -105,12 +91,12 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ):
     """The schedule object driving this rank's stages (step(x, target=, losses=) / eval(...))."""
-    cls = SCHEDULES[schedule]
-    if schedule in ZERO_BUBBLE:
+    row, cls = SCHEDULE[schedule], schedule_class(schedule)
+    if row.zero_bubble:
         for m in modules:
             m.register_forward_hook(lambda _module, _args, out: _owned(out))
         loss_fn = _owned_loss(loss_fn)
     pipe_stages = [pipeline_stage(m, s, n_stages, device, group) for m, s in zip(modules, stages)]
-    if schedule in MULTI_STAGE:  # a list of this rank's stages (the V schedules place them themselves)
+    if row.multi_stage:  # a list of this rank's stages (the V schedules place them themselves)
         return cls(pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn)
     return cls(pipe_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)

@@ -46,16 +46,21 @@ def _scalar(value: torch.Tensor) -> float:
 
 class Runner:
     """One process, no parallelism: gradient accumulation over micro-batches of `micro` sequences
-    (the loader hands each rank `layout.microbatches` of them per step)."""
+    (the loader hands each rank `layout.microbatches` of them per step). `document_eos`
+    (data.document_mask): the id ending each document, from which each batch's document ids are the
+    model's forward input (model/documents.py); None: plain causal."""
 
     fp8: dict[str, Any] | None = None  # dtype=fp8: the layers converted and kept (launcher/parallel/float8.py)
     compiled_units: int = 0  # modules torch.compile'd on this rank (launcher/parallel/compiled.py)
 
-    def __init__(self, model: nn.Module, micro: int, autocast: torch.autocast | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, micro: int, autocast: torch.autocast | None = None, document_eos: int | None = None
+    ) -> None:
         self.parts: list[nn.Module] = [model]
         self.model = model
         self.micro = micro
         self.autocast = autocast
+        self.document_eos = document_eos
         self.local_loss = 0.0  # this rank's own mean loss of the last pass, before the mean over ranks
 
     @functools.cached_property
@@ -75,9 +80,13 @@ class Runner:
     def _autocast(self) -> contextlib.AbstractContextManager:
         return self.autocast or contextlib.nullcontext()
 
+    def documents(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The inputs' document ids under document masking (model/documents.py), else None."""
+        return None if self.document_eos is None else document_ids(inputs, self.document_eos)
+
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():  # output projection and loss together, in chunks (ops/loss.py; under tp
-            return self.model(inputs, targets)  # over the vocabulary shards: parallel/vocab.py)
+            return self.model(inputs, targets, self.documents(inputs))  # over the vocabulary shards: parallel/vocab.py)
 
     def microbatches(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batch as the microbatches it runs, `micro` sequences each."""
@@ -135,8 +144,10 @@ class Runner:
 class DistributedRunner(Runner):
     """Shared by the parallel runners: global loss and gradient norm over the mesh."""
 
-    def __init__(self, parts: list[nn.Module], micro: int, autocast: Any, mesh: Any, layout: Layout) -> None:
-        super().__init__(parts[0], micro, autocast)
+    def __init__(
+        self, parts: list[nn.Module], micro: int, autocast: Any, mesh: Any, layout: Layout, document_eos: int | None
+    ) -> None:
+        super().__init__(parts[0], micro, autocast, document_eos)
         self.parts = parts
         self.mesh = mesh
         self.layout = layout
@@ -264,9 +275,8 @@ class PipelineRunner(DistributedRunner):
         # and a loader's inputs are a slice of seq + 1 tokens
         args = (inputs.contiguous(),) if self.first else ()
         kwargs = {"target": targets, "losses": losses} if self.last else {}
-        eos = self.model.document_eos
-        if eos is not None:  # later stages see no tokens: every stage gets the document ids (model/documents.py)
-            kwargs["documents"] = document_ids(inputs, eos)
+        if self.document_eos is not None:  # later stages see no tokens: every stage gets the document ids
+            kwargs["documents"] = self.documents(inputs)
         kept = token_losses() if recording() else contextlib.nullcontext([])
         with loss_context(self.layout.tp), self._autocast(), kept as recorded:
             run(*args, **kwargs)

@@ -41,8 +41,7 @@ reductions run on the cores the matmuls use, so nothing is hidden).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from launcher.config.prediction import StepTime
 from launcher.config.schema import ModelConfig
 from launcher.flops import head_dim, kv_heads, loss_weight_bytes
 from launcher.layout import Layout, async_tp_applies
@@ -54,44 +53,6 @@ from launcher.planner.memo import on_fields
 from launcher.planner.memory import GRAD_BYTES
 
 CONTENTION = {"cuda": 0.2, "tpu": 0.2, "cpu": 1.0}  # share of overlapped communication still taken from compute
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """Seconds per optimizer step on the busiest rank, by component."""
-
-    compute: float  # forward + backward (+ recompute) of all microbatches
-    tp_comm: float
-    cp_comm: float  # K/V all-gathers and their gradients' reduce-scatters
-    tp_host: float  # DTensor dispatch the device does not hide (cpu)
-    pp_p2p: float
-    pp_bubble: float
-    dp_exposed: float  # data-parallel communication not hidden behind compute
-    dp_total: float  # all data-parallel communication, hidden or not
-    tp_level: str
-    cp_level: str
-    dp_level: str
-    pp_level: str
-    ep_comm: float = 0.0  # MoE all-to-alls (launcher/planner/moe.py)
-    ep_level: str = ""
-    host: float = 0.0  # every block's framework dispatch the device does not hide, MoE routing's copies (cpu)
-    optimizer: float = 0.0  # the optimizer step over the rank's parameters (cpu)
-    loss: float = 0.0  # the chunked loss's output-weight traffic (`loss_traffic`)
-    tied_comm: float = 0.0  # tied embeddings, pp > 1: the embedding gradient's all-reduce (`tied_time`)
-    fp8_cast: float = 0.0  # dtype=fp8: the amax and cast passes (launcher/planner/fp8.py)
-
-    @property
-    def total(self) -> float:
-        comm = self.tp_comm + self.cp_comm + self.tp_host + self.pp_p2p + self.dp_exposed + self.ep_comm
-        comm += self.tied_comm
-        return self.compute + self.host + comm + self.pp_bubble + self.optimizer + self.loss + self.fp8_cast
-
-    def as_dict(self) -> dict[str, float]:
-        keys = ("compute", "host", "tp_comm", "cp_comm", "tp_host", "pp_p2p", "pp_bubble", "dp_exposed", "dp_total")
-        keys += ("ep_comm", "optimizer", "loss", "tied_comm", "fp8_cast")
-        out = {k: getattr(self, k) for k in keys}
-        out["total"] = self.total
-        return out
 
 
 def contention(machine: Machine) -> float:
@@ -329,19 +290,8 @@ def fsdp_copies(machine: Machine, nbytes: float, ranks: int, kind: str) -> float
 
 def bubble_slots(layout: Layout) -> float:
     """Idle time of the busiest pipeline rank, in slots (one microbatch's forward and backward of all
-    its layers), as `planner.timeline` measures it on torch's action orders: (p - 1)/v for GPipe and
-    the 1F1B family; a zero-bubble schedule fills all but one forward chunk per hop with weight
-    gradients, (p - 1) chunk forwards = (p - 1)/(3v) slots with forward, input and weight gradient
-    equally long (each one GEMM per weight); zbv with fewer than 2p - 1 microbatches cannot fill its
-    warm-up, 2(2p - 1 - m) chunk forwards."""
-    p, v, m = layout.pp, layout.chunks, layout.microbatches
-    if p == 1:
-        return 0.0
-    if layout.schedule in ("interleaved_zb", "dualpipev"):
-        return (p - 1) / (3 * v)
-    if layout.schedule == "zbv":
-        return max(p - 1, 2 * (2 * p - 1 - m)) / (3 * v)
-    return (p - 1) / v
+    its layers): the schedule's `bubble` (launcher/layout/schedules.py)."""
+    return layout.pipe.bubble(layout.pp, layout.chunks, layout.microbatches) if layout.pp > 1 else 0.0
 
 
 def _outer(machine: Machine, stride: int, size: int) -> str:

@@ -53,10 +53,9 @@ its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import cache
-from operator import attrgetter
 
+from launcher.config.prediction import Memory
 from launcher.config.schema import ModelConfig
 from launcher.flops import (
     FLOP_PER_BYTE,
@@ -77,37 +76,7 @@ MASTER_BYTES = 4  # fp32 parameters
 GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
-PARTS = ("params", "grads", "optimizer", "buffers", "activations", "logits", "overhead", "held")  # Memory's, in order
-_of_parts = attrgetter(*PARTS)
 OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.35}  # context, collective buffers, workspaces; cpu: the process
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes on the busiest device."""
-
-    params: float
-    grads: float
-    optimizer: float
-    buffers: float  # compute-dtype working copies, gathered FSDP parameters
-    activations: float
-    logits: float
-    overhead: float
-    held: float = 0.0  # what the run keeps beside: a device rollback snapshot, replica groups' buckets
-    total: float = field(init=False, repr=False, compare=False)  # the parts' sum, once: the search compares many
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "total", sum(_of_parts(self)))
-
-    @property
-    def checkpoint(self) -> float:
-        """Bytes of this device's checkpoint shards: its fp32 weights and Adam moments, as DCP writes them."""
-        return self.params + self.optimizer
-
-    def as_gib(self) -> dict[str, float]:
-        out = {k: round(getattr(self, k) / GIB, 3) for k in PARTS}
-        out["total"] = round(self.total / GIB, 3)
-        return out
 
 
 @cache

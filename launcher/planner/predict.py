@@ -1,5 +1,6 @@
 """A layout's prediction: memory, step time by component, tokens/s, MFU and HFU, whether it fits,
 and what bounds it (`bottleneck`), for one `Problem` (the model, sequence length, world and machine).
+The value itself, `Prediction`, is plain data a worker receives: launcher/config/prediction.py.
 """
 
 from __future__ import annotations
@@ -9,15 +10,16 @@ from operator import attrgetter
 from typing import Any
 
 from launcher.config.ft import BUCKET_BYTES, BUCKETS_IN_FLIGHT
+from launcher.config.prediction import Memory, Prediction, StepTime
 from launcher.config.schema import ModelConfig
-from launcher.flops import GIB, mfu
+from launcher.flops import mfu
 from launcher.layout import Layout
-from launcher.planner.cost import StepTime, lower_bound, step_time
+from launcher.planner.cost import lower_bound, step_time
 from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency
 from launcher.planner.fp8 import Fp8, weight_bytes
 from launcher.planner.memo import flops_per_token, hardware_flops_per_token
-from launcher.planner.memory import Memory, memory, rank_layers, recomputed_layers
+from launcher.planner.memory import memory, rank_layers, recomputed_layers
 
 
 @dataclass(frozen=True)
@@ -40,67 +42,6 @@ class Problem:
     @property
     def dtype(self) -> str:
         return "fp8" if self.fp8 else ("fp32" if self.elem == 4 else "bf16")
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What the planner predicts for one layout: the value `plan` ranks and `train` runs beside."""
-
-    layout: Layout
-    memory: Memory
-    time: StepTime
-    tokens_per_s: float
-    mfu: float
-    hfu: float  # hardware FLOPs utilisation: recomputation counted
-    fits: bool
-    bottleneck: str
-    machine: str
-    seq_len: int
-    dtype: str = "bf16"  # the compute dtype of the blocks' matmuls: fp32 | bf16 | fp8
-    mfu_fp8_peak: float | None = None  # fp8: model FLOPs utilisation against the fp8 peak (mfu: the bf16 peak)
-
-    @property
-    def step_time_s(self) -> float:
-        return self.time.total
-
-    @property
-    def tokens_per_microbatch(self) -> int:
-        return self.layout.micro * self.seq_len
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.layout.global_batch * self.seq_len
-
-    def as_dict(self) -> dict[str, Any]:
-        lay = self.layout
-        return {
-            "hardware": self.machine,
-            "world": lay.world_size,
-            **{key: getattr(lay, key) for key in ("tp", "pp", "cp", "dp", "dp_shard", "dp_replicate", "sharding")},
-            "microbatch": lay.micro,
-            "microbatches": lay.microbatches,
-            "global_batch": lay.global_batch,
-            "tokens_per_step": self.tokens_per_step,
-            "schedule": lay.schedule if lay.pp > 1 else "none",
-            "virtual_stages": lay.chunks,
-            "recompute": lay.recompute,
-            "recompute_layers": lay.recompute_layers,
-            "sequence_parallel": lay.sequence_parallel,
-            "zero": (3 if lay.reshard_after_forward else 2) if lay.dp_shard > 1 else 0,
-            "ep": lay.ep,
-            "memory_gib": round(self.memory.total / GIB, 3),
-            "memory": self.memory.as_gib(),
-            "checkpoint_bytes_per_rank": round(self.memory.checkpoint),  # the busiest device's
-            "fits": self.fits,
-            "step_time_s": self.time.total,
-            "time_s": self.time.as_dict(),
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
-            "hfu": self.hfu,
-            "bottleneck": self.bottleneck,
-            "dtype": self.dtype,
-            "mfu_fp8_peak": self.mfu_fp8_peak,
-        }
 
 
 # the components `bottleneck` names, in its order of preference on a tie

@@ -18,7 +18,7 @@ from launcher.config.schema import TrainConfig, compile_enabled
 from launcher.config.validate import require_fp8_units
 from launcher.errors import LauncherError
 from launcher.flops import document_span
-from launcher.layout import INTERLEAVED, check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
+from launcher.layout import SCHEDULE, check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
 from launcher.planner.device import Machine
 from launcher.planner.fp8 import RECIPE_RATE, Fp8
 from launcher.planner.machine import machine
@@ -103,7 +103,7 @@ def space(cfg: TrainConfig, world: int, explore: bool) -> Space:
         degrees["cp"] = 1
     check_world(world, degrees)
     schedule = None if cfg.pp_schedule == "auto" else cfg.pp_schedule
-    interleaved = schedule in INTERLEAVED
+    interleaved = schedule is not None and SCHEDULE[schedule].interleaved
     virtual = int_or_auto("virtual_stages", cfg.virtual_stages, auto=None) or 1
     searched_v = virtual == 1 and (schedule is None or (explore and interleaved))
     return Space(

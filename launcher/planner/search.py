@@ -7,9 +7,8 @@ What is searched (a key given an int or a name in the config constrains it; `aut
 - batch.micro: divisors of the per-rank batch (global / dp) up to MAX_MICRO. Without batch.global:
   micro in (1, 2, 4, 8), so each layout trains its own global batch. The microbatch count follows
   from the runtime's rule (`layout.microbatch_count`).
-- pp_schedule `auto`: 1f1b; interleaved_1f1b with virtual_stages in (2, 4, 8); the zero-bubble
-  schedules: interleaved_zb with virtual_stages in (1, 2, 4, 8), zbv and dualpipev (2, in a V). gpipe
-  is only taken when asked for: it has 1F1B's bubble and holds all microbatches.
+- pp_schedule `auto`: every schedule whose row says `auto` (launcher/layout/schedules.py: all but
+  gpipe), each with the virtual stages its row tries (`virtual_tries`) unless virtual_stages is given.
 Every candidate then passes the runtime's own rules (`layout.violations`: tp divides the model,
 stages fit the layers, microbatches fill the pipeline, ...) or is skipped; the first rule broken is
 kept for the error when nothing is valid.
@@ -32,9 +31,7 @@ from heapq import heappush, heappushpop
 from launcher.config.schema import ModelConfig
 from launcher.errors import LauncherError
 from launcher.layout import (
-    INTERLEAVED,
-    V_SHAPED,
-    ZERO_BUBBLE,
+    SCHEDULE,
     Layout,
     divisors,
     microbatch_count,
@@ -51,7 +48,6 @@ MAX_MICRO = 32
 # see; the bound also keeps the search fast (`plan` for 405b on 16,384 devices in under 1 s).
 MIN_CP_TOKENS = 4096
 MAX_AUTO_CP = 32
-AUTO_VIRTUAL = (2, 4, 8)
 # a candidate before its reshard choice: Layout's first ten fields (tp, pp, dp_replicate, dp_shard, micro,
 # microbatches, schedule, virtual_stages, recompute, sequence_parallel), then cp and ep
 Point = tuple[int, int, int, int, int, int, str, int, str, bool, int, int]
@@ -181,13 +177,11 @@ def _schedules(space: Space, pp: int) -> Iterator[tuple[str, int]]:
     if pp == 1:
         yield space.schedule or "1f1b", space.virtual_stages or 1
         return
-    for name in [space.schedule] if space.schedule else ["1f1b", "interleaved_1f1b", *ZERO_BUBBLE]:
-        if name in V_SHAPED:
-            yield name, 2
-        elif name in INTERLEAVED and not space.virtual_stages:
-            yield from ((name, v) for v in ((1,) if name == "interleaved_zb" else ()) + AUTO_VIRTUAL)
+    for row in [SCHEDULE[space.schedule]] if space.schedule else [r for r in SCHEDULE.values() if r.auto]:
+        if space.virtual_stages and not row.v_shape:  # given (a fixed row's rule refuses a wrong count)
+            yield row.name, space.virtual_stages
         else:
-            yield name, space.virtual_stages or 1
+            yield from ((row.name, v) for v in row.virtual_tries())
 
 
 @dataclass

@@ -116,30 +116,14 @@ def render(timeline: Timeline, scale: float = 1.0) -> str:
 
 
 def in_flight(layout: Layout, rank: int) -> float:
-    """Microbatches whose activations rank `rank` holds at its peak (in units of all its layers)."""
-    m, p = layout.microbatches, layout.pp
-    if p == 1:
+    """Microbatches whose activations rank `rank` holds at its peak (in units of all its layers): the
+    schedule's `in_flight` (launcher/layout/schedules.py)."""
+    if layout.pp == 1:
         return 1.0
-    if layout.schedule == "gpipe":
-        return float(m)
-    if layout.schedule == "interleaved_zb":  # ZB1P: warm-up of (v - 1) p + p - r - 1 chunks, W's lag I's
-        return float(min(m, p))
-    if layout.schedule == "zbv":  # chunk 0's warm-up 2(p - r) - 1, then r pairs and p - r chunk-1 forwards
-        return min(2 * p, m + rank + 1) / 2
-    if layout.schedule == "dualpipev":  # 2p + 1 chunks on every rank (m >= 2p)
-        return (2 * p + 1) / 2
-    if layout.chunks > 1:
-        v = layout.chunks
-        return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v  # Megatron's warm-up depth
-    return float(min(m, p - rank))
+    return layout.pipe.in_flight(layout.pp, layout.chunks, layout.microbatches, rank)
 
 
 def logits_in_flight(layout: Layout) -> int:
-    """Microbatches whose logits (and the loss's fp32 log-softmax) the last stage holds at once:
-    GPipe all; interleaved_zb p (its loss's graph lives from the input to the weight backward,
-    which ZB1P runs p microbatches later); every other schedule one."""
-    if layout.pp == 1:
-        return 1
-    if layout.schedule == "gpipe":
-        return layout.microbatches
-    return layout.pp if layout.schedule == "interleaved_zb" else 1
+    """Microbatches whose logits (and the loss's fp32 log-softmax) the last stage holds at once: the
+    schedule's `logits` (launcher/layout/schedules.py)."""
+    return layout.pipe.logits(layout.pp, layout.microbatches) if layout.pp > 1 else 1

@@ -8,8 +8,8 @@ A failed save is named by the OSError found in the exception's chain or in DCP's
 with no errno: when no errno is found and the root has less free space than this rank's shards, the
 cause reads "disk full? X MiB free on DIR".
 
-Tests inject a full disk through `LAUNCHER_TEST_DISK_FULL=STEP[:RANK]` (read here only): that rank's
-shard writes at that step raise OSError(ENOSPC).
+Tests inject a full disk through `LAUNCHER_TEST_DISK_FULL=STEP[:RANK]` (launcher/train/faults.py): that
+rank's shard writes at that step raise OSError(ENOSPC).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from launcher.errors import LauncherError
+from launcher.train.faults import fault_plan
 from launcher.train.preemption import agree, collective_device
 
 log = logging.getLogger("launcher")
-TEST_DISK_FULL_ENV = "LAUNCHER_TEST_DISK_FULL"
 MIB = 2**20
 CAUSES = {
     errno.ENOSPC: "no space left on device",
@@ -97,11 +97,9 @@ class FullDisk(FileSystemWriter):
 
 
 def storage_writer(path: Path, step: int, rank: int) -> FileSystemWriter:
-    """DCP's file writer for `path`; at the step and rank LAUNCHER_TEST_DISK_FULL=STEP[:RANK] names, one
-    that fails as a full disk does."""
-    at, _, who = os.environ.get(TEST_DISK_FULL_ENV, "").partition(":")
-    injected = at and int(at) == step and int(who or 0) == rank
-    return FullDisk(str(path)) if injected else FileSystemWriter(str(path))
+    """DCP's file writer for `path`; at the step and rank the test fault plan names (LAUNCHER_TEST_DISK_FULL),
+    one that fails as a full disk does."""
+    return FullDisk(str(path)) if fault_plan().disk_full_at(step, rank) else FileSystemWriter(str(path))
 
 
 def _errors(err: BaseException) -> list[tuple[BaseException, int]]:

@@ -16,7 +16,7 @@ from launcher.parallel.runner import Runner
 from launcher.train.preemption import collective_device
 
 if TYPE_CHECKING:
-    from launcher.planner import Prediction
+    from launcher.config.prediction import Prediction
 
 
 def gather_rows(values: list[float]) -> list[list[float]]:

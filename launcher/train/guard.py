@@ -8,36 +8,53 @@ floats, each the result of a sum over every rank (the runner's global mean, the 
 every rank sees the same values and takes the same branch: their collectives stay matched. Only on
 a bad step do the ranks meet once more, to find which rank's own loss was not finite.
 
-Tests inject a NaN through `LAUNCHER_TEST_NAN=STEP[:RANK]` (read here only): that rank's forward
-output at that step becomes NaN.
+Both are hooks of the step (launcher/train/hooks.py): `Guard` asks at `allow_update`; `InjectedNan` (tests
+only, `LAUNCHER_TEST_NAN=STEP[:RANK]`, launcher/train/faults.py) turns that rank's forward output NaN at
+that step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from launcher.errors import NonFinite
 from launcher.train.checkpoint import complete_checkpoints
+from launcher.train.faults import fault_plan
+from launcher.train.hooks import Hook, Step
 from launcher.train.preemption import collective_device
 
 if TYPE_CHECKING:
     from launcher.parallel.runner import Runner
-    from launcher.train.checkpoint import Checkpointer
-
-TEST_NAN_ENV = "LAUNCHER_TEST_NAN"
+    from launcher.train.checkpoint import Checkpointer, Stateful
 
 
-class Guard:
-    def __init__(self, skip: bool, rank: int, checkpointer: Checkpointer) -> None:
-        self.skip, self.rank, self.checkpointer = skip, rank, checkpointer
-        self.skipped = 0  # steps skipped so far in this run (the loop resumes the checkpoint's count)
+class Guard(Hook):
+    """`resumed`: the checkpoint this run resumed from (its count of skipped steps)."""
+
+    def __init__(
+        self, skip: bool, rank: int, checkpointer: Checkpointer, runner: Runner, resumed: Stateful | None = None
+    ) -> None:
+        self.skip, self.rank, self.checkpointer, self.runner = skip, rank, checkpointer, runner
+        self.skipped = resumed.extras.get("skipped_steps", 0) if resumed is not None else 0  # steps skipped so far
+
+    def allow_update(self, s: Step) -> bool:
+        return self.update(s.number, s.loss, s.grad_norm, self.runner)
+
+    def after_step(self, s: Step) -> None:
+        if self.skip and s.counted:
+            s.row["skipped_steps"] = self.skipped
+
+    def extras(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped}
+
+    def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped}
 
     def update(self, step: int, loss: float, grad_norm: float, runner: Runner) -> bool:
         """Whether this step's gradients may update the model: True when finite; False when skipped
@@ -66,16 +83,19 @@ def first_bad_rank(local_loss: float, rank: int) -> int:
     return next((r for r, flag in enumerate(flags) if flag.item()), 0)
 
 
-def injected_nan_step(rank: int) -> int | None:
-    """Tests only: the step whose model output turns NaN on this rank (LAUNCHER_TEST_NAN=STEP[:RANK]),
-    read once before the loop."""
-    at, _, who = os.environ.get(TEST_NAN_ENV, "").partition(":")
-    return int(at) if at and int(who or 0) == rank else None
+class InjectedNan(Hook):
+    """Tests only: the step whose model output turns NaN on this rank (`LAUNCHER_TEST_NAN`, read once)."""
+
+    def __init__(self, parts: list[torch.nn.Module], rank: int) -> None:
+        self.parts, self.step = parts, fault_plan().nan_step(rank)
+
+    def during_forward(self, s: Step) -> contextlib.AbstractContextManager[None]:
+        return injected_nan(self.parts, s.number == self.step)
 
 
 @contextlib.contextmanager
 def injected_nan(parts: list[torch.nn.Module], now: bool) -> Iterator[None]:
-    """With `now`, the first part's output is NaN for the duration (the step `injected_nan_step` named)."""
+    """With `now`, the first part's output is NaN for the duration."""
     if not now:
         yield
         return

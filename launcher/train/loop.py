@@ -1,5 +1,7 @@
-"""The worker: everything one rank does, from its device to the summary. `setup` builds the rank
-(launcher/train/setup.py); then the loop, one `step` at a time; then `summarize`. The loop fits one screen."""
+"""The worker: everything one rank does, from its device to the summary. `setup` builds the rank and the
+step's hooks (launcher/train/setup.py); then the loop, one `train_step` at a time (data -> forward/backward
+-> update -> metrics; resilience and observers join at the hooks' moments, launcher/train/hooks.py); then
+`summarize`. The loop fits one screen."""
 
 from __future__ import annotations
 
@@ -21,9 +23,7 @@ from launcher.layout.text import degrees_text
 from launcher.metrics import sources
 from launcher.metrics.charts import run_loss_curve
 from launcher.metrics.meter import memory_gib, memory_measure
-from launcher.metrics.profile import StepProfiler
 from launcher.parallel.compiled import CompileReport
-from launcher.parallel.float8 import precompute_scales
 from launcher.parallel.runner import Runner
 from launcher.train.checkpoint import Stateful
 from launcher.train.fit import (
@@ -34,11 +34,9 @@ from launcher.train.fit import (
     predicted_build_gib,
     smoke_step,
 )
-from launcher.train.guard import injected_nan, injected_nan_step
+from launcher.train.hooks import Step
 from launcher.train.optim import optimizer_impl
-from launcher.train.preemption import PreemptionFlag
 from launcher.train.setup import Worker, setup
-from launcher.train.spike import SpikeGuard, Trainee
 from launcher.train.watchdog import Off, Watchdog
 
 log = logging.getLogger("launcher")
@@ -50,120 +48,87 @@ def train(run: Run, run_dir: Path, rank: int = 0, watchdog: Watchdog | Off | Non
     w = setup(run, run_dir, rank, watchdog or Off())
     if run.steps == 0:  # built for real: measure, and stop
         return finish(w, measure(w))
-    trainee = Trainee(w.runner.parts, w.optimizer, w.schedule, w.train_loader, w.device)
-    spikes = SpikeGuard(
-        run.guard, trainee, w.checkpointer, w.sinks, w.view, w.resumed
-    )  # guard.spike: skip or roll back
-    w.replicas.share(spikes)  # ft: a group healing from this one gets the guard's state too
-    preemption, profiler = PreemptionFlag(), StepProfiler(run.profile, run_dir, rank, w.device)
-    nan_step = injected_nan_step(rank)
     rows: list[dict[str, Any]] = []
-    step = run.steps if w.replicas.ended else w.start  # ft: restarted after the others finished the run
+    step = run.steps if w.hooks.ended else w.start  # ft: restarted after the others finished the run
     while step < run.steps:
-        spikes.keep(step, run.steps)  # rollback: the in-memory snapshot, every guard.snapshot_every steps
-        step += 1
-        stepped = train_step(w, spikes, profiler, step, step == nan_step)
-        if isinstance(stepped, int):  # rolled back, or an ft step to redo: on from that step
-            step = stepped
+        s = train_step(w, Step(step + 1, run.steps))
+        if not s.counted:  # rolled back, or an ft step to redo: on from that step
+            step = s.redo
             continue
-        row, loads = stepped
-        step = row["step"]  # ft: a group that healed from a peer is on the peer's step
+        step = s.number  # ft: a group that healed from a peer is on the peer's step
         if not rows and w.runner.compiled_units:  # the first step compiled the blocks: say what it did
             line = CompileReport.now(w.runner.compiled_units).line()
             w.view.note(line)
             log.info("%s", line)
-        rows.append(row)
-        if report(w, spikes, preemption, step, row, loads):  # a stop signal: every rank saved this step
+        rows.append(s.row)
+        if report(w, s):  # a stop signal: every rank saved this step
             w.checkpointer.wait()
-            preemption.restore()
-            stopped = {"preempted_at_step": step, "checkpoint": str(w.ckpt_root)}
+            w.hooks.at_end(stopped=True)
+            stopped = {"preempted_at_step": step, "checkpoint": str(w.checkpointer.root)}
             w.view.close(stopped)
             return stopped
-    w.watchdog.phase("checkpoint", run.steps)  # an async save in flight completes
+    w.hooks.before_save(run.steps)  # an async save in flight completes
     w.checkpointer.wait()
-    preemption.restore()
-    profiled = profiler.finish()  # every rank's top ops, one line each
-    for line in profiled:
-        w.view.note(line)
-        log.info("profile %s", line)
+    w.hooks.at_end(stopped=False)
     if not rows:  # resumed at the end (ft: or the run ended without this group): nothing left to train
-        w.replicas.close()
         w.view.close({"resumed_at_step": w.start})
         return {"final_loss": None, "steps": run.steps, "resumed_from": w.start}
-    return finish(w, summarize(w, rows, profiled))
+    return finish(w, summarize(w, rows))
 
 
-def train_step(
-    w: Worker, spikes: SpikeGuard, profiler: StepProfiler, step: int, nan: bool
-) -> tuple[dict[str, Any], list[Any]] | int:
-    """One step: its metrics row and each MoE layer's load; or the step to go on from when this one does
-    not count (the spike guard rolled back; ft: this group could not commit, and redoes it)."""
-    run, runner, device = w.run, w.runner, w.device
-    w.watchdog.phase("data", step)
+def train_step(w: Worker, s: Step) -> Step:
+    """One step: data -> forward/backward -> update -> metrics, the hooks at their moments (hooks.py). A step
+    that counts ends with its metrics row in `s.row`; one that does not, with `s.redo`."""
+    run, runner, hooks = w.run, w.runner, w.hooks
+    hooks.before_step(s)
     w.meter.start()
-    profiler.begin(step)
-    w.replicas.begin(step)  # ft: this step's quorum of replica groups, formed during forward and backward
     inputs, targets = w.train_loader.next_batch()
-    w.watchdog.phase("forward_backward", step)
-    with injected_nan(runner.parts, nan), spikes.poisoned(runner.parts), sources.recording(w.train_loader) as per_token:
-        loss = runner.forward_backward(inputs.to(device), targets.to(device))
-    by_source = sources.sums(runner, w.train_loader, per_token)  # a mixture's: loss and tokens per source
-    loss = w.replicas.sync(runner.parts, loss)  # ft: gradients and loss averaged over the replica groups
-    w.watchdog.phase("optimizer", step)
-    grad_norm = runner.clip_grad_norm(run.optim.grad_clip)
+    with hooks.during_forward(s):
+        s.loss = runner.forward_backward(inputs.to(w.device), targets.to(w.device))
+    hooks.after_backward(s)
+    s.grad_norm = runner.clip_grad_norm(run.optim.grad_clip)
     lr = w.schedule.get_last_lr()[0]
-    # NaN/inf: stop (exit 3), or skip the update; a spike: skip it, or roll back (launcher/train/spike.py)
-    # ft: not committed when this group failed a collective (the step is redone, same batch); a group that
-    # healed from a peer just now is on the peer's step
-    committed, step = w.replicas.commit(step)
-    if committed and w.guard.update(step, loss, grad_norm, runner) and spikes.update(step, loss, grad_norm):
+    s.updated = hooks.allow_update(s)  # ft: committed; finite (launcher/train/guard.py); no spike (spike.py)
+    if s.updated:
         w.optimizer.step()
-        precompute_scales(runner.parts, run.options.fp8)  # FSDP2's float8 weight scales for the next step
     w.optimizer.zero_grad(set_to_none=True)
-    if not committed or spikes.rolled_back_to is not None:
-        precompute_scales(runner.parts, run.options.fp8)  # the restored weights'
-        profiler.end(step)
-        return spikes.rolled_back_to if spikes.rolled_back_to is not None else step - 1
-    w.schedule.step()
-    balance = runner.update_balance(w.per_layer)  # MoE: routing biases after the step, and their metrics
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    profiler.end(step)
-    row = w.meter.stop(step, loss, lr, grad_norm) | sources.figures(w.train_loader, by_source) | balance
-    row |= w.replicas.columns()  # ft: how many replica groups took part in this step
-    loads = row.pop("moe_layers", [])  # per MoE layer: to the panel and wandb, not kept in the rows
-    if run.optim.skip_nonfinite:
-        row["skipped_steps"] = w.guard.skipped
-    if run.eval.every and (step % run.eval.every == 0 or step == run.steps):
-        w.watchdog.phase("eval", step)
-        row |= run_eval(runner, w.val_loader, run.eval.batches)
-    return row, loads
+    if s.counted:
+        w.schedule.step()
+    hooks.after_update(s)
+    if s.counted and w.device.type == "cuda":
+        torch.cuda.synchronize(w.device)
+    hooks.after_step(s)
+    if not s.counted:
+        return s
+    s.row = w.meter.stop(s.number, s.loss, lr, s.grad_norm) | s.row
+    if run.eval.every and (s.number % run.eval.every == 0 or s.number == run.steps):
+        hooks.before_eval(s)
+        s.row |= run_eval(runner, w.val_loader, run.eval.batches)
+    return s
 
 
-def report(
-    w: Worker, spikes: SpikeGuard, preemption: PreemptionFlag, step: int, row: dict[str, Any], loads: list[Any]
-) -> bool:
+def report(w: Worker, s: Step) -> bool:
     """After a step: save when due or asked to stop, log the row when due; whether to stop now."""
-    run = w.run
+    run, step, row = w.run, s.number, s.row
     # one collective a step: every rank's memory (shown on logged steps) and stop request together
-    per_rank = gather_rows([row["mem_gib"], float(preemption.raised)])
+    per_rank = gather_rows([row["mem_gib"], float(w.hooks.stop_requested)])
     stop = any(stop for _, stop in per_rank)  # a stop signal on any rank: every rank saves this step, then stops
     if stop or w.checkpointer.due(step, run.steps):  # before the row is logged: it gets the save's time and bytes
-        row |= save(w, spikes, step, final=stop or step == run.steps)  # a final save that fails ends the run
+        row |= save(w, step, final=stop or step == run.steps)  # a final save that fails ends the run
     if step % run.metrics.log_every == 0 or step == run.steps or "val_loss" in row or "ckpt_bytes" in row:
         row.update(memory_summary([mem for mem, _ in per_rank], "mem_gib"))
         for sink in w.sinks:
-            sink.log(row, loads)
-        w.view.update(row, loads)
+            sink.log(row, s.loads)
+        w.view.update(row, s.loads)
         log.info("%s", row)
     return stop
 
 
-def save(w: Worker, spikes: SpikeGuard, step: int, final: bool) -> dict[str, float]:
-    """A checkpoint of this step: the shards, the optimizer, and what the loop resumes from."""
-    w.watchdog.phase("checkpoint", step)
-    extras = {"loader": w.train_loader.state_dict(), "schedule": w.schedule.state_dict(), "spike": spikes.state_dict()}
-    extras |= {"model": asdict(w.run.model), "skipped_steps": w.guard.skipped}  # export reads the model
+def save(w: Worker, step: int, final: bool) -> dict[str, float]:
+    """A checkpoint of this step: the shards, the optimizer, what the loop resumes from, and the hooks' state."""
+    w.hooks.before_save(step)
+    extras = {"loader": w.train_loader.state_dict(), "schedule": w.schedule.state_dict()} | w.hooks.extras()
+    extras["model"] = asdict(w.run.model)  # export reads the model
     return w.checkpointer.save(w.runner.parts, w.optimizer, Stateful(step, extras), final)
 
 
@@ -194,14 +159,13 @@ def measure(w: Worker) -> dict[str, Any]:
     return summary | {"predicted_build_gib": predicted, "threads_per_worker": run.options.threads}
 
 
-def summarize(w: Worker, rows: list[dict[str, Any]], profiled: list[str]) -> dict[str, Any]:
-    """What the run measured: the last step's loss and MoE balance, median throughput and MFU, memory,
-    checkpoint saves."""
+def summarize(w: Worker, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the run measured: the last step's loss, median throughput and MFU, memory, checkpoint saves;
+    and each hook's own (skipped steps, MoE balance, sources, profile, ft)."""
     timed = rows[1:] or rows  # the first step pays one-time costs (allocations, caches)
     val_losses = [row["val_loss"] for row in rows if "val_loss" in row]
     return {
         "final_loss": rows[-1]["loss"],
-        **{k: v for k, v in rows[-1].items() if k.startswith("moe_")},  # MoE balance at the last step
         "val_loss": val_losses[-1] if val_losses else None,
         "steps": w.run.steps,
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
@@ -212,11 +176,8 @@ def summarize(w: Worker, rows: list[dict[str, Any]], profiled: list[str]) -> dic
         "flops_per_token": w.meter.flops_per_token,
         "peak_flops_per_device": w.run.options.peak_flops,
         "threads_per_worker": w.run.options.threads,
-        "skipped_steps": w.guard.skipped,
-        **sources.realised_shares(rows),  # a mixture's tokens and share per source
         **w.checkpointer.summary(),  # save time and bytes per rank (the planner's bytes: prediction)
-        **({"profile": profiled} if profiled else {}),
-        **w.replicas.summary(rows),  # ft: the steps some replica group missed, and their tokens
+        **w.hooks.summary(rows),
     }
 
 
@@ -239,7 +200,6 @@ def finish(w: Worker, summary: dict[str, Any]) -> dict[str, Any]:
     if run.prediction is not None:
         summary["prediction"] = run.prediction.as_dict()
     summary["config"] = run.record  # the whole composed config: `plan.calibrate` re-predicts the run from it
-    w.replicas.close()
     if w.owner:
         write_json(w.run_dir / "summary.json", summary)
         for sink in w.sinks:

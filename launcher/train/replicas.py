@@ -6,7 +6,7 @@ the gradients and the loss over the groups in it, in one collective; `commit` sa
 of this group may step its optimizer. A group that failed a collective (a peer died) redoes the step
 with the same batch; a group behind the others (restarted) gets a peer's state in that quorum (the
 model, optimizer, schedule, loader, step and spike guard: `state`), contributes no gradient to that
-step, and then steps with the others. With `ft` off the loop gets `Alone`, which does nothing."""
+step, and then steps with the others. With `ft` off there is no such hook."""
 
 from __future__ import annotations
 
@@ -23,51 +23,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from launcher.config.ft import BUCKET_BYTES, BUCKETS_IN_FLIGHT
+from launcher.config.ft import ATTEMPT_ENV, BUCKET_BYTES, BUCKETS_IN_FLIGHT, START_ENV
 from launcher.config.run import Run
-from launcher.launch.ft import START_ENV
-from launcher.launch.slurm_job import ATTEMPT_ENV
+from launcher.train.faults import fault_plan
+from launcher.train.hooks import Hook, Step
 
 if TYPE_CHECKING:
+    from launcher.train.guard import Guard
     from launcher.train.spike import SpikeGuard
 
 ENDED = "ended"  # set in the meeting store by the first group to finish the run
 NCCL_NONBLOCKING_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # torchft's NCCL group: its own, set when unset
-# tests only: "STEP:REPLICA[:late]": that group's rank 0 SIGKILLs itself (first life); `late`: its next life
-# comes back only once the run has ended
-TEST_KILL_ENV = "LAUNCHER_TEST_KILL"
 
 
-class Alone:
-    """`ft` off: the one group there is."""
-
-    ended = False  # ft: another group finished the run before this one (re)started: nothing left to train
-
-    def share(self, spikes: SpikeGuard) -> None:
-        """The spike guard, which the loop builds after this: a group healing from this one receives its state."""
-
-    def begin(self, step: int) -> None:
-        pass
-
-    def sync(self, parts: list[torch.nn.Module], loss: float) -> float:
-        return loss
-
-    def commit(self, step: int) -> tuple[bool, int]:
-        return True, step
-
-    def columns(self) -> dict[str, int]:
-        return {}
-
-    def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-class Replicas(Alone):
+class Replicas(Hook):
     """This rank's Manager, and what a recovering peer receives from it: `w` is the rank's
-    launcher.train.setup.Worker (which builds this: not imported here, no circle)."""
+    launcher.train.setup.Worker (which builds this: not imported here, no circle). A hook of the step
+    (launcher/train/hooks.py): `begin` before it, `sync` after backward, `commit` asked before the update."""
 
     def __init__(self, run: Run, rank: int, w: Any) -> None:
         from torchft.manager import Manager
@@ -75,7 +47,8 @@ class Replicas(Alone):
         self.w, self.replicas, self.kill_step = w, run.ft.replicas, injected_kill_step(run.replica, rank)
         self.step, self.before, self.healed_to = w.start, w.train_loader.state_dict(), None
         quiet_torchft()
-        self.spikes: SpikeGuard | None = None  # `share`, before the first step
+        self.guard: Guard | None = None  # `share`, before the first step
+        self.spikes: SpikeGuard | None = None
         self.backward_done = threading.Event()  # this step's: `state` may read the model (set in `sync`)
         timeout = timedelta(seconds=run.ft.quorum_timeout_s)
         self.timeout_s = timeout.total_seconds()
@@ -118,7 +91,7 @@ class Replicas(Alone):
             "schedule": w.schedule.state_dict(),
             "loader": self.before,  # before this step's batch: `state` runs while the main thread draws it
             "step": self.step,
-            "skipped_steps": w.guard.skipped,
+            "skipped_steps": self.guard.skipped if self.guard is not None else 0,
             "spike": self.spikes.peer_state() if self.spikes is not None else None,  # window; rollback: snapshot
         }
 
@@ -130,13 +103,36 @@ class Replicas(Alone):
         w.optimizer.load_state_dict(owned(sd["optim"]))
         w.schedule.load_state_dict(sd["schedule"])
         w.train_loader.load_state_dict(sd["loader"])
-        w.guard.skipped = sd["skipped_steps"]
+        if self.guard is not None:
+            self.guard.skipped = sd["skipped_steps"]
         if self.spikes is not None and sd["spike"] is not None:
             self.spikes.load_peer_state(sd["spike"])  # copied into the guard's own buffers
         self.before, self.healed_to = sd["loader"], sd["step"]
 
-    def share(self, spikes: SpikeGuard) -> None:
-        self.spikes = spikes
+    def share(self, guard: Guard, spikes: SpikeGuard) -> None:
+        """The guards, built after this: a group healing from this one receives their state."""
+        self.guard, self.spikes = guard, spikes
+
+    def before_step(self, s: Step) -> None:
+        self.begin(s.number)
+
+    def after_backward(self, s: Step) -> None:
+        s.loss = self.sync(self.w.runner.parts, s.loss)
+
+    def allow_update(self, s: Step) -> bool:
+        """Not committed: the step is redone (the loop goes on from the one before)."""
+        committed, s.number = self.commit(s.number)
+        if not committed:
+            s.redo = s.number - 1
+        return committed
+
+    def after_step(self, s: Step) -> None:
+        if s.counted:
+            s.row |= self.columns()  # how many replica groups took part in this step
+
+    def at_end(self, stopped: bool) -> None:
+        if not stopped:  # a stopped group resumes: the run has not ended
+            self.close()
 
     def begin(self, step: int) -> None:
         self.step, self.before = step, self.w.train_loader.state_dict()
@@ -290,33 +286,25 @@ def wait_for_groups(store: dist.TCPStore, replica: int, replicas: int, timeout: 
         store.wait([f"started/{g}" for g in range(replicas)], timeout)
 
 
-def injected_kill(replica: int | None) -> tuple[int, bool] | None:
-    """Tests only (LAUNCHER_TEST_KILL=STEP:REPLICA[:late]), when `replica` is that group: (STEP, late)."""
-    raw = os.environ.get(TEST_KILL_ENV)
-    if not raw:
-        return None
-    step, group, *mode = raw.split(":")
-    return (int(step), mode == ["late"]) if int(group) == replica else None
-
-
 def restarted() -> bool:
     """A group's later life: the elastic agent's restart count, or the SLURM script's attempt."""
     return any(os.environ.get(name, "0") != "0" for name in ("TORCHELASTIC_RESTART_COUNT", ATTEMPT_ENV))
 
 
 def injected_kill_step(replica: int | None, rank: int) -> int | None:
-    """The step at which this group's rank 0 dies, in its first life (tests only: `injected_kill`)."""
-    kill = injected_kill(replica)
-    return kill[0] if kill and rank == 0 and not restarted() else None
+    """The step at which this group's rank 0 dies, in its first life (tests only: LAUNCHER_TEST_KILL,
+    launcher/train/faults.py)."""
+    kill = fault_plan().kill_of(replica)
+    return kill.step if kill and rank == 0 and not restarted() else None
 
 
 def injected_late_return(replica: int | None) -> bool:
-    """This group's later life waits until the run has ended (tests only: `injected_kill`), so that a test
-    of a group that finds the run over does not race the restart, whose time varies."""
-    kill = injected_kill(replica)
-    return bool(kill and kill[1] and restarted())
+    """This group's later life waits until the run has ended (tests only: LAUNCHER_TEST_KILL `late`), so
+    that a test of a group that finds the run over does not race the restart, whose time varies."""
+    kill = fault_plan().kill_of(replica)
+    return bool(kill and kill.late and restarted())
 
 
-def replicas_of(run: Run, rank: int, w: Any) -> Alone:
-    """The loop's view of the other groups: `Alone` with `ft` off."""
-    return Alone() if run.replica is None else Replicas(run, rank, w)
+def replicas_of(run: Run, rank: int, w: Any) -> Replicas | None:
+    """The step's hook for the other groups: None with `ft` off."""
+    return None if run.replica is None else Replicas(run, rank, w)

@@ -1,5 +1,6 @@
-"""A rank's setup for its run: its device, data, model shards, optimizer, metrics and checkpoints, and
-the state a resumed run continues from. Everything comes from the `Run` (launcher/config/run.py)."""
+"""A rank's setup for its run: its device, data, model shards, optimizer, metrics and checkpoints, the
+state a resumed run continues from, and the step's hooks (`hooks_for`). Everything comes from the `Run`
+(launcher/config/run.py)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,23 @@ from launcher.data.mix import MixLoader, Mixture, load_mixture, mix_loader
 from launcher.layout import Layout, build_mesh, describe, owner_rank
 from launcher.metrics.console import ConsoleView
 from launcher.metrics.meter import Meter
+from launcher.metrics.profile import StepProfiler
 from launcher.metrics.sinks import JsonlSink, WandbSink
-from launcher.model.init import AllocationFailed, meta_model
-from launcher.parallel import parallelize
+from launcher.model.hf import load_weights
+from launcher.model.init import AllocationFailed
+from launcher.parallel import build_runner
 from launcher.parallel.runner import Runner
 from launcher.train.allocator import allocator_mode, set_cpu_allocator
 from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
+from launcher.train.faults import fault_plan
 from launcher.train.fit import out_of_memory
-from launcher.train.guard import Guard
+from launcher.train.guard import Guard, InjectedNan
+from launcher.train.hooks import Hook, Hooks, Phases, Preemption
+from launcher.train.observers import Fp8Scales, MoeBalance, Profiled, SourceLosses
 from launcher.train.optim import build_optimizer
-from launcher.train.replicas import Alone, replicas_of
+from launcher.train.preemption import PreemptionFlag
+from launcher.train.replicas import replicas_of
+from launcher.train.spike import SpikeGuard, Trainee
 from launcher.train.watchdog import Off, Watchdog
 
 log = logging.getLogger("launcher")
@@ -46,7 +54,6 @@ class Worker:
     owner: bool  # rank 0 of the last pipeline stage: the user-facing output is its own
     device: torch.device
     allocator: str  # how glibc's malloc was tuned (launcher/train/fit.py)
-    watchdog: Watchdog | Off
     t_start: float
     build_s: float  # from the start to the shards initialized
     runner: Runner
@@ -57,11 +64,9 @@ class Worker:
     meter: Meter
     view: ConsoleView
     sinks: list[Any]
-    ckpt_root: Path
     checkpointer: Checkpointer
-    guard: Guard
     resumed: Stateful | None = None
-    replicas: Alone = field(default_factory=Alone)
+    hooks: Hooks = field(default_factory=Hooks)  # the step's (launcher/train/hooks.py); none with steps=0
 
     @property
     def start(self) -> int:
@@ -142,7 +147,9 @@ def build(run: Run, rank: int, device: torch.device) -> Runner:
     torch.manual_seed(run.options.seed)  # dropout
     try:
         mesh = build_mesh(layout, device.type) if layout.world_size > 1 else None
-        return parallelize(meta_model(run.model), layout, mesh, run.options, device)
+        runner = build_runner(run.model, layout, mesh, run.options, device)
+        load_weights(runner.parts, run.options.init_from)  # init.from: the folder's weights, each rank its boxes
+        return runner
     except AllocationFailed as err:
         raise out_of_memory(rank, err, run.prediction) from None
 
@@ -175,29 +182,55 @@ def setup(run: Run, run_dir: Path, rank: int, watchdog: Watchdog | Off) -> Worke
     meter = Meter(tokens, flops_per_token, options.peak_flops, layout.world_size, device, fp8_peak)
     view, sinks = outputs(run, run_dir, owner)
     log.info("rank %d coords %s threads %d device %s", rank, coords, options.threads, device)
-    ckpt_root = Path(run.checkpoint.dir or run_dir / "checkpoints")
-    checkpointer = Checkpointer(run.checkpoint, ckpt_root, rank, device)
-    guard = Guard(run.optim.skip_nonfinite, rank, checkpointer)
+    checkpointer = Checkpointer(run.checkpoint, Path(run.checkpoint.dir or run_dir / "checkpoints"), rank, device)
     worker = Worker(
-        run, run_dir, rank, owner, device, allocator, watchdog, t_start, build_s, runner, optimizer, schedule,
-        train_loader, val_loader, meter, view, sinks, ckpt_root, checkpointer, guard,
+        run, run_dir, rank, owner, device, allocator, t_start, build_s, runner, optimizer, schedule,
+        train_loader, val_loader, meter, view, sinks, checkpointer,
     )  # fmt: skip
     worker.resumed = resume(worker)
-    worker.replicas = replicas_of(run, rank, worker)  # ft: the other replica groups; `Alone` with ft off
+    if run.steps:  # steps=0 measures the build and trains nothing
+        worker.hooks = hooks_for(worker, watchdog)
     return worker
+
+
+def hooks_for(w: Worker, watchdog: Watchdog | Off) -> Hooks:
+    """The step's hooks, each concern's own, in the order the loop calls them at every moment: ft's commit
+    before the non-finite guard before the spike guard (which sees finite steps only); the snapshot
+    before the step's phase. An observer or a test fault only when it is on."""
+    run, runner, resumed = w.run, w.runner, w.resumed
+    replicas = replicas_of(run, w.rank, w)  # ft: the other replica groups; None with ft off
+    guard = Guard(run.optim.skip_nonfinite, w.rank, w.checkpointer, runner, resumed)  # NaN/inf: stop or skip
+    trainee = Trainee(runner.parts, w.optimizer, w.schedule, w.train_loader, w.device)
+    spikes = SpikeGuard(run.guard, trainee, w.checkpointer, w.sinks, w.view, resumed)  # skip or roll back
+    if replicas is not None:
+        replicas.share(guard, spikes)  # a group healing from this one gets the guards' state too
+    profiler = StepProfiler(run.profile, w.run_dir, w.rank, w.device) if run.profile.start is not None else None
+    hooks: list[Hook | None] = [
+        SourceLosses(runner, w.train_loader) if isinstance(w.train_loader, MixLoader) else None,
+        replicas,
+        guard,
+        spikes,
+        Phases(watchdog),
+        Profiled(profiler, w.view) if profiler is not None else None,
+        InjectedNan(runner.parts, w.rank) if fault_plan().nan_step(w.rank) is not None else None,  # tests only
+        MoeBalance(runner, w.per_layer) if runner.moe_model else None,
+        Fp8Scales(runner.parts, run.options.fp8) if run.options.fp8 is not None else None,
+        Preemption(PreemptionFlag()),
+    ]
+    return Hooks([hook for hook in hooks if hook is not None])
 
 
 def resume(w: Worker) -> Stateful | None:
     """Load the checkpoint `resume` names (auto: the newest complete one, if any) into the model,
     the optimizer, the schedule and the loader; None when training starts fresh."""
-    resumed = w.checkpointer.load(resolve_resume(w.run.resume, w.ckpt_root), w.runner.parts, w.optimizer)
+    root = w.checkpointer.root
+    resumed = w.checkpointer.load(resolve_resume(w.run.resume, root), w.runner.parts, w.optimizer)
     if resumed is None and w.run.options.init_from:  # else silent: where the weights came from
         w.view.note(f"initial weights from {w.run.options.init_from} (init.from), not seeded random")
     if resumed is not None:
-        w.guard.skipped = resumed.extras.get("skipped_steps", 0)
         w.schedule.load_state_dict(resumed.extras["schedule"])
         w.train_loader.load_state_dict(resumed.extras["loader"])
-        w.view.note(f"resumed from step {resumed.step} ({w.ckpt_root})")
+        w.view.note(f"resumed from step {resumed.step} ({root})")
         if isinstance(w.train_loader, MixLoader) and w.train_loader.note:  # new weights: a new phase
             w.view.note(w.train_loader.note)
             log.info("%s", w.train_loader.note)

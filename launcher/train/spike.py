@@ -23,8 +23,10 @@ taken before the first step, every `guard.snapshot_every` steps and at every che
 rollback never goes behind the newest checkpoint), into buffers reused from one snapshot to the next, in
 host memory or on the device (`guard.snapshot`). Each event is a console line and a metrics.jsonl row.
 
-Tests poison batches through `LAUNCHER_TEST_SPIKE=BATCH[,BATCH...]` (read here only): while a named
-global batch trains, the final norm's output is scaled, so the logits, the loss and the gradients spike.
+`SpikeGuard` is a hook of the step (launcher/train/hooks.py): the snapshot before a step, the check at
+`allow_update`. Tests poison batches through `LAUNCHER_TEST_SPIKE=BATCH[,BATCH...]` (launcher/train/faults.py):
+while a named global batch trains, the final norm's output is scaled, so the logits, the loss and the
+gradients spike.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import contextlib
 import copy
 import logging
 import math
-import os
 import statistics
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -47,6 +48,8 @@ from torch.distributed.tensor import DTensor
 from launcher.config.schema import GuardConfig
 from launcher.errors import NonFinite
 from launcher.train.checkpoint import complete_checkpoints, rng_states, set_rng_states
+from launcher.train.faults import fault_plan
+from launcher.train.hooks import Hook, Step
 
 if TYPE_CHECKING:
     from launcher.data import BatchLoader
@@ -54,7 +57,6 @@ if TYPE_CHECKING:
     from launcher.train.checkpoint import Checkpointer, Stateful
 
 log = logging.getLogger("launcher")
-TEST_SPIKE_ENV = "LAUNCHER_TEST_SPIKE"
 POISON_SCALE = 50.0  # logits x50: the loss and the gradient norm rise far beyond any sensible factor
 
 
@@ -194,7 +196,7 @@ def skipped(pairs: Sequence[Sequence[int]]) -> int:
     return sum(b - a + 1 for a, b in pairs)
 
 
-class SpikeGuard:
+class SpikeGuard(Hook):
     """`guard.spike` for the loop: checks each finite step, skips or rolls back a spike, keeps the snapshot.
     `resumed`: the checkpoint this run resumed from (its detector window and rollback count)."""
 
@@ -220,7 +222,22 @@ class SpikeGuard:
         where = state.device if cfg.snapshot == "device" else torch.device("cpu")
         self.snapshot = Snapshot(where) if cfg.spike == "rollback" else None
         self.rolled_back_to: int | None = None  # set by `update` on a rollback: the step the loop goes on from
-        self.poison = {int(b) for b in os.environ.get(TEST_SPIKE_ENV, "").split(",") if b}
+        self.poison = fault_plan().spike_batches()
+
+    def before_step(self, s: Step) -> None:
+        self.keep(s.number - 1, s.last)
+
+    def during_forward(self, s: Step) -> contextlib.AbstractContextManager:
+        return self.poisoned(self.state.parts)
+
+    def allow_update(self, s: Step) -> bool:
+        allowed = self.update(s.number, s.loss, s.grad_norm)
+        if self.rolled_back_to is not None:
+            s.redo = self.rolled_back_to
+        return allowed
+
+    def extras(self) -> dict[str, Any]:
+        return {"spike": self.state_dict()}
 
     def state_dict(self) -> dict[str, Any]:
         """For the checkpoint's extras (the skipped batches are in the loader's)."""
@@ -290,7 +307,7 @@ class SpikeGuard:
             sink.log(row)
 
     def poisoned(self, parts: list[nn.Module]) -> contextlib.AbstractContextManager:
-        """Tests: around the forward of a batch `LAUNCHER_TEST_SPIKE` names (the loader served it last)."""
+        """Tests: around the forward of a batch the fault plan names (the loader served it last)."""
         poisoned = self.state.loader.batch_number in self.poison
         return scaled_output(parts, POISON_SCALE) if poisoned else contextlib.nullcontext()
 

@@ -17,8 +17,8 @@ line and exits `HUNG`, so the scheduler's requeue applies. Local workers leave t
 for stacks (faulthandler on SIGUSR2; a stopped process cannot answer), kills the group, prints the
 line, and the elastic agent restarts it from the last checkpoint (`max_restarts`) or the run exits `HUNG`.
 
-Tests stop or stall a rank through `LAUNCHER_TEST_HANG=STEP:RANK[:stop|sleep]` (read here only; first
-attempt only, so a restarted group runs through): at STEP, as it would enter forward_backward, that
+Tests stop or stall a rank through `LAUNCHER_TEST_HANG=STEP:RANK[:stop|sleep]` (launcher/train/faults.py;
+first attempt only, so a restarted group runs through): at STEP, as it would enter forward_backward, that
 rank SIGSTOPs itself (its beat says forward_backward) or sleeps (its beat says data).
 """
 
@@ -42,6 +42,7 @@ from typing import IO, TYPE_CHECKING
 
 from launcher.errors import HUNG
 from launcher.files import write_atomic
+from launcher.train.faults import fault_plan
 from launcher.train.preemption import LOCAL_WORKER_ENV
 from launcher.train.timeouts import PHASES, SLOW_FACTOR, SLOW_PHASES, beat_period, stale_after, timeout_for
 
@@ -55,7 +56,6 @@ log = logging.getLogger("launcher")
 STACKS_SIGNAL = signal.SIGUSR2  # SIGUSR1, SIGTERM, SIGINT mean "save and stop" (train/preemption.py)
 DUMP_WAIT_S = 5.0  # how long the launcher waits for live ranks' stacks before it kills the group
 BACKSTOP_S = 60.0  # a local worker whose launcher did not kill it after its own report exits by itself
-TEST_HANG_ENV = "LAUNCHER_TEST_HANG"
 
 
 def run_attempt() -> str:
@@ -160,7 +160,7 @@ class Watchdog:
         self.local, self.cuda = local, cuda
         self.step, self.name, self.since, self.first_step = 0, "setup", time.time(), -1
         self.attempt, self.host = run_attempt(), socket.gethostname()
-        self.hang = test_hang(rank) if self.attempt.endswith("/0") else None
+        self.hang = fault_plan().hang_of(rank) if self.attempt.endswith("/0") else None  # tests only
         self.done = threading.Event()
         folder.mkdir(parents=True, exist_ok=True)
         self.stacks: IO[str] = stacks_path(folder, rank).open("w")  # emptied: a dump here is this run's
@@ -171,8 +171,8 @@ class Watchdog:
 
     def phase(self, name: str, step: int) -> None:
         """Entering `name` at `step` (PHASES); cheap enough to call several times a step."""
-        if self.hang and self.hang[0] == step and name == "forward_backward":
-            stall(self, self.hang[1])
+        if self.hang and self.hang.step == step and name == "forward_backward":
+            stall(self, self.hang.mode)
         if self.first_step < 0 and name != "setup":
             self.first_step = step
         self.step, self.name, self.since = step, name, time.time()
@@ -244,15 +244,6 @@ def watching(
         yield watchdog
     finally:
         watchdog.close()
-
-
-def test_hang(rank: int) -> tuple[int, str] | None:
-    """Tests only: (step, stop|sleep) from LAUNCHER_TEST_HANG=STEP:RANK[:MODE] when RANK is this rank."""
-    raw = os.environ.get(TEST_HANG_ENV, "")
-    if not raw:
-        return None
-    step, who, *mode = raw.split(":")
-    return (int(step), mode[0] if mode else "stop") if int(who) == rank else None
 
 
 def stall(watchdog: Watchdog, mode: str) -> None:

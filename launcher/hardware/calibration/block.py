@@ -32,7 +32,8 @@ def measure_nonmatmul_width(threads: int, host_s: float, seconds: float = 1.5) -
     """H0 at `threads` threads (the module docstring); `host_s`: the host seconds of one block."""
     import torch
 
-    from launcher.model.transformer import Block, rope_tables
+    from launcher.model.attention import rope_tables
+    from launcher.model.transformer import Block
 
     with torch_threads(threads):
         torch.manual_seed(0)

@@ -98,7 +98,8 @@ def measure_block_overhead(seconds: float = 1.0) -> float:
     costs this plus its FLOPs per block: the intercept of step time against tokens, measured."""
     import torch
 
-    from launcher.model.transformer import Block, rope_tables
+    from launcher.model.attention import rope_tables
+    from launcher.model.transformer import Block
 
     with torch_threads(1):
         cfg = ModelConfig(name="probe", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
