@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.fresh import timed_train
-from launcher.hardware.calibration import measure_gemm_flops, offer_gemm_peak
+from launcher.hardware.probes import measure_gemm_flops, offer_gemm_peak
 
 TRAIN = str(Path(sys.executable).parent / "train")
 STEPS, WARMUP, MICRO, SEQ = 50, 5, 8, 256

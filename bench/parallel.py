@@ -33,7 +33,7 @@ from launcher import flops
 from launcher.config.layout_keys import from_config
 from launcher.config.schema import CONF_DIR, ModelConfig, TrainConfig
 from launcher.data.context_split import split_sequence
-from launcher.hardware.calibration import measure_gemm_flops
+from launcher.hardware.probes import measure_gemm_flops
 from launcher.layout import build_mesh, worker_threads
 from launcher.model.init import initialized_model
 from launcher.parallel import build_runner

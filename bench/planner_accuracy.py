@@ -214,7 +214,7 @@ def memory_rows(seq_len: int) -> dict[str, Any]:
 
 def step_time_report(console: Console, seq_len: int, batch: int, steps: int) -> None:
     """The step-time table (planner vs runtime, every layout) and the GEMM peak it was predicted with."""
-    from launcher.hardware.calibration import measure_gemm_flops, offer_gemm_peak
+    from launcher.hardware.probes import measure_gemm_flops, offer_gemm_peak
     from launcher.hardware.resolve import peak_flops
 
     cores = os.cpu_count() or 1

@@ -161,8 +161,8 @@ def cache_dir(tmp_path: Path) -> str:
 def calibrated_cpu() -> None:
     """Calibrate this machine's cpu profile up front (once per machine, cached) for every thread count
     a worker may get, so no test's output carries the one-time "calibrating" note."""
+    from launcher.hardware.profile import machine
     from launcher.layout import worker_threads
-    from launcher.planner.machine import machine
 
     cfg = compose_config()
     for threads in {worker_threads(None, workers) for workers in (1, 2, 4, 8)}:

@@ -118,15 +118,15 @@ def test_a_peak_cached_on_a_busy_machine_is_raised(tmp_path: Path, monkeypatch: 
     import json
     import os
 
-    from launcher.hardware import calibration
-    from launcher.hardware.calibration.gemm import _gemm_key, gemm_record
+    from launcher.hardware import probes
+    from launcher.hardware.probes.gemm import _gemm_key, gemm_record
 
     s = setting(tmp_path)
     threads = os.cpu_count() or 1
     path = tmp_path / "cache" / "calibration.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({calibration.cache.full_key(_gemm_key(threads)): gemm_record(threads, 1e9)}))
-    monkeypatch.setattr(calibration, "measure_gemm_flops", lambda threads, seconds, trials: 5e9)
+    path.write_text(json.dumps({probes.cache.full_key(_gemm_key(threads)): gemm_record(threads, 1e9)}))
+    monkeypatch.setattr(probes, "measure_gemm_flops", lambda threads, seconds, trials: 5e9)
     found = doctor.check_peak(s)
     assert found.status == "ok" and "raised from 1 to 5 GFLOP/s" in found.detail
-    assert calibration.cached_gemm_flops(threads, str(tmp_path / "cache")) == 5e9
+    assert probes.cached_gemm_flops(threads, str(tmp_path / "cache")) == 5e9

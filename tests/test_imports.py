@@ -162,7 +162,7 @@ def test_a_worker_loads_no_planner() -> None:
     receives the prediction as a plain value (launcher/config/prediction.py)."""
     code = (
         "import sys, launcher.config.run, launcher.train.loop\n"
-        "up = sorted(m for m in sys.modules if m.startswith(('launcher.planner', 'launcher.hardware.calibration')))\n"
+        "up = sorted(m for m in sys.modules if m.startswith(('launcher.planner', 'launcher.hardware.probes')))\n"
         "assert not up, f'a worker loaded {up}'\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -18,9 +18,9 @@ from launcher import planner
 from launcher.config.schema import CONF_DIR
 from launcher.errors import LauncherError
 from launcher.flops import num_params
+from launcher.hardware.machine import Level
 from launcher.layout import Layout
 from launcher.planner import comm, memory
-from launcher.planner.device import Level
 from launcher.planner.predict import predict
 from launcher.planner.request import problem
 

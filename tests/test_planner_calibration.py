@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from launcher.config.hardware import HardwareConfig
 from launcher.config.schema import CONF_DIR, compose_config
-from launcher.hardware import calibration
+from launcher.hardware import probes
 from launcher.hardware import resolve as hardware
 
 CPU_YAML = Path(CONF_DIR) / "hardware" / "cpu.yaml"
@@ -25,7 +25,7 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
     assert cpu.links[0].bandwidth_gbs is None and cpu.links[0].latency_us is None
     assert cpu.links[0].all_gather_gbs is None and cpu.links[0].reduce_scatter_gbs is None
     assert cpu.links[0].by_size is None and cpu.host_copy_ns_per_byte is None and cpu.nonmatmul_width is None
-    monkeypatch.setattr(calibration.gemm, "measure_gemm_flops", lambda threads: 1e10)  # the GEMM has its own test
+    monkeypatch.setattr(probes.gemm, "measure_gemm_flops", lambda threads: 1e10)  # the GEMM has its own test
     resolved = hardware.resolve_hardware(cpu, 1, str(tmp_path))
     assert resolved.peak_tflops == pytest.approx(0.01)
     link = resolved.links[0]
@@ -53,14 +53,14 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
         raise AssertionError("measured again")
 
     for module, name in (
-        (calibration.gemm, "measure_gemm_flops"),
-        (calibration.gemm, "measure_gemm_sustained"),
-        (calibration.link, "measure_gloo_link"),
-        (calibration.host, "measure_tp_overhead"),
-        (calibration.host, "measure_block_overhead"),
-        (calibration.host, "measure_optimizer_step"),
-        (calibration.host, "measure_host_copy"),
-        (calibration.block, "measure_nonmatmul_width"),
+        (probes.gemm, "measure_gemm_flops"),
+        (probes.gemm, "measure_gemm_sustained"),
+        (probes.link, "measure_gloo_link"),
+        (probes.host, "measure_tp_overhead"),
+        (probes.host, "measure_block_overhead"),
+        (probes.host, "measure_optimizer_step"),
+        (probes.host, "measure_host_copy"),
+        (probes.block, "measure_nonmatmul_width"),
     ):
         monkeypatch.setattr(module, name, fail)
     again = hardware.resolve_hardware(cpu, 1, str(tmp_path))
@@ -73,35 +73,35 @@ def test_resolve_hardware_measures_once_and_caches(tmp_path, monkeypatch):
 
 
 def test_gemm_peak_is_recorded_with_when_and_how_and_raised_only_by_a_clear_margin(tmp_path, monkeypatch):
-    monkeypatch.setattr(calibration.gemm, "measure_gemm_flops", lambda threads: 100e9)
-    assert calibration.gemm_flops(2, str(tmp_path)) == 100e9
+    monkeypatch.setattr(probes.gemm, "measure_gemm_flops", lambda threads: 100e9)
+    assert probes.gemm_flops(2, str(tmp_path)) == 100e9
     entry = next(iter(json.loads((tmp_path / "calibration.json").read_text()).values()))
     assert entry["flops"] == 100e9 and "best of" in entry["how"] and entry["measured_at"].endswith("Z")
-    assert calibration.offer_gemm_peak(2, str(tmp_path), 109e9) is None  # within 10%: noise, kept
-    assert calibration.offer_gemm_peak(2, str(tmp_path), 50e9) is None  # lower: a peak is a maximum
-    line = calibration.offer_gemm_peak(2, str(tmp_path), 130e9)
+    assert probes.offer_gemm_peak(2, str(tmp_path), 109e9) is None  # within 10%: noise, kept
+    assert probes.offer_gemm_peak(2, str(tmp_path), 50e9) is None  # lower: a peak is a maximum
+    line = probes.offer_gemm_peak(2, str(tmp_path), 130e9)
     assert line is not None and "100 to 130 GFLOP/s" in line
-    assert calibration.gemm_flops(2, str(tmp_path)) == 130e9
-    assert calibration.offer_gemm_peak(4, str(tmp_path), 130e9) is None  # nothing cached: nothing to raise
+    assert probes.gemm_flops(2, str(tmp_path)) == 130e9
+    assert probes.offer_gemm_peak(4, str(tmp_path), 130e9) is None  # nothing cached: nothing to raise
 
 
 def test_a_cache_of_bare_numbers_still_reads(tmp_path, monkeypatch):
-    monkeypatch.setattr(calibration.gemm, "measure_gemm_flops", lambda threads: 100e9)
-    calibration.gemm_flops(1, str(tmp_path))
+    monkeypatch.setattr(probes.gemm, "measure_gemm_flops", lambda threads: 100e9)
+    probes.gemm_flops(1, str(tmp_path))
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({k: 42e9 for k in json.loads(path.read_text())}))  # the old format
-    assert calibration.gemm_flops(1, str(tmp_path)) == 42e9
+    assert probes.gemm_flops(1, str(tmp_path)) == 42e9
 
 
 def test_measured_gemm_peak_is_the_best_trial(monkeypatch):
-    assert calibration.measure_gemm_flops(1, n=128, seconds=0.1, trials=2) > 1e8
+    assert probes.measure_gemm_flops(1, n=128, seconds=0.1, trials=2) > 1e8
 
 
 def test_cache_dir_of_a_config_built_in_python_resolves_its_environment_default(monkeypatch):
     """TrainConfig() holds the `${oc.env:...}` default unresolved: the cache must not land in a folder of
     that literal name under the working directory (one did, in the checkout)."""
     from launcher.config.schema import TrainConfig
-    from launcher.hardware.calibration.cache import cache_file
+    from launcher.hardware.probes.cache import cache_file
 
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
     assert cache_file(TrainConfig().cache_dir) == Path("/somewhere/cache/launcher/calibration.json")
@@ -109,18 +109,18 @@ def test_cache_dir_of_a_config_built_in_python_resolves_its_environment_default(
 
 LINK = {  # a gloo link's fields as measure_gloo_link returns them
     "latency_us": 50.0,
-    **dict(zip(calibration.link.NAMES, (2.0, 1.0, 1.0, 1.0), strict=True)),
-    "by_size": [[float(n), 2.0, 1.0, 1.0, 1.0] for n in calibration.link.GLOO_SIZES],
+    **dict(zip(probes.link.NAMES, (2.0, 1.0, 1.0, 1.0), strict=True)),
+    "by_size": [[float(n), 2.0, 1.0, 1.0, 1.0] for n in probes.link.GLOO_SIZES],
 }
 PROBES = {  # each probe's measurement, and what it returns here
-    (calibration.gemm, "measure_gemm_flops"): 1e10,
-    (calibration.gemm, "measure_gemm_sustained"): 8e9,
-    (calibration.link, "measure_gloo_link"): LINK,
-    (calibration.host, "measure_tp_overhead"): 100.0,
-    (calibration.host, "measure_block_overhead"): 500.0,
-    (calibration.host, "measure_optimizer_step"): 3.0,
-    (calibration.host, "measure_host_copy"): 0.1,
-    (calibration.block, "measure_nonmatmul_width"): 80.0,
+    (probes.gemm, "measure_gemm_flops"): 1e10,
+    (probes.gemm, "measure_gemm_sustained"): 8e9,
+    (probes.link, "measure_gloo_link"): LINK,
+    (probes.host, "measure_tp_overhead"): 100.0,
+    (probes.host, "measure_block_overhead"): 500.0,
+    (probes.host, "measure_optimizer_step"): 3.0,
+    (probes.host, "measure_host_copy"): 0.1,
+    (probes.block, "measure_nonmatmul_width"): 80.0,
 }
 
 

@@ -1,4 +1,4 @@
-"""`plan.calibrate`: the profile's constants fitted to measured runs (launcher/planner/fit.py, calibrate.py).
+"""`plan.calibrate`: the profile's constants fitted to measured runs (launcher/planner/calibrate_fit.py, calibrate.py).
 
 The fitter on synthetic runs (measured = predicted with known multipliers: it must find them, within
 their bounds), the calibrated profile as a YAML the planner reads, the one-line errors, and end to end:
@@ -21,10 +21,10 @@ from launcher.config.layout_keys import from_config
 from launcher.config.schema import TrainConfig
 from launcher.config.validate import check_calibrate
 from launcher.errors import LauncherError
-from launcher.planner import fit as fit_module
+from launcher.hardware.profile import machine
+from launcher.planner import calibrate_fit as fit_module
 from launcher.planner.calibrate import calibrate
-from launcher.planner.fit import Observation, fit, held_out, knobs, seen, step_times
-from launcher.planner.machine import machine
+from launcher.planner.calibrate_fit import Observation, fit, held_out, knobs, seen, step_times
 from launcher.planner.predict import problem_memory
 from launcher.planner.request import problem
 from tests.conftest import make_config, run_cli, tiny_args

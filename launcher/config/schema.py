@@ -203,7 +203,7 @@ class PlanConfig:
     compare: list[str] = field(default_factory=list)
     compare_at: str = "devices"  # devices | budget
     # a run or sweep directory, or a list of them ([DIR,DIR]), whose summary.json files the planner fits
-    # the hardware profile's constants to (launcher/planner/fit.py); None: plan as usual
+    # the hardware profile's constants to (launcher/planner/calibrate_fit.py); None: plan as usual
     calibrate: Any = None
     calibrate_out: str = "calibrated"  # the calibrated profile goes to DIR/hardware/<profile>_calibrated.yaml
     chart: str | None = None  # compare's bars / calibrate's fit as a PNG; None: none, calibrate's beside its YAML
@@ -313,7 +313,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto | fp32 | bf16 | fp8
     # a collective waiting longer fails the run (NCCL, gloo); None: 600 s or past the watchdog's first step
     nccl_timeout_s: int | None = ranged(None, ge=1, integer=True)
-    # CPU workers' glibc malloc (launcher/train/fit.py): fast keeps freed blocks for reuse (no page faults per
+    # CPU workers' glibc malloc (launcher/train/allocator.py): fast keeps freed blocks for reuse (no page faults per
     # large tensor; peak RSS includes glibc's cache), lean returns blocks of 4 MiB and more to the system (peak
     # RSS is the run's tensors; slower); auto: lean for a `steps=0` memory check, fast for training
     cpu_allocator: str = "auto"

@@ -202,7 +202,7 @@ def check_disk(key: str, path: Path) -> Finding:
 def check_peak(s: Setting) -> Finding:
     """The matmul rate now against what the planner prices with: the profile's peak x efficiency on a GPU,
     the cached calibration on a CPU."""
-    from launcher.hardware import calibration
+    from launcher.hardware import probes
 
     if device(s).type == "cuda":
         expected = s.hardware.peak_tflops * 1e12 * s.hardware.matmul_efficiency
@@ -210,12 +210,12 @@ def check_peak(s: Setting) -> Finding:
         measured = cuda_matmul_flops()
     else:
         threads = os.cpu_count() or 1
-        cached = calibration.cached_gemm_flops(threads, str(s.cache_dir))
+        cached = probes.cached_gemm_flops(threads, str(s.cache_dir))
         if cached is None:
             return Finding("ok", "peak", "CPU not calibrated yet: the first run measures it once (~13 s)")
         expected, source = cached, "the cached calibration"
-        measured = calibration.measure_gemm_flops(threads, seconds=0.3, trials=2)
-        if raised := calibration.offer_gemm_peak(threads, str(s.cache_dir), measured):  # cached on a busy machine
+        measured = probes.measure_gemm_flops(threads, seconds=0.3, trials=2)
+        if raised := probes.offer_gemm_peak(threads, str(s.cache_dir), measured):  # cached on a busy machine
             return Finding("ok", "peak", raised)
     line = f"{measured / 1e12:.3g} TFLOP/s now, {expected / 1e12:.3g} from {source}"
     if measured >= PEAK_WARN * expected:

@@ -14,12 +14,16 @@ cannot fit. Pure Python: nothing here imports torch unless a profile needs calib
 `plan` and `train` accept the same configs: both run `validate.validate`, and every layout either
 considers passes the rules of launcher/layout/ (`layout.violations`).
 
-Modules: device (machine data), machine (profile -> numbers), comm (collectives on link levels),
-memory, cost (step time), search (enumerate + rank), request (config -> search space), report;
-memo (per-stage terms memoised on the layout fields they read); budget (what a token budget takes:
-days, device-hours, cost); failures (goodput under failures: full restarts, replica fault tolerance);
-fit and calibrate (`plan.calibrate`: the profile's constants fitted to the user's runs); charts (`plan.chart`:
-the comparison's bars, the fit's measured vs predicted).
+Modules by role (the machine a layout runs on is launcher/hardware/: profile.py, machine.py):
+- the seam: request (config -> search space), resolve here;
+- the prediction's terms: memory, compute with efficiency, eager, fp8 and moe, comm (collectives on
+  link levels), timeline (a schedule's in-flight microbatches), cost (step time, the bottleneck);
+- the search: search (enumerate + rank), memo (per-stage terms memoised on the layout fields they read);
+- economics: budget (what a token budget takes: days, device-hours, cost), failures (goodput under
+  failures: full restarts, replica fault tolerance);
+- calibration to runs (`plan.calibrate`): calibrate (the command), calibrate_fit (the least squares);
+- output: report, columns (plain-text tables), charts (`plan.chart`: the comparison's bars, the fit's
+  measured vs predicted).
 """
 
 from __future__ import annotations

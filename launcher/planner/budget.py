@@ -21,8 +21,8 @@ from typing import Any
 
 from launcher.config.ft import FtConfig
 from launcher.config.hardware import HardwareConfig
+from launcher.hardware.machine import Machine
 from launcher.planner.comm import level_of
-from launcher.planner.device import Machine
 from launcher.planner.failures import ReplicaFt, checkpoint_every, goodput, groups, replica_ft, young_daly_interval
 from launcher.planner.predict import Prediction
 

@@ -1,5 +1,5 @@
 """`plan plan.calibrate=DIR[,DIR...] hardware=NAME`: fit the profile NAME to the runs under the
-directories (launcher/planner/fit.py), print each run's step time measured beside predicted before and
+directories (launcher/planner/calibrate_fit.py), print each run's step time measured beside predicted before and
 after (fitted and held-out runs apart), and write the calibrated profile where `--config-dir` finds it:
 `plan.calibrate_out`/hardware/NAME_calibrated.yaml, every number resolved (a CPU's calibrated ones too).
 """
@@ -20,9 +20,9 @@ from launcher.config.hardware import HardwareConfig, LinkConfig
 from launcher.config.validate import check_calibrate
 from launcher.errors import LauncherError
 from launcher.files import make_dir, write_atomic
+from launcher.hardware.profile import LINK_EFFICIENCY, needs_calibration, resolved_hardware
+from launcher.planner.calibrate_fit import HOST, Knob, Observation, fit, held_out, knobs, read_runs, seen, step_times
 from launcher.planner.charts import calibration_line, say
-from launcher.planner.fit import HOST, Knob, Observation, fit, held_out, knobs, read_runs, seen, step_times
-from launcher.planner.machine import LINK_EFFICIENCY, needs_calibration, resolved_hardware
 
 
 def calibrate(
@@ -179,7 +179,8 @@ def error_line(result: dict[str, Any]) -> str:
 def header(result: dict[str, Any], dirs: Sequence[str]) -> str:
     rows = result["runs"]
     return (
-        f"# `{result['hardware']}`: fitted by `plan plan.calibrate={','.join(dirs)}` (launcher/planner/fit.py)\n"
+        f"# `{result['hardware']}`: fitted by `plan plan.calibrate={','.join(dirs)}`"
+        " (launcher/planner/calibrate_fit.py)\n"
         f"# to {len(rows)} runs, {sum(r['held_out'] for r in rows)} of them held out; {error_line(result)}.\n"
         "# Link bandwidths are what the runs' collectives reached (efficiency 1). Use it:\n"
         f"#   plan {result['use']} ...\n"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from functools import cache
 
-from launcher.planner.device import Level
+from launcher.hardware.machine import Level
 
 
 def hops(n: int) -> int:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.config.schema import ModelConfig
+from launcher.hardware.machine import Machine
 from launcher.layout import Layout
 from launcher.planner import eager, moe
-from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency, non_matmul_share
 from launcher.planner.fp8 import Fp8, matmul_saving
 from launcher.planner.memo import flops_per_token, hardware_flops_per_token, on_fields

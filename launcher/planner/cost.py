@@ -44,10 +44,10 @@ from __future__ import annotations
 from launcher.config.prediction import StepTime
 from launcher.config.schema import ModelConfig
 from launcher.flops import head_dim, kv_heads, loss_weight_bytes
+from launcher.hardware.machine import Level, Machine
 from launcher.layout import Layout, async_tp_applies
 from launcher.planner import comm, memory, moe
 from launcher.planner.compute import Pace, pace
-from launcher.planner.device import Level, Machine
 from launcher.planner.fp8 import Fp8, cast_seconds, gathered_saving
 from launcher.planner.memo import on_fields
 from launcher.planner.memory import GRAD_BYTES

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from launcher.config.schema import ModelConfig
 from launcher.flops import head_dim, kv_heads
+from launcher.hardware.machine import Machine
 from launcher.layout import Layout
-from launcher.planner.device import Machine
 
 # Model width at which the non-matmul work takes as long as the matmuls. It scales with the device's
 # FLOP/byte ratio: accelerators (~150-300 FLOP per byte of memory traffic) share one value, set by the
-# published runs. A CPU's is measured (the cpu profile's `nonmatmul_width`, launcher/hardware/calibration/block.py):
+# published runs. A CPU's is measured (the cpu profile's `nonmatmul_width`, launcher/hardware/probes/block.py):
 # its GEMM speed against the rest moves with the host. Where a profile gives neither a width nor a memory
 # bandwidth, H0 by kind; cpu: the width measured when GEMMs ran at ~200 GFLOP/s on one thread here.
 H0 = {"cuda": 1024.0, "tpu": 1024.0, "cpu": 180.0}

@@ -1,8 +1,8 @@
 """Memoising the planner's pure functions of a layout on the layout fields they read: the search asks
 thousands of layouts that differ in their batch split or recompute choice the same per-stage questions.
 tests/test_planner_speed.py checks each memoised function reads no field but those it is keyed on. The
-keys' other arguments hash cheaply: the machine and its link levels once each (`hash_once`), the model
-once per search (`private_model`).
+keys' other arguments hash cheaply: the machine and its link levels once each (`hash_once`,
+hardware/machine.py), the model once per search (`private_model`).
 """
 
 from __future__ import annotations
@@ -28,21 +28,6 @@ MEMOISED: list[Callable[..., Any]] = []  # every function `on_fields` wraps (for
 # flops.py's per-token counts for the model (hashable: launcher/config/schema.py), asked for every prediction
 flops_per_token = functools.cache(flops.flops_per_token)
 hardware_flops_per_token = functools.cache(flops.hardware_flops_per_token)
-
-
-def hash_once(cls: type[T]) -> type[T]:
-    """A frozen dataclass hashed once per instance (its generated hash reads every field at each call, and the
-    memo tables and comm's caches hash the machine and its link levels thousands of times a search)."""
-    by_fields = cls.__hash__
-
-    def __hash__(self: Any) -> int:
-        if (value := self.__dict__.get("_hash")) is None:
-            value = by_fields(self)
-            object.__setattr__(self, "_hash", value)
-        return value
-
-    cls.__hash__ = __hash__  # type: ignore[method-assign,assignment]
-    return cls
 
 
 class _HashedModel(ModelConfig):

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from launcher.config.schema import ModelConfig
 from launcher.flops import expert_params, moe_layer_count
+from launcher.hardware.machine import Level, Machine
 from launcher.layout import Layout, rank_stages, stage_layers
 from launcher.planner import comm
-from launcher.planner.device import Level, Machine
 
 # Copies of the routed (token, expert) rows per MoE layer and microbatch (launcher/model/moe.py `route`):
 # forward, the gather into expert order, the experts' outputs joined, gated, added back per token;

@@ -13,9 +13,9 @@ from launcher.config.ft import BUCKET_BYTES, BUCKETS_IN_FLIGHT
 from launcher.config.prediction import Memory, Prediction, StepTime
 from launcher.config.schema import ModelConfig
 from launcher.flops import mfu
+from launcher.hardware.machine import Machine
 from launcher.layout import Layout
 from launcher.planner.cost import lower_bound, step_time
-from launcher.planner.device import Machine
 from launcher.planner.efficiency import compute_efficiency
 from launcher.planner.fp8 import Fp8, weight_bytes
 from launcher.planner.memo import flops_per_token, hardware_flops_per_token

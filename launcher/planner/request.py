@@ -18,10 +18,10 @@ from launcher.config.schema import TrainConfig, compile_enabled
 from launcher.config.validate import require_fp8_units
 from launcher.errors import LauncherError
 from launcher.flops import document_span
+from launcher.hardware.machine import Machine
+from launcher.hardware.profile import machine
 from launcher.layout import SCHEDULE, check_world, int_or_auto, recompute_layers_of, worker_threads, workers_per_node
-from launcher.planner.device import Machine
 from launcher.planner.fp8 import RECIPE_RATE, Fp8
-from launcher.planner.machine import machine
 from launcher.planner.predict import Problem
 from launcher.planner.search import Space
 

@@ -1,5 +1,5 @@
 """glibc's malloc tuned for a CPU worker (`cpu_allocator`): what a training step's large tensors cost to
-allocate. No torch here: the calibration's probes set it too (launcher/hardware/calibration/host.py).
+allocate. No torch here: the calibration's probes set it too (launcher/hardware/probes/host.py).
 """
 
 from __future__ import annotations

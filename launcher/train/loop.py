@@ -191,7 +191,7 @@ def finish(w: Worker, summary: dict[str, Any]) -> dict[str, Any]:
         summary["compiled"] = CompileReport.now(w.runner.compiled_units).summary()
     summary |= {"optimizer_impl": optimizer_impl(w.optimizer), "wall_time_s": time.perf_counter() - w.t_start}
     summary["peak_mem_measure"] = memory_measure(w.device)
-    if w.device.type == "cpu":  # how glibc's malloc was tuned (launcher/train/fit.py)
+    if w.device.type == "cpu":  # how glibc's malloc was tuned (launcher/train/allocator.py)
         summary["cpu_allocator"] = w.allocator
     if w.runner.fp8 is not None:  # dtype=fp8: which layers compute in float8, which stay high precision and why
         summary["fp8"] = w.runner.fp8

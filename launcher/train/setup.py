@@ -53,7 +53,7 @@ class Worker:
     rank: int
     owner: bool  # rank 0 of the last pipeline stage: the user-facing output is its own
     device: torch.device
-    allocator: str  # how glibc's malloc was tuned (launcher/train/fit.py)
+    allocator: str  # how glibc's malloc was tuned (launcher/train/allocator.py)
     t_start: float
     build_s: float  # from the start to the shards initialized
     runner: Runner

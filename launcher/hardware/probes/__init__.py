@@ -9,7 +9,7 @@
 
 Each is measured once per machine (CPU model, torch version, threads) and cached (cache: one JSON file
 in `cache_dir`), so later runs start instantly; whatever a profile needs and the cache lacks is measured
-in one go under one line (`calibrate`, `probes`); the multi-process probes run in fresh interpreters
+in one go under one line (`measure`, `probes_for`); the multi-process probes run in fresh interpreters
 (harness). torch is imported only to measure.
 """
 
@@ -17,28 +17,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from launcher.hardware.calibration import gemm, host
-from launcher.hardware.calibration.block import nonmatmul_width, width_probe
-from launcher.hardware.calibration.cache import Probe, calibrate
-from launcher.hardware.calibration.gemm import (
+from launcher.hardware.probes import gemm, host
+from launcher.hardware.probes.block import nonmatmul_width, width_probe
+from launcher.hardware.probes.cache import Probe, measure
+from launcher.hardware.probes.gemm import (
     cached_gemm_flops,
     gemm_efficiency,
     gemm_flops,
     measure_gemm_flops,
     offer_gemm_peak,
 )
-from launcher.hardware.calibration.host import (
+from launcher.hardware.probes.host import (
     block_overhead_us,
     host_copy_ns_per_byte,
     optimizer_ns_per_param,
     tp_overhead_us,
 )
-from launcher.hardware.calibration.link import gloo_link, link_probe
+from launcher.hardware.probes.link import gloo_link, link_probe
 
 __all__ = [
     "block_overhead_us",
     "cached_gemm_flops",
-    "calibrate",
+    "measure",
     "gemm_efficiency",
     "gemm_flops",
     "gloo_link",
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 
-def probes(names: Iterable[str], threads: int, cache_dir: str) -> list[Probe]:
+def probes_for(names: Iterable[str], threads: int, cache_dir: str) -> list[Probe]:
     """The probes behind a profile's null numbers `names` (launcher/config/hardware.py's CALIBRATED, and
     "links"), each once, in the order they run: the block host time before the width that subtracts it."""
     behind = {

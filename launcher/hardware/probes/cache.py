@@ -1,7 +1,7 @@
 """The calibration cache: `<cache_dir>/calibration.json`, each number keyed by the CPU model, the torch
 version and what was measured (threads included), so a machine is measured once and later runs start
 instantly. A corrupt cache is measured again, never fatal. Whatever the cache lacks is measured in one
-go (`calibrate`), announced in one line."""
+go (`measure`), announced in one line."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def home_shown(path: Path) -> str:
     return f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else str(path)
 
 
-def calibrate(probes: list[Probe], cache_dir: str) -> dict[str, Any]:
+def measure(probes: list[Probe], cache_dir: str) -> dict[str, Any]:
     """Every probe's value on this machine, by key: the cache's, and those it lacks measured now, in
     order, under one line (`calibrating this CPU once (gemm, host; ~9 s), cached in PATH ... done in 8 s`)."""
     path = cache_file(cache_dir)
@@ -115,4 +115,4 @@ def busy_note() -> str:
 
 def cached_measure(cache_dir: str, probe: Probe) -> Any:
     """The cached value of `probe` on this machine, measured (and cached) once."""
-    return calibrate([probe], cache_dir)[probe.key]
+    return measure([probe], cache_dir)[probe.key]

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from launcher.compat.torch_api import leave_process_groups
 from launcher.config.schema import ModelConfig
 from launcher.flops import head_dim
-from launcher.hardware.calibration.cache import Probe, cached_measure
-from launcher.hardware.calibration.harness import median_seconds, run_ranks, torch_threads
+from launcher.hardware.probes.cache import Probe, cached_measure
+from launcher.hardware.probes.harness import median_seconds, run_ranks, torch_threads
 
 COPY_BYTES = 2**26  # 64 MiB: above glibc's default mmap threshold (measure_host_copy)
 BLOCK_PROBE_LAYERS = 4

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from launcher.compat.torch_api import leave_process_groups
-from launcher.hardware.calibration.cache import Probe, cached_measure
-from launcher.hardware.calibration.harness import run_ranks, same_iteration_exit
+from launcher.hardware.probes.cache import Probe, cached_measure
+from launcher.hardware.probes.harness import run_ranks, same_iteration_exit
 
 GLOO_SIZES = (2**18, 2**21, 2**24)  # 256 KiB to 16 MiB: what FSDP units, K/V and all-to-alls move
 SHARES = (1.0, 0.5, 0.5, 0.5)  # of the buffer each rank moves over 2 ranks: all-reduce, all-gather, ...

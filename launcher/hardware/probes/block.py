@@ -7,7 +7,7 @@ moves with the host it runs on: this project's machine ran 1024^3 GEMMs at about
 thread when H0 = 180 was fitted, and at 85-100 on a later day, when the same blocks gave H0 = 60-100.
 So it is measured, with the GEMM rate in the same window: the `small` model's blocks (h 256, SwiGLU,
 GQA 8/4) forward and backward at PROBE_BATCH x PROBE_SEQ tokens, their median time less the block host
-time (launcher/hardware/calibration/host.py), over the time their FLOPs take at the median GEMM rate, is 1 + H0 / h.
+time (launcher/hardware/probes/host.py), over the time their FLOPs take at the median GEMM rate, is 1 + H0 / h.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import statistics
 
 from launcher.config.schema import ModelConfig
 from launcher.flops import blocks_flops_per_token, head_dim
-from launcher.hardware.calibration.cache import Probe, calibrate
-from launcher.hardware.calibration.gemm import GEMM_N, gemm_rates
-from launcher.hardware.calibration.harness import median_seconds, torch_threads
-from launcher.hardware.calibration.host import block_overhead_us, block_probe
+from launcher.hardware.probes.cache import Probe, measure
+from launcher.hardware.probes.gemm import GEMM_N, gemm_rates
+from launcher.hardware.probes.harness import median_seconds, torch_threads
+from launcher.hardware.probes.host import block_overhead_us, block_probe
 
 PROBE = ModelConfig(name="probe", n_layers=2)  # the schema's default model: `small`'s blocks
 PROBE_BATCH, PROBE_SEQ = 2, 256
@@ -62,4 +62,4 @@ def width_probe(threads: int, cache_dir: str) -> Probe:
 def nonmatmul_width(threads: int, cache_dir: str) -> float:
     """H0 of this CPU at `threads` threads, measured once, cached."""
     probe = width_probe(threads, cache_dir)
-    return float(calibrate([block_probe(), probe], cache_dir)[probe.key])
+    return float(measure([block_probe(), probe], cache_dir)[probe.key])

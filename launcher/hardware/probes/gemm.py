@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from launcher.files import write_json
-from launcher.hardware.calibration.cache import Probe, cache_file, cached_measure, calibrate, full_key, read_cache
-from launcher.hardware.calibration.harness import run_ranks, torch_threads
+from launcher.hardware.probes.cache import Probe, cache_file, cached_measure, full_key, measure, read_cache
+from launcher.hardware.probes.harness import run_ranks, torch_threads
 
 GEMM_N, GEMM_TRIALS, GEMM_WARMUP_S, GEMM_ROUNDS = 1024, 5, 0.2, 3
 PEAK_MARGIN = 0.10  # a later GEMM measurement this much above the cached peak replaces it
@@ -75,7 +75,7 @@ def sustained_probe(threads: int) -> Probe:
 def gemm_efficiency(threads: int, cache_dir: str) -> float:
     """The sustained GEMM rate with every core busy over the peak (at most 1), measured once, cached."""
     peak, sustained = peak_probe(threads), sustained_probe(threads)
-    values = calibrate([peak, sustained], cache_dir)  # both under one line
+    values = measure([peak, sustained], cache_dir)  # both under one line
     return min(1.0, float(values[sustained.key]) / _flops(values[peak.key]))
 
 

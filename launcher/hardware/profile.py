@@ -3,7 +3,7 @@
 Datasheet link bandwidths are scaled by LINK_EFFICIENCY (what collectives reach in practice);
 measured ones (the cpu profile's gloo calibration) are used as they are; a link's own
 `efficiency` (a profile fitted to runs: 1) replaces either. Null numbers (cpu) are
-calibrated by `launcher.hardware.resolve.resolve_hardware` (launcher/hardware/calibration/), the only path on which
+calibrated by `launcher.hardware.resolve.resolve_hardware` (launcher/hardware/probes/), the only path on which
 torch is imported.
 """
 
@@ -13,7 +13,7 @@ from launcher.config.hardware import CALIBRATED, HardwareConfig, LinkConfig
 from launcher.config.ranges import check_ranges
 from launcher.errors import LauncherError
 from launcher.flops import GIB, device_flop_per_byte
-from launcher.planner.device import Level, Machine
+from launcher.hardware.machine import Level, Machine
 
 LINK_EFFICIENCY = 0.8  # nccl-tests bus bandwidth is typically 75-90% of the datasheet link rate
 KINDS = ("cpu", "cuda", "tpu")

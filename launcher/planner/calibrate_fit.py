@@ -29,9 +29,9 @@ from typing import Any
 from launcher.config.hardware import HardwareConfig
 from launcher.errors import LauncherError
 from launcher.files import shown
+from launcher.hardware.machine import Machine
+from launcher.hardware.profile import LINK_EFFICIENCY
 from launcher.layout import Layout
-from launcher.planner.device import Machine
-from launcher.planner.machine import LINK_EFFICIENCY
 from launcher.planner.memory import Memory
 from launcher.planner.predict import Problem, predict, problem_memory
 from launcher.planner.request import recorded_problem

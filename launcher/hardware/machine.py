@@ -10,10 +10,27 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from launcher.planner.memo import hash_once
+T = TypeVar("T")
+
 
 KINDS = ("ring", "gather", "scatter", "all_to_all")  # the collectives a level may time differently
+
+
+def hash_once(cls: type[T]) -> type[T]:
+    """A frozen dataclass hashed once per instance (its generated hash reads every field at each call, and the
+    memo tables and comm's caches hash the machine and its link levels thousands of times a search)."""
+    by_fields = cls.__hash__
+
+    def __hash__(self: Any) -> int:
+        if (value := self.__dict__.get("_hash")) is None:
+            value = by_fields(self)
+            object.__setattr__(self, "_hash", value)
+        return value
+
+    cls.__hash__ = __hash__  # type: ignore[method-assign,assignment]
+    return cls
 
 
 @hash_once
