@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from launcher.config.schema import DataConfig, ModelConfig, OptimConfig
+from launcher.config.model import ModelConfig
+from launcher.config.schema import DataConfig, OptimConfig
 from launcher.data import BatchLoader, load_splits
 from launcher.model.init import initialized_model
 from launcher.train.optim import lr_factor

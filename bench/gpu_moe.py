@@ -3,7 +3,7 @@
 The grouped GEMM against the loop over experts, both in bf16 on the same uneven groups (sizes not
 multiples of 8, so the padding runs, and one expert without tokens): the largest difference of the
 outputs and of every gradient relative to that tensor's largest entry, and the median time of a
-forward + backward of each. Runs anywhere `torch._grouped_mm` does (tests/test_gpu_check.py: CPU).
+forward + backward of each. Runs anywhere `torch._grouped_mm` does (tests/unit/test_gpu_check.py: CPU).
 
 `python -m bench.gpu_moe OUT --experts=E --dim=D --hidden=H --rows=R` (gpu_check's moe check, in its own
 process so the check's timeout holds): the comparison on CUDA (else the CPU), and which path the

@@ -31,7 +31,8 @@ import torch
 
 from launcher import flops
 from launcher.config.layout_keys import from_config
-from launcher.config.schema import CONF_DIR, ModelConfig, TrainConfig
+from launcher.config.model import ModelConfig
+from launcher.config.schema import CONF_DIR, TrainConfig
 from launcher.data.context_split import split_sequence
 from launcher.hardware.probes import measure_gemm_flops
 from launcher.layout import build_mesh, worker_threads

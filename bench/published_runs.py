@@ -1,5 +1,5 @@
 """`python -m bench published_runs`: the planner against published training runs, the layout each
-run trained with and the throughput it reported (tests/test_planner_published.py holds it to a
+run trained with and the throughput it reported (tests/unit/test_planner_published.py holds it to a
 median error of 10% and a worst of 25%, and refuses none of the layouts). What a paper does not
 give (micro-batch size, virtual stages, for some the recompute policy) is left `auto` for the
 planner to choose; what it gives is fixed.
@@ -191,7 +191,7 @@ RUNS: tuple[Run, ...] = (
 )  # fmt: skip
 
 # FP8 (torchao float8 linears): the 8B FSDP run fits hardware.fp8_matmul_efficiency (FP8_FITTED); the rest,
-# with their bf16 twins, judge the fp8 term (tests/test_planner_published.py, docs/planner.md)
+# with their bf16 twins, judge the fp8 term (tests/unit/test_planner_published.py, docs/planner.md)
 FP8_RUNS: tuple[Run, ...] = (
     _torchtitan(8, True, 8532, "fp8"),
     *(_async_tp("70b", 256, 16, r, a, tps) for r, a, tps in (

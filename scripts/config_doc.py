@@ -2,7 +2,7 @@
 nests: hardware.py, ft.py): every key, its type, default, range and the comment above it in the source.
 
     python scripts/config_doc.py           # rewrite the generated part of docs/config.md
-    python scripts/config_doc.py --check   # exit 1 when docs/config.md is out of date (tests/test_config_doc.py)
+    python scripts/config_doc.py --check   # exit 1 when docs/config.md is out of date (tests/unit/test_config_doc.py)
 
 Only the text below MARKER is generated; the hand-written part above it is kept as it is.
 """

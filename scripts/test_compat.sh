@@ -12,10 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # the oldest torch the package admits, the newest the registry serves: pyproject.toml's range is
-# exactly these two minors and those between (tests/test_torch_range.py checks that they agree)
+# exactly these two minors and those between (tests/unit/test_torch_range.py checks that they agree)
 VERSIONS=(2.11.0 2.15.0)
 
-# The subset: every private-API check, every block kind compiled (one graph each, tests/test_compile.py),
+# The subset: every private-API check, every block kind compiled (one graph each, tests/unit/test_compile.py),
 # then one run of each parallelism against one process (the module fixtures run only the cases selected
 # here), DCP save / resume / reshard, the CUDA path's
 # FSDP bf16 policy and fused AdamW; tied embeddings over four stages (their pair groups); a failed save
@@ -23,26 +23,26 @@ VERSIONS=(2.11.0 2.15.0)
 # private dump); torchao's float8 training under FSDP's float8 all-gather, resumed as bf16 under tp=2;
 # FlexAttention's document mask and the document ids handed to pipeline stages. About 3 minutes a version.
 TESTS=(
-    tests/test_compat.py
-    tests/test_cuda_path.py
-    tests/test_compile.py
-    "tests/test_parallel.py::test_matches_single_process[tp2-sp-pre-rmsnorm]"
-    "tests/test_parallel.py::test_matches_single_process[pp2-interleaved-pre-rmsnorm]"
-    "tests/test_parallel.py::test_matches_single_process[dp2-ddp-post-layernorm]"
-    "tests/test_parallel.py::test_matches_single_process[pp2-1f1b-post-layernorm]"
-    "tests/test_context.py::test_matches_single_process[cp2-pre-rmsnorm]"
-    "tests/test_schedules.py::test_zero_bubble_schedules_match_single_process[pp2]"
-    "tests/test_moe_parallel.py::test_expert_parallel_matches_one_process[ep2]"
-    "tests/test_tied_pipeline.py::test_tied_pipeline_matches_one_process[pp4]"
-    tests/test_checkpoint.py::test_resume_is_exact
-    "tests/test_reshard.py::test_checkpoint_reshards_across_layouts[cp2-to-single]"
-    tests/test_checkpoint_writes.py::test_failed_save_is_one_line_training_goes_on_and_resumes_exactly
-    "tests/test_spike.py::test_rollback_trains_on_as_a_run_that_never_saw_those_batches[2]"
-    tests/test_watchdog.py::test_flight_recorder_trace_is_a_pickle_of_this_process
-    tests/test_watchdog.py::test_a_stopped_worker_is_named_with_its_phase_and_the_run_exits_hung
-    "tests/test_fp8.py::test_fp8_checkpoint_resumes_as_bf16_and_as_fp8_under_another_layout[dtype=fp8 dp=2 dp_shard=2-dtype=bf16 tp=2]"
-    tests/test_document_mask.py::test_flex_block_mask_matches_the_dense_mask
-    "tests/test_document_mask.py::test_parallel_packed_batch_equals_each_document_alone[pp2]"
+    tests/unit/test_compat.py
+    tests/unit/test_cuda_path.py
+    tests/unit/test_compile.py
+    "tests/integration/test_parallel.py::test_matches_single_process[tp2-sp-pre-rmsnorm]"
+    "tests/integration/test_parallel.py::test_matches_single_process[pp2-interleaved-pre-rmsnorm]"
+    "tests/integration/test_parallel.py::test_matches_single_process[dp2-ddp-post-layernorm]"
+    "tests/integration/test_parallel.py::test_matches_single_process[pp2-1f1b-post-layernorm]"
+    "tests/unit/test_context.py::test_matches_single_process[cp2-pre-rmsnorm]"
+    "tests/unit/test_schedules.py::test_zero_bubble_schedules_match_single_process[pp2]"
+    "tests/integration/test_moe_parallel.py::test_expert_parallel_matches_one_process[ep2]"
+    "tests/unit/test_tied_pipeline.py::test_tied_pipeline_matches_one_process[pp4]"
+    tests/unit/test_checkpoint.py::test_resume_is_exact
+    "tests/integration/test_reshard.py::test_checkpoint_reshards_across_layouts[cp2-to-single]"
+    tests/unit/test_checkpoint_writes.py::test_failed_save_is_one_line_training_goes_on_and_resumes_exactly
+    "tests/integration/test_spike.py::test_rollback_trains_on_as_a_run_that_never_saw_those_batches[2]"
+    tests/unit/test_watchdog.py::test_flight_recorder_trace_is_a_pickle_of_this_process
+    tests/unit/test_watchdog.py::test_a_stopped_worker_is_named_with_its_phase_and_the_run_exits_hung
+    "tests/integration/test_fp8.py::test_fp8_checkpoint_resumes_as_bf16_and_as_fp8_under_another_layout[dtype=fp8 dp=2 dp_shard=2-dtype=bf16 tp=2]"
+    tests/unit/test_document_mask.py::test_flex_block_mask_matches_the_dense_mask
+    "tests/unit/test_document_mask.py::test_parallel_packed_batch_equals_each_document_alone[pp2]"
 )
 
 CACHE="${COMPAT_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/launcher/compat}"

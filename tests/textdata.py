@@ -1,5 +1,5 @@
 """A text corpus and a BPE tokenizer made on the spot from Python's standard library (no download):
-for tests/test_text.py, tests/test_docs.py and bench/tokenize.py."""
+for tests/integration/test_text.py, tests/unit/test_docs.py and bench/tokenize.py."""
 
 from __future__ import annotations
 

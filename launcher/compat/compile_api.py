@@ -1,6 +1,6 @@
 """torch.compile's private side (the rest of torch's private APIs: compat/torch_api.py): the counters in which
 dynamo records what it compiled and where it broke a graph. No public API reports either; the
-checks of their shape are in tests/test_compat.py."""
+checks of their shape are in tests/unit/test_compat.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The private PyTorch APIs of distributed checkpoint (DCP) reading that the project uses (the rest:
 compat/torch_api.py): a file reader and load planner that trust nothing on disk beyond DCP's own index classes
-and tensors, and the index's storage records. Each has a test in tests/test_compat.py.
+and tensors, and the index's storage records. Each has a test in tests/unit/test_compat.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every private Hydra / submitit API the project uses, in one place (PyTorch's: compat/torch_api.py).
 
 Each is used here for a reason (no public API does the same) and has a test in
-tests/test_hydra_compat.py that checks the signature or behaviour the project relies on, so an
+tests/unit/test_hydra_compat.py that checks the signature or behaviour the project relies on, so an
 upgrade that changes one fails there, loudly, rather than somewhere in a run. Neither library is
 imported until an API is used.
 """

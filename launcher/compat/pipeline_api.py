@@ -1,7 +1,7 @@
 """torch.distributed.pipelining's private side (the rest of torch's: compat/torch_api.py): the compute order a
 schedule runs on each rank, a stage without 2.11's sends to its own rank, and evaluation under the V
-schedules. The first two are checked in tests/test_compat.py, `forward_only` by the evaluations of
-tests/test_schedules.py against one process (both under `make test-compat` too).
+schedules. The first two are checked in tests/unit/test_compat.py, `forward_only` by the evaluations of
+tests/unit/test_schedules.py against one process (both under `make test-compat` too).
 """
 
 from __future__ import annotations

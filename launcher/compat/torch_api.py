@@ -1,7 +1,7 @@
 """Every private PyTorch API the project uses, in one place (Hydra's and submitit's: compat/hydra_api.py;
 DCP's reading side: compat/dcp_api.py; pipelining's: compat/pipeline_api.py; the compiler's: compat/compile_api.py).
 
-Each is used here for a reason (no public API does the same) and has a test in tests/test_compat.py
+Each is used here for a reason (no public API does the same) and has a test in tests/unit/test_compat.py
 that checks the signature or behaviour the project relies on, so an upgrade that changes one fails
 there, loudly, rather than somewhere in a run. torch is imported only when a torch API is used:
 `plan` and the SLURM submission side import this module without it.
@@ -65,7 +65,7 @@ def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMe
 def sub_mesh(mesh: DeviceMesh, *dims: str) -> DeviceMesh:
     """`mesh[dims]`, where a dim may be a flattened one: torch warns since 2.11 that slicing those from
     the root mesh will be deprecated, but it is the way to get a 2-D (replicate, flattened shard)
-    mesh for HSDP; tests/test_compat.py checks it still works."""
+    mesh for HSDP; tests/unit/test_compat.py checks it still works."""
     import warnings
 
     with warnings.catch_warnings():
@@ -217,7 +217,7 @@ def compiled_recompute_keeps_attention() -> bool:
     """Whether a compiled block recomputed in full must keep attention's output: torch 2.13's compiled
     checkpoint of a tensor-parallel block whose backward re-runs SDPA saves the DeviceMesh among its
     tensors and fails in the first forward ("expected all tensors_saved_with_vc_check to be Tensors");
-    2.11 and 2.15 compile the same block (tests/test_compile.py under `make test-compat`)."""
+    2.11 and 2.15 compile the same block (tests/unit/test_compile.py under `make test-compat`)."""
     import torch
 
     return torch.__version__.startswith("2.13.")

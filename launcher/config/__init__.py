@@ -8,5 +8,5 @@ before any process starts (`validate.py`, `ranges.py`, `feature_keys.py`, `mix.p
 May import: errors, files, flops, compat; layout only in the modules that hold or check a Layout
 (`layout_keys.py`, `validate.py`, `precision.py`, `run.py`, `prediction.py`): the rest, the schema, sits
 under layout/, which reads the model's shape there. Never the runtime, the planner or the launchers
-(tests/test_imports.py).
+(tests/unit/test_imports.py).
 """

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from launcher.config.schema import MoEConfig, TrainConfig
+from launcher.config.model import MoEConfig
+from launcher.config.schema import TrainConfig
 from launcher.errors import LauncherError
 
 

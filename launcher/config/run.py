@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.config.ft import FtConfig
+from launcher.config.model import ModelConfig
 from launcher.config.options import BuildOptions
 from launcher.config.prediction import Prediction
 from launcher.config.schema import (
@@ -18,7 +19,6 @@ from launcher.config.schema import (
     EvalConfig,
     GuardConfig,
     MetricsConfig,
-    ModelConfig,
     OptimConfig,
     ProfileConfig,
     WatchdogConfig,

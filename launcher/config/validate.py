@@ -12,9 +12,10 @@ from typing import Any
 from launcher.config.feature_keys import check_feature_keys, get_key
 from launcher.config.hardware import HardwareConfig, load_profile
 from launcher.config.mix import mixture_sources
+from launcher.config.model import ModelConfig
 from launcher.config.precision import FP8_RECIPES
 from launcher.config.ranges import check_ranges
-from launcher.config.schema import DataConfig, ModelConfig, TrainConfig, compile_enabled
+from launcher.config.schema import DataConfig, TrainConfig, compile_enabled
 from launcher.errors import LauncherError
 from launcher.flops import head_dim, kv_heads
 from launcher.layout import RECOMPUTE, RESHARD, SCHEDULES, expert_split

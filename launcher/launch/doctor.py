@@ -134,7 +134,7 @@ def check_compile(s: Setting) -> Finding:
     import torch
 
     from launcher.compat.compile_api import reset_compile_counts
-    from launcher.config.schema import ModelConfig
+    from launcher.config.model import ModelConfig
     from launcher.model.attention import rope_tables
     from launcher.model.transformer import Block
     from launcher.parallel.compiled import CompileReport

@@ -7,7 +7,7 @@ plan, checkpointing, FSDP/HSDP/DDP. Every rank of the layout then gets its local
 those parameters' placements with DTensor's own layout function (the ranks of one pipeline position
 run the same program with other mesh coordinates: only their shard shapes can differ, on uneven
 splits). Building each of thousands of ranks would take an hour; this takes seconds, and
-tests/test_layout.py checks it against building every rank of small layouts.
+tests/unit/test_layout.py checks it against building every rank of small layouts.
 
 Printed: each parameter's local shape, global shape and placement, ranks with identical holdings
 listed once, and each rank's parameter memory (also x4: with fp32 gradients and AdamW's moments).
@@ -24,8 +24,8 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any
 
+from launcher.config.model import ModelConfig
 from launcher.config.options import BuildOptions
-from launcher.config.schema import ModelConfig
 from launcher.flops import GIB
 from launcher.layout import Layout, build_mesh, rank_of, stage_layers
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.errors import LauncherError
 from launcher.flops import expert_width
 from launcher.layout.core import Layout, stage_layers

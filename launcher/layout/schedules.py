@@ -9,7 +9,7 @@ zbv, dualpipev; rank 0 then holds the embedding and the loss). Zero-bubble sched
 where 1F1B idles; their blocks stay eager (torch does not split a compiled backward).
 
 The planner's formulas are checked against the timelines of torch's own action orders
-(tests/test_schedules.py), with forward, input and weight gradient equally long (one GEMM per weight):
+(tests/unit/test_schedules.py), with forward, input and weight gradient equally long (one GEMM per weight):
 - bubble(p, v, m): idle time of the busiest rank, in slots (one microbatch's forward and backward of
   all its layers);
 - in_flight(p, v, m, r): microbatches whose activations rank r holds at its peak (in units of all

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.flops import head_dim, kv_heads
 from launcher.model.documents import masked_attention
 from launcher.ops.fused import FusedLinear

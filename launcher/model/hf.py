@@ -4,7 +4,7 @@ piece of a parameter read straight from the folder's safetensors shards.
 RoPE needs no conversion: `pointwise.rotate` turns the two halves of a head (dims i and i + head_dim/2
 share an angle) with tables that repeat the frequencies (`cat(f, f)`), exactly as HF's `rotate_half`
 does, so q and k weights keep their row order. (Meta's original checkpoints pair adjacent dims; HF's
-own converter permutes those rows into this layout once.) tests/test_hf.py checks the logits.
+own converter permutes those rows into this layout once.) tests/integration/test_hf.py checks the logits.
 
 Reading (`init.from=PATH`): a rank reads only the boxes of the parameters it holds, `safe_open`'s
 slices over the memory-mapped shard, so no rank materializes the whole model. Torch is imported
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.config.extras import require
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.errors import LauncherError
 from launcher.flops import head_dim
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from launcher.compat.torch_api import local_shard_extent
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.model.knobs import PLAIN, Knobs
 from launcher.model.moe import MoE
 from launcher.model.transformer import Transformer

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from launcher.config.model import ModelConfig
 from launcher.config.options import BuildOptions
-from launcher.config.schema import ModelConfig
 from launcher.flops import expert_width
 from launcher.ops.experts import select_impl
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from launcher.compat.torch_api import in_backward
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.flops import expert_width
 from launcher.model.knobs import PLAIN, Knobs
 from launcher.model.moe_table import EXTRA, layer_records, layer_rows

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.flops import head_dim
 from launcher.model.attention import Attention, Positions, rope_tables
 from launcher.model.documents import attention_mask, document_positions

@@ -11,7 +11,7 @@ These nodes are eager's only. Under `torch.compile` (`torch.compiler.is_compilin
 trace time) the same chains are written as plain ops: dynamo refuses `out=` into the nodes'
 non-contiguous views, and one such break inside a checkpointed block makes it fall back to eager
 for the whole block. The compiler fuses the plain chain itself and picks what to save
-(tests/test_compile.py holds every block kind to one graph).
+(tests/unit/test_compile.py holds every block kind to one graph).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from launcher.compat.torch_api import enable_async_tp
+from launcher.config.model import ModelConfig
 from launcher.config.options import BuildOptions
 from launcher.config.precision import autocast_for, fsdp_policy
-from launcher.config.schema import ModelConfig
 from launcher.layout import Layout, expert_mesh
 from launcher.model.init import materialize, meta_model
 from launcher.model.knobs import run_knobs

@@ -8,7 +8,7 @@ data-dependent, so there the norms and attention are compiled and the experts ru
 The compiled path is the product, so what compile did is measured, not assumed: dynamo's count of
 graphs and graph breaks (`CompileReport`), which a run prints and writes into summary.json after its
 first step. One graph per compiled unit and no break is what every block kind gives today
-(tests/test_compile.py); a break means that part of the block ran eagerly, unfused.
+(tests/unit/test_compile.py); a break means that part of the block ran eagerly, unfused.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`plan`'s tables as plain text: a header, a rule under it, one line a row, two spaces between columns, every
 cell on one line, no trailing spaces. Plain strings, not rich: a log file gets the same bytes as a terminal,
-and `plan` answers without importing and measuring a rendering library (tests/test_plan_output.py)."""
+and `plan` answers without importing and measuring a rendering library (tests/integration/test_plan_output.py)."""
 
 from __future__ import annotations
 

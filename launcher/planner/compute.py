@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.hardware.machine import Machine
 from launcher.layout import Layout
 from launcher.planner import eager, moe

@@ -41,8 +41,8 @@ reductions run on the cores the matmuls use, so nothing is hidden).
 
 from __future__ import annotations
 
+from launcher.config.model import ModelConfig
 from launcher.config.prediction import StepTime
-from launcher.config.schema import ModelConfig
 from launcher.flops import head_dim, kv_heads, loss_weight_bytes
 from launcher.hardware.machine import Level, Machine
 from launcher.layout import Layout, async_tp_applies

@@ -19,7 +19,7 @@ A profile without a memory bandwidth (cpu) counts none of it: its host time is c
 
 from __future__ import annotations
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.flops import head_dim, kv_heads
 from launcher.layout import Layout
 

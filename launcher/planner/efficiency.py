@@ -19,7 +19,7 @@ efficiency of the GEMMs at their per-device shapes / (1 + H0 g / h):
 
 from __future__ import annotations
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.flops import head_dim, kv_heads
 from launcher.hardware.machine import Machine
 from launcher.layout import Layout

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from launcher.config.model import ModelConfig
 from launcher.config.precision import COLUMN, fp8_layer
-from launcher.config.schema import ModelConfig
 from launcher.config.validate import block_linears
 from launcher.flops import moe_layer_count
 from launcher.layout import Layout

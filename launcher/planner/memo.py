@@ -1,6 +1,6 @@
 """Memoising the planner's pure functions of a layout on the layout fields they read: the search asks
 thousands of layouts that differ in their batch split or recompute choice the same per-stage questions.
-tests/test_planner_speed.py checks each memoised function reads no field but those it is keyed on. The
+tests/unit/test_planner_speed.py checks each memoised function reads no field but those it is keyed on. The
 keys' other arguments hash cheaply: the machine and its link levels once each (`hash_once`,
 hardware/machine.py), the model once per search (`private_model`).
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from launcher import flops
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")

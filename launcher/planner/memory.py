@@ -55,8 +55,8 @@ from __future__ import annotations
 
 from functools import cache
 
+from launcher.config.model import ModelConfig
 from launcher.config.prediction import Memory
-from launcher.config.schema import ModelConfig
 from launcher.flops import (
     FLOP_PER_BYTE,
     GIB,
@@ -119,7 +119,7 @@ def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
 
 def norm_stats_bytes(m: ModelConfig, elem: int) -> int:
     """Bytes per token that torch's eager norms save besides their input (Korthikanti et al. count the
-    input only; measured against saved-tensor hooks in tests/test_planner_vs_runtime.py): two norms per
+    input only; measured against saved-tensor hooks in tests/integration/test_planner_vs_runtime.py): two norms per
     layer; RMSNorm saves x*rstd (h) and rstd, LayerNorm mean and rstd."""
     return 2 * elem * (m.dim + 1) if m.norm == "rmsnorm" else 2 * elem * 2
 

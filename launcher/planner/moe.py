@@ -23,7 +23,7 @@
 
 from __future__ import annotations
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.flops import expert_params, moe_layer_count
 from launcher.hardware.machine import Level, Machine
 from launcher.layout import Layout, rank_stages, stage_layers

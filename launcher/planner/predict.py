@@ -10,8 +10,8 @@ from operator import attrgetter
 from typing import Any
 
 from launcher.config.ft import BUCKET_BYTES, BUCKETS_IN_FLIGHT
+from launcher.config.model import ModelConfig
 from launcher.config.prediction import Memory, Prediction, StepTime
-from launcher.config.schema import ModelConfig
 from launcher.flops import mfu
 from launcher.hardware.machine import Machine
 from launcher.layout import Layout

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from heapq import heappush, heappushpop
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.errors import LauncherError
 from launcher.layout import (
     SCHEDULE,
@@ -109,7 +109,7 @@ def _cp_options(ranks: int, seq: int) -> list[int]:
 
 def _inner(problem: Problem, space: Space, tp: int, cp: int, sp: bool) -> Iterator[Point | str]:
     """The candidates of one (tp, cp): pp, the dp split, micro and the schedule. The rules are checked once
-    for every micro-batch size: none reads it (tests/test_planner_speed.py)."""
+    for every micro-batch size: none reads it (tests/unit/test_planner_speed.py)."""
     m, seq, deg = problem.model, problem.seq, space.degrees
     rest, checked, rec = problem.world // (tp * cp), {}, space.recompute or "none"
     for pp in [deg["pp"]] if deg["pp"] else divisors(rest):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.errors import LauncherError
 from launcher.files import shared_mode, temp_beside
 from launcher.model.hf import CONFIG, INDEX, check_llama, hf_config, hf_name

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from launcher.config.schema import CheckpointConfig, DataConfig, ModelConfig
+from launcher.config.model import ModelConfig
+from launcher.config.schema import CheckpointConfig, DataConfig
 from launcher.errors import LauncherError
 from launcher.model.init import meta_model, tied_output
 from launcher.model.transformer import Transformer

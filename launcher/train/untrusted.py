@@ -6,7 +6,7 @@ DCP stores its index, `.metadata`, as a Python pickle and reads it with the full
 whatever code a crafted file names. A checkpoint may come from a shared or downloaded disk, so the
 project reads `.metadata` with an unpickler that admits only the classes a DCP index holds
 (`load_dcp_metadata`, given to `dcp_api.SafeFileSystemReader`), and non-tensor values with
-`torch.load(weights_only=True)` (`dcp_api.SafeLoadPlanner`). tests/test_compat.py checks that the
+`torch.load(weights_only=True)` (`dcp_api.SafeLoadPlanner`). tests/unit/test_compat.py checks that the
 restricted unpickler reads what the full one reads from a checkpoint of the installed torch.
 """
 

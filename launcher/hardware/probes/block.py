@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.flops import blocks_flops_per_token, head_dim
 from launcher.hardware.probes.cache import Probe, measure
 from launcher.hardware.probes.gemm import GEMM_N, gemm_rates

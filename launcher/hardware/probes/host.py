@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from launcher.compat.torch_api import leave_process_groups
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.flops import head_dim
 from launcher.hardware.probes.cache import Probe, cached_measure
 from launcher.hardware.probes.harness import median_seconds, run_ranks, torch_threads

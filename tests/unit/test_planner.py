@@ -60,7 +60,7 @@ def test_full_405b_search_on_16384_gpus_stays_bounded():
 def test_planning_for_a_gpu_profile_does_not_import_torch():
     code = (
         "import sys\n"
-        "from tests.test_planner import make_cfg\n"
+        "from tests.unit.test_planner import make_cfg\n"
         "from launcher import planner\n"
         "batch = {'micro': 'auto', 'global': 64}\n"
         "auto = dict(tp='auto', pp='auto', pp_schedule='auto', recompute='auto')\n"
@@ -69,7 +69,7 @@ def test_planning_for_a_gpu_profile_does_not_import_torch():
         "planner.resolve(cfg, 32)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)[0]["tp"] >= 1

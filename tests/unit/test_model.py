@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from launcher import flops
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.model import Transformer
 from launcher.model.init import initialized_model, meta_model, name_seed
 from tests.conftest import make_config

@@ -20,8 +20,8 @@ from launcher.config.layout_keys import from_config
 from launcher.layout import Layout, owner_rank, rank_stages
 from tests.conftest import losses
 from tests.dist import run
-from tests.test_layout import error
-from tests.test_parallel import batch, make_cfg, train_case
+from tests.integration.test_parallel import batch, make_cfg, train_case
+from tests.unit.test_layout import error
 
 SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
 VARIANT = "pre-rmsnorm"  # SwiGLU, GQA, RoPE: the shapes the planner's memory model is exact for
@@ -72,7 +72,7 @@ def test_zero_bubble_schedules_match_single_process(reference: dict[str, Any], t
 def test_checkpoint_resumes_across_schedules(tmp_path: Path) -> None:
     """Saved under zbv (V placement: rank 0 holds stages 0 and 3), resumed under interleaved_zb
     (looped: rank 0 holds 0 and 2): parameter names are global, so the checkpoint does not care."""
-    from tests.test_reshard import run as run_layout
+    from tests.integration.test_reshard import run as run_layout
 
     common = ("model.n_layers=4", "batch.micro=2")
     reference = losses(run_layout(tmp_path / "ref", "single", "checkpoint.every=0", *common))

@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from launcher.config.layout_keys import from_config
-from launcher.config.schema import FSDPConfig, ModelConfig, OptimConfig, TrainConfig
+from launcher.config.model import ModelConfig
+from launcher.config.schema import FSDPConfig, OptimConfig, TrainConfig
 from launcher.data.context_split import split_sequence
 from launcher.layout import build_mesh
 from launcher.parallel import build_runner

@@ -21,7 +21,7 @@ from launcher.metrics.moe_load import layer_loads
 from launcher.model.moe import local, moe_layers
 from tests.conftest import selected_cases
 from tests.dist import run_many
-from tests.test_parallel import train_case as parallel_case
+from tests.integration.test_parallel import train_case as parallel_case
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from launcher.planner import memory
 from launcher.planner.predict import predict
 from launcher.planner.request import problem
 from launcher.train.allocator import allocator_mode
-from tests.test_planner import make_cfg
+from tests.unit.test_planner import make_cfg
 
 
 def test_fsdp_holds_the_root_unit_two_blocks_the_outputs_gradient_and_a_blocks_copy():

@@ -18,7 +18,7 @@ from launcher.layout import Layout
 from launcher.planner import compute, eager, efficiency
 from launcher.planner.predict import predict
 from launcher.planner.request import problem
-from tests.test_planner import make_cfg
+from tests.unit.test_planner import make_cfg
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)

@@ -236,7 +236,7 @@ def test_each_schedule_row_names_a_torch_class_of_its_kind() -> None:
 def test_a_new_schedule_is_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
     """A row added to the table is read by the rules, the runtime's class lookup, the planner's bubble
     and activations in flight, the report's text and the search, with nothing else to edit."""
-    from launcher.config.schema import ModelConfig
+    from launcher.config.model import ModelConfig
     from launcher.layout import SCHEDULE, Schedule, schedule_text, violations
     from launcher.layout.schedules import _one_logits
     from launcher.parallel.pipeline import schedule_class

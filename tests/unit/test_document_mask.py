@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from launcher import flops
 from launcher.config.layout_keys import from_config
-from launcher.config.schema import ModelConfig, TrainConfig
+from launcher.config.model import ModelConfig
+from launcher.config.schema import TrainConfig
 from launcher.config.validate import validate
 from launcher.data.documents import measured_span
 from launcher.errors import LauncherError

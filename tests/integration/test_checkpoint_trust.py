@@ -15,7 +15,7 @@ from launcher.train.export import export
 from launcher.train.loop import train
 from launcher.train.untrusted import read_metadata
 from tests.conftest import run_cli, run_for, tiny_args, tiny_config
-from tests.test_checkpoint import losses
+from tests.unit.test_checkpoint import losses
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,7 @@ def test_explicit_unreadable_path_is_one_line(reference: Path, tmp_path: Path) -
 
 
 def test_file_damaged_for_one_rank_makes_every_rank_fall_back(tmp_path: Path) -> None:
-    from tests.test_reshard import run as run_layout
+    from tests.integration.test_reshard import run as run_layout
 
     full = run_layout(tmp_path, "full", "tp=2", "checkpoint.every=3")
     (full / "checkpoints" / "step_00000006" / "rng_rank1.pt").write_bytes(b"garbage")

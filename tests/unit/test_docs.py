@@ -86,10 +86,12 @@ def prepare_hf(command: str, tmp: Path) -> None:
 
 
 COVERED = {  # commands another test already runs in full
-    "train -m tp=1,2 pp=1,2 steps=50": "tests/test_sweep.py::test_layout_sweep_tp_pp",
-    "train -m tp=1,2 pp=1,2 steps=50 threads=1": "tests/test_sweep.py::test_layout_sweep_tp_pp (threads=1 there)",
+    "train -m tp=1,2 pp=1,2 steps=50": "tests/integration/test_sweep.py::test_layout_sweep_tp_pp",
+    "train -m tp=1,2 pp=1,2 steps=50 threads=1": (
+        "tests/integration/test_sweep.py::test_layout_sweep_tp_pp (threads=1 there)"
+    ),
     "train --config-dir=myconf +model=mine hardware=mycluster --cfg job": (
-        "tests/test_install.py::test_a_users_own_model_and_hardware_from_their_directory"
+        "tests/integration/test_install.py::test_a_users_own_model_and_hardware_from_their_directory"
     ),
 }
 COMMANDS = doc_commands()
@@ -125,7 +127,7 @@ def test_documented_command_names_are_the_projects_scripts() -> None:
 def test_documented_command_runs(doc: str, command: str, tmp_path: Path) -> None:
     line = runnable(command, tmp_path)
     if line is None:
-        pytest.skip(COVERED.get(command, "placeholder path, or a SLURM submission (tests/test_slurm.py)"))
+        pytest.skip(COVERED.get(command, "placeholder path, or a SLURM submission (tests/integration/test_slurm.py)"))
     # for `data=tokens data.path=train.bin`: 2% of it (the validation split) holds a 256-token sequence
     (np.arange(16384, dtype=np.uint16) % 256).tofile(tmp_path / "train.bin")
     # corpus/ (.jsonl, .txt, .parquet), tokenizer.json and a model folder my-model/ (data=text, or a mixture's)

@@ -14,8 +14,9 @@ import torch
 
 from launcher.config.hardware import HardwareConfig
 from launcher.config.layout_keys import from_config
+from launcher.config.model import ModelConfig
 from launcher.config.precision import autocast_for, fsdp_policy, precision_mode
-from launcher.config.schema import ModelConfig, OptimConfig, TrainConfig, compile_enabled
+from launcher.config.schema import OptimConfig, TrainConfig, compile_enabled
 from launcher.config.validate import validate
 from launcher.errors import LauncherError
 from launcher.launch.rank_env import CUDA_ENV, FLIGHT_RECORDER_FILE, cuda_env_defaults

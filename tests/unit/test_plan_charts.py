@@ -17,7 +17,7 @@ from launcher.errors import LauncherError
 from launcher.planner.calibrate import calibrate
 from launcher.planner.charts import chart_path, compare_chart
 from tests.conftest import run_cli
-from tests.test_planner_fit import configs, synthetic, write_summaries  # noqa: F401 (configs: a fixture)
+from tests.unit.test_planner_fit import configs, synthetic, write_summaries  # noqa: F401 (configs: a fixture)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 HINT = "(pip install 'launcher[plot]')"

@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("launcher.model",),
     ("launcher.parallel",),
     ("launcher.train",),
-    ("launcher.hardware",),  # calibration's probes run real blocks (model, parallel, train's allocator)
+    ("launcher.hardware",),  # its probes run real blocks (model, parallel, train's allocator)
     ("launcher.planner",),
     ("launcher.launch",),
 )
@@ -144,7 +144,7 @@ def test_no_arrow_back_up() -> None:
     """Every import, a lazy or an annotation-only one too, goes to the module's own room or one below."""
     graph = {name: targets for name, targets in graph_of().items() if name != "launcher"}  # the root: a docstring
     found = arrows_back_up(graph)
-    assert not found, "imports up the rooms' order (tests/test_imports.py LAYERS):\n" + "\n".join(found)
+    assert not found, "imports up the rooms' order (tests/unit/test_imports.py LAYERS):\n" + "\n".join(found)
 
 
 def test_the_order_check_finds_an_arrow_back_up() -> None:

@@ -11,7 +11,7 @@ import ast
 from functools import cache
 from pathlib import Path
 
-from tests.test_imports import module_names
+from tests.unit.test_imports import module_names
 
 MODULE_LINES = 350
 FUNCTION_LINES = 60

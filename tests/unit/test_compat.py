@@ -56,7 +56,7 @@ def test_leaving_joins_every_groups_worker_threads() -> None:
 
 
 def test_replicate_takes_a_mesh() -> None:
-    """DDP on the FSDP2 machinery; tests/test_parallel.py checks what it computes."""
+    """DDP on the FSDP2 machinery; tests/integration/test_parallel.py checks what it computes."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     params = inspect.signature(replicate).parameters

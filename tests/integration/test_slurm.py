@@ -297,7 +297,7 @@ def test_ft_groups_are_job_steps_and_a_failed_one_heals(tmp_path: Path, cache: s
     """The emitted ft script: the Lighthouse in the batch step, each group a job step. Group 1's worker dies
     at step 3 (first attempt); the script starts its step again, it heals from group 0 and both end bitwise
     equal. min_replicas=2: group 0 waits for it (it would otherwise finish alone before the new step is up)."""
-    from tests.test_ft import assert_same, final_state
+    from tests.unit.test_ft import assert_same, final_state
 
     run = tmp_path / "run"
     ft = ("ft.min_replicas=2", "ft.quorum_timeout_s=60", "max_restarts=1", "checkpoint.every=40")

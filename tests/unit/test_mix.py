@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from launcher.config.mix import mixture_sources
-from launcher.config.schema import DataConfig, ModelConfig, TrainConfig
+from launcher.config.model import ModelConfig
+from launcher.config.schema import DataConfig, TrainConfig
 from launcher.config.validate import validate
 from launcher.data.corpus import Splits
 from launcher.data.mix import MixLoader, Mixture, Schedule, check_mix, mix_loader

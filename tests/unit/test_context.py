@@ -1,6 +1,6 @@
 """Context parallelism matches the single-process run: the loss of each of 5 steps, the gradient norms
 and the gradients after step 1 (fp32, rtol 1e-4), alone and composed with TP (and sequence
-parallelism), FSDP, DDP (HSDP over dp x cp) and PP, for both model variants of tests/test_parallel.py
+parallelism), FSDP, DDP (HSDP over dp x cp) and PP, for both model variants of tests/integration/test_parallel.py
 (RoPE and learned positions), and under full recompute. Plus the load-balanced split itself, and
 the planner's cp terms."""
 
@@ -12,7 +12,7 @@ import torch
 from launcher.data.context_split import local_positions, split_sequence
 from tests.conftest import selected_cases
 from tests.dist import run_many
-from tests.test_parallel import VARIANTS, make_cfg, train_case
+from tests.integration.test_parallel import VARIANTS, make_cfg, train_case
 
 CASES = {
     "cp2": dict(cp=2),
@@ -106,7 +106,7 @@ def _attend_recorded(rank: int, world_size: int, device_type: str, flash: bool) 
     from torch import nn
     from torch.nn.attention import bias
 
-    from launcher.config.schema import ModelConfig
+    from launcher.config.model import ModelConfig
     from launcher.model.attention import Attention
     from launcher.parallel import context
     from launcher.parallel.context import apply_context_parallel
@@ -179,7 +179,7 @@ def test_gqa_attention_reaches_the_flash_kernel_with_kv_heads_unexpanded(attenti
 
 def plan_405b(seq_len: int, **keys: object):
     from launcher import planner
-    from tests.test_planner import make_cfg
+    from tests.unit.test_planner import make_cfg
 
     auto = dict(tp="auto", pp="auto", cp="auto", pp_schedule="auto", recompute="auto")
     batch = {"micro": "auto", "global": 2**24 // seq_len}  # 16M tokens
@@ -204,7 +204,7 @@ def test_cp_memory_and_communication_terms() -> None:
     from launcher.planner.cost import step_time
     from launcher.planner.memory import memory
     from launcher.planner.request import resolve_machine
-    from tests.test_planner import make_cfg
+    from tests.unit.test_planner import make_cfg
 
     cfg = make_cfg("70b", "h100_sxm", nodes=4, seq_len=32768)
     m, machine = cfg.model, resolve_machine(cfg, 32)

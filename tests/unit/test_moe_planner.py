@@ -25,7 +25,7 @@ from launcher.planner.memory import memory
 from launcher.planner.moe import ROW_PASSES, expert_fsdp_comm, experts_in_fsdp, extra_routed_flops, host_copies
 from launcher.planner.predict import predict
 from launcher.planner.request import problem
-from tests import test_moe_parallel
+from tests.integration import test_moe_parallel
 
 DEVICES_PER_NODE = {"h100_sxm": 8, "gb200_nvl72": 4, "tpu_v5p": 4}
 

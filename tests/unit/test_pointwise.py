@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from launcher.model.attention import rope_tables
 from launcher.ops.pointwise import rotary_qkv, swiglu
-from tests.test_fused import apply_rope
+from tests.unit.test_fused import apply_rope
 
 
 class Ops(TorchDispatchMode):

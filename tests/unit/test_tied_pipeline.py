@@ -3,8 +3,8 @@ losses and gradient norms of 5 steps and the gradients after step 1 within 1e-4,
 after step 5, both copies equal bit for bit and to the one-process model's shared one (atol 1e-5;
 other matrices are left to the losses: AdamW's normalized steps turn the rounding noise of an
 element with a near-zero gradient into differences of 1e-5); the stage pairs of pp > 2, zero-bubble,
-TP and FSDP included. The refusal of the V schedules is in tests/test_layout.py, the checkpoint
-across pp = 2 and pp = 1 in tests/test_reshard.py, the planner's terms below.
+TP and FSDP included. The refusal of the V schedules is in tests/unit/test_layout.py, the checkpoint
+across pp = 2 and pp = 1 in tests/integration/test_reshard.py, the planner's terms below.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from launcher.planner import memory
 from launcher.planner.cost import step_time
 from launcher.planner.request import resolve_machine
 from tests.dist import run_many
-from tests.test_parallel import full, make_cfg, train_case
+from tests.integration.test_parallel import full, make_cfg, train_case
 
 TIED = {"tied_embeddings": True}
-CASES = {  # name: layout keys (the model of tests/test_parallel.py, 4 layers, tied)
+CASES = {  # name: layout keys (the model of tests/integration/test_parallel.py, 4 layers, tied)
     "pp2-1f1b": dict(pp=2, pp_schedule="1f1b"),
     "pp2-interleaved-zb": dict(pp=2, pp_schedule="interleaved_zb", virtual_stages=2),
     "tp2-pp2": dict(tp=2, pp=2, pp_schedule="1f1b"),

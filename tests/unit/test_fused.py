@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from launcher.config.schema import ModelConfig
+from launcher.config.model import ModelConfig
 from launcher.flops import device_flop_per_byte, head_dim, loss_chunk_rows
 from launcher.model import attention, transformer
 from launcher.model.init import initialized_model
