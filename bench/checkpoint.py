@@ -18,7 +18,8 @@ from launcher.config.schema import compose_config as make_config
 from launcher.launch.cli import run_of
 from launcher.model.init import initialized_model
 from launcher.planner import resolve
-from launcher.train.checkpoint import Checkpointer, Stateful, complete_checkpoints
+from launcher.train.checkpoint import Checkpointer, Stateful
+from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.loop import train
 from launcher.train.optim import build_optimizer
 

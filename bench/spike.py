@@ -18,7 +18,8 @@ from rich.table import Table
 from launcher.config.schema import compose_config as make_config
 from launcher.data import BatchLoader
 from launcher.model.init import initialized_model
-from launcher.train.checkpoint import Checkpointer, Stateful, complete_checkpoints
+from launcher.train.checkpoint import Checkpointer, Stateful
+from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.optim import build_optimizer
 from launcher.train.spike import Detector, Snapshot, Trainee
 

@@ -120,7 +120,7 @@ def _check_inputs(cfg: TrainConfig, run_dir: Path, every_rank: bool) -> None:
     from launcher.data.corpus import check_source
     from launcher.data.mix import check_mix
     from launcher.model.hf import check_folder
-    from launcher.train.checkpoint import preflight_resume
+    from launcher.train.ckpt_pick import preflight_resume
 
     if cfg.checkpoint.dir:
         make_dir(Path(cfg.checkpoint.dir), "checkpoint.dir")

@@ -26,7 +26,7 @@ from launcher.config.model import ModelConfig
 from launcher.errors import LauncherError
 from launcher.files import shared_mode, temp_beside
 from launcher.model.hf import CONFIG, INDEX, check_llama, hf_config, hf_name
-from launcher.train.checkpoint import MARKER, complete_checkpoints, no_readable
+from launcher.train.ckpt_pick import MARKER, complete_checkpoints, no_readable
 from launcher.train.untrusted import UnreadableCheckpoint, load_shards, read_extras, verify
 
 FORMATS = ("safetensors", "hf")

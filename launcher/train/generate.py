@@ -24,7 +24,7 @@ from launcher.config.schema import CheckpointConfig, DataConfig
 from launcher.errors import LauncherError
 from launcher.model.init import meta_model, tied_output
 from launcher.model.transformer import Transformer
-from launcher.train.checkpoint import complete_checkpoints, no_readable, step_of
+from launcher.train.ckpt_pick import complete_checkpoints, no_readable, step_of
 from launcher.train.export import consolidated_model_state
 from launcher.train.untrusted import UnreadableCheckpoint
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.errors import NonFinite
-from launcher.train.checkpoint import complete_checkpoints
+from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.faults import fault_plan
 from launcher.train.hooks import Hook, Step
 from launcher.train.preemption import collective_device

@@ -29,7 +29,8 @@ from launcher.model.init import AllocationFailed
 from launcher.parallel import build_runner
 from launcher.parallel.runner import Runner
 from launcher.train.allocator import allocator_mode, set_cpu_allocator
-from launcher.train.checkpoint import Checkpointer, Stateful, resolve_resume
+from launcher.train.checkpoint import Checkpointer, Stateful
+from launcher.train.ckpt_pick import resolve_resume
 from launcher.train.faults import fault_plan
 from launcher.train.fit import out_of_memory
 from launcher.train.guard import Guard, InjectedNan

@@ -47,7 +47,8 @@ from torch.distributed.tensor import DTensor
 
 from launcher.config.schema import GuardConfig
 from launcher.errors import NonFinite
-from launcher.train.checkpoint import complete_checkpoints, rng_states, set_rng_states
+from launcher.train.checkpoint import rng_states, set_rng_states
+from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.faults import fault_plan
 from launcher.train.hooks import Hook, Step
 

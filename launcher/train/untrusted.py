@@ -27,6 +27,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from launcher.compat.dcp_api import TORCH_SAVE_MAGIC, SafeFileSystemReader, SafeLoadPlanner, dcp_storage_items
 
 EXTRAS = "extras.json"
+# a one-process run (and export, generate) saves and loads without a process group on purpose; DCP warns
+# about that on every call. Here: every module that calls DCP imports this one.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 # Everything a DCP `.metadata` pickle references (torch 2.6 .. 2.13), besides dtypes (`torch.float32`).
 DCP_METADATA_GLOBALS = frozenset(

@@ -15,7 +15,7 @@ import torch
 from launcher.config.schema import DataConfig
 from launcher.errors import LauncherError
 from launcher.model import Transformer
-from launcher.train.checkpoint import complete_checkpoints
+from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.export import consolidated_model_state
 from launcher.train.generate import BYTES, Settings, codec_for, parse_options, pick, write_stream
 from launcher.train.generate import generate as generate_ids

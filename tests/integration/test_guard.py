@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import NON_FINITE
-from launcher.train.checkpoint import complete_checkpoints
+from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.faults import TEST_NAN_ENV
 from launcher.train.loop import train
 from launcher.train.untrusted import verify

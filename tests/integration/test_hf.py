@@ -18,7 +18,7 @@ from launcher.launch.spawn import start_local_workers
 from launcher.model import Transformer
 from launcher.model.hf import check_folder, hf_name, load_weights
 from launcher.model.init import materialize, meta_model
-from launcher.train.checkpoint import complete_checkpoints
+from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.export import consolidated_model_state, export, shard_groups
 from launcher.train.loop import train
 from launcher.train.setup import build

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import INTERRUPTED, PREEMPTED
-from launcher.train.checkpoint import complete_checkpoints
+from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.preemption import PreemptionFlag
 from tests.conftest import losses, run_cli, tiny_args, worker_pids
 

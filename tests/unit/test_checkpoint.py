@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from launcher.errors import PREEMPTED, LauncherError
 from launcher.model import Transformer
 from launcher.model.init import initialized_model
-from launcher.train.checkpoint import complete_checkpoints, resolve_resume
+from launcher.train.ckpt_pick import complete_checkpoints, resolve_resume
 from launcher.train.loop import train
 from tests.conftest import losses, run_cli, run_for, tiny_config
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from launcher.errors import CheckpointFailed
 from launcher.planner import resolve
 from launcher.train import ckpt_write
-from launcher.train.checkpoint import complete_checkpoints
+from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.ckpt_write import cause
 from launcher.train.faults import TEST_DISK_FULL_ENV
 from launcher.train.loop import train

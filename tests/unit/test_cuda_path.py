@@ -285,7 +285,8 @@ def test_checkpoints_keep_and_restore_each_ranks_gpu_rng_state(monkeypatch: pyte
     the CPU's, and resuming puts it back on that GPU. A checkpoint without one (a CPU run's, or one
     saved before) still loads and leaves the GPU's generator alone."""
     from launcher.model.init import initialized_model
-    from launcher.train.checkpoint import Checkpointer, Stateful, complete_checkpoints
+    from launcher.train.checkpoint import Checkpointer, Stateful
+    from launcher.train.ckpt_pick import complete_checkpoints
     from tests.conftest import tiny_config
 
     saved = torch.arange(16, dtype=torch.uint8)

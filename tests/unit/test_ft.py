@@ -19,7 +19,7 @@ from launcher.data import BatchLoader
 from launcher.errors import LauncherError
 from launcher.launch.spawn import launch
 from launcher.train import replicas
-from launcher.train.checkpoint import complete_checkpoints
+from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.faults import TEST_KILL_ENV
 from launcher.train.spike import SpikeGuard, Trainee
 from launcher.train.untrusted import EXTRAS
