@@ -7,8 +7,9 @@ rules.py     the validity rules `plan` and `train` both apply (`violations`, `ch
 mesh.py      rank at coordinates, the output's owner, the DeviceMesh, workers and threads
 text.py      the layout in one line for people (the run's header, the planner's tables)
 
-The layout never reads a TrainConfig: the Layout a config fixes, and the world size it plans for,
-are launcher/config/layout_keys.py's. This package's public names are re-exported here.
+The layout never reads a config (a model's shape comes as `flops.ModelShape`): the Layout a config
+fixes, and the world size it plans for, are launcher/config/layout_keys.py's. This package's public
+names are re-exported here.
 """
 
 from launcher.layout.core import (

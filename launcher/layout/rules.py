@@ -8,15 +8,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 
-from launcher.config.model import ModelConfig
 from launcher.errors import LauncherError
-from launcher.flops import expert_width
+from launcher.flops import ModelShape, expert_width
 from launcher.layout.core import Layout, stage_layers
 from launcher.layout.degrees import divisors
 from launcher.layout.schedules import SCHEDULE
 
 
-def _tensor_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+def _tensor_parallel(lay: Layout, m: ModelShape, seq_len: int) -> str | None:
     kv = m.n_kv_heads or m.n_heads
     split = (
         ("model.n_heads", m.n_heads, "attention heads are split over the tensor-parallel ranks"),
@@ -31,7 +30,7 @@ def _tensor_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
     return None
 
 
-def _sequence_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+def _sequence_parallel(lay: Layout, m: ModelShape, seq_len: int) -> str | None:
     if lay.sequence_parallel and lay.tp == 1:
         return "sequence_parallel=true needs tensor parallelism: set tp>1 or sequence_parallel=false"
     if lay.sequence_parallel and seq_len % (lay.tp * lay.cp):
@@ -40,7 +39,7 @@ def _sequence_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
     return None
 
 
-def _context_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+def _context_parallel(lay: Layout, m: ModelShape, seq_len: int) -> str | None:
     chunks = 2 * lay.cp  # rank i holds chunks i and 2cp-1-i: the same causal work on every rank
     if lay.cp > 1 and seq_len % chunks:
         fits = [c for c in divisors(seq_len // 2) if c > 1][:6] if seq_len % 2 == 0 else []
@@ -52,7 +51,7 @@ def _context_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
     return None
 
 
-def _stages(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+def _stages(lay: Layout, m: ModelShape, seq_len: int) -> str | None:
     if lay.pp == 1 and (lay.schedule != "1f1b" or lay.virtual_stages > 1):  # pipeline-only keys, no pipeline
         key = "pp_schedule" if lay.schedule != "1f1b" else "virtual_stages"
         value = lay.schedule if key == "pp_schedule" else lay.virtual_stages
@@ -83,7 +82,7 @@ def _stages(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
     return None
 
 
-def _microbatches(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+def _microbatches(lay: Layout, m: ModelShape, seq_len: int) -> str | None:
     if lay.pp == 1:
         return None
     if lay.microbatches < lay.pp:
@@ -106,7 +105,7 @@ def _microbatches(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
     return None
 
 
-def _recompute(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+def _recompute(lay: Layout, m: ModelShape, seq_len: int) -> str | None:
     if lay.recompute_layers == 0:
         return None
     if lay.recompute == "full":
@@ -123,7 +122,7 @@ def _recompute(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
     return None
 
 
-def expert_split(ep: int, m: ModelConfig) -> str | None:
+def expert_split(ep: int, m: ModelShape) -> str | None:
     """ep against the model's routed experts: the rule `plan` and `train` apply to a layout, and
     `validate.check_moe` to the config's ep before any layout exists (one wording for both)."""
     if ep > 1 and not m.moe.experts:
@@ -133,7 +132,7 @@ def expert_split(ep: int, m: ModelConfig) -> str | None:
     return None
 
 
-def _expert_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
+def _expert_parallel(lay: Layout, m: ModelShape, seq_len: int) -> str | None:
     problem = expert_split(lay.ep, m)
     if problem:
         return problem
@@ -150,7 +149,7 @@ def _expert_parallel(lay: Layout, m: ModelConfig, seq_len: int) -> str | None:
     return None
 
 
-Rule = Callable[[Layout, ModelConfig, int], str | None]
+Rule = Callable[[Layout, ModelShape, int], str | None]
 RULES: tuple[Rule, ...] = (
     _tensor_parallel,
     _context_parallel,
@@ -162,7 +161,7 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def violations(lay: Layout, m: ModelConfig, seq_len: int) -> Iterator[str]:
+def violations(lay: Layout, m: ModelShape, seq_len: int) -> Iterator[str]:
     """What is wrong with `lay` for this model and sequence length: one line each, naming the key
     and the fix. `plan` skips such layouts, `train` refuses them, both through this."""
     for rule in RULES:
@@ -171,7 +170,7 @@ def violations(lay: Layout, m: ModelConfig, seq_len: int) -> Iterator[str]:
             yield problem
 
 
-def check(lay: Layout, m: ModelConfig, seq_len: int) -> None:
+def check(lay: Layout, m: ModelShape, seq_len: int) -> None:
     """`train`'s refusal: the first violation, as a LauncherError."""
     problem = next(violations(lay, m, seq_len), None)
     if problem:
