@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import launcher.parallel.runner
-from launcher.compat.torch_api import inner_tensors
+from launcher.compat.torch_compat import inner_tensors
 from launcher.config.layout_keys import from_config
 from launcher.config.schema import TrainConfig, compose_config
 from launcher.layout import Layout, build_mesh

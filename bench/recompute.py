@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from bench.parallel import train_step
-from launcher.compat.torch_api import inner_tensors
+from launcher.compat.torch_compat import inner_tensors
 from launcher.config.layout_keys import from_config
 from launcher.config.schema import TrainConfig, compose_config
 from launcher.flops import head_dim

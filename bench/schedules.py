@@ -118,7 +118,7 @@ def rows(steps: int) -> list[dict[str, Any]]:
 def timeline_text(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> str:
     """The schedule's timeline as the docs show it: torch's action order for each rank, timed by the
     planner's timeline (forward = input gradient = weight gradient = 1 cell, full backward 2)."""
-    from launcher.compat.pipeline_api import schedule_actions
+    from launcher.compat.pipeline_compat import schedule_actions
     from launcher.layout import Layout
     from launcher.parallel.pipeline import schedule_class
     from launcher.planner.timeline import render, simulate

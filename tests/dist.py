@@ -39,7 +39,7 @@ def _child(
     import torch
     import torch.distributed as dist
 
-    from launcher.compat.torch_api import leave_process_groups
+    from launcher.compat.torch_compat import leave_process_groups
 
     try:
         torch.set_num_threads(1)

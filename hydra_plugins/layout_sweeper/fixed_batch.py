@@ -18,7 +18,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf, open_dict
 
-from launcher.compat.hydra_api import basic_sweeper
+from launcher.compat.hydra_compat import basic_sweeper
 from launcher.config.schema import TrainConfig
 from launcher.errors import LauncherError
 

@@ -20,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 import launcher.launch.slurm  # noqa: F401  (importing it registers the ${slurm_job:...} resolver, before configs resolve)
-from launcher.compat.hydra_api import basic_sweeper
+from launcher.compat.hydra_compat import basic_sweeper
 from launcher.config.schema import TrainConfig
 from launcher.config.validate import validate
 from launcher.layout import DEGREES
@@ -83,7 +83,7 @@ class LayoutSweeper(FixedBatch, basic_sweeper()):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         parsed = parser.parse_overrides(arguments)
         fixed = {o.key_or_group for o in parsed if o.key_or_group in DEGREES and not o.is_sweep_override()}
-        # a LauncherError reaches the CLI as it is (launcher.compat.hydra_api.hydra_errors_raised): one line, exit 2
+        # a LauncherError reaches the CLI as it is (launcher.compat.hydra_compat.hydra_errors_raised): one line, exit 2
         cfg = search_config(self.config, fixed)
         validate(cfg)  # as plan and train check first: ranges (sweep.top, sweep.world among them)
         layouts = ranked_layouts(cfg, cfg.sweep.top, cfg.sweep.world)

@@ -1,7 +1,7 @@
 """The compat room: every private API of a dependency the project uses, one module per library side, so a
-new version breaks in one place: PyTorch's (`torch_api.py`), the compiler's counters (`compile_api.py`),
-distributed checkpoint's reading side (`dcp_api.py`), pipelining's (`pipeline_api.py`), Hydra's and
-submitit's (`hydra_api.py`). tests/unit/test_compat.py pins each against the installed versions.
+new version breaks in one place: PyTorch's (`torch_compat.py`), the compiler's counters (`compile_compat.py`),
+distributed checkpoint's reading side (`dcp_compat.py`), pipelining's (`pipeline_compat.py`), Hydra's and
+submitit's (`hydra_compat.py`). tests/unit/test_compat.py pins each against the installed versions.
 
 May import: errors. Nothing else of the launcher.
 """

@@ -16,7 +16,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, ListConfig, OmegaConf, ValueNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from launcher.compat.hydra_api import hydra_errors_raised, hydra_full_error, plain_overrides
+from launcher.compat.hydra_compat import hydra_errors_raised, hydra_full_error, plain_overrides
 from launcher.config.extras import install_hint, installed, require
 from launcher.config.options import BuildOptions
 from launcher.config.run import Run

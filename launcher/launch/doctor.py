@@ -133,7 +133,7 @@ def check_compile(s: Setting) -> Finding:
         return Finding("ok", "compile", "off for this profile (compile=auto); doctor compile=true checks it")
     import torch
 
-    from launcher.compat.compile_api import reset_compile_counts
+    from launcher.compat.compile_compat import reset_compile_counts
     from launcher.config.model import ModelConfig
     from launcher.model.attention import rope_tables
     from launcher.model.transformer import Block

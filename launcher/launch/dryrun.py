@@ -73,7 +73,7 @@ def build_rank(
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from launcher.compat.torch_api import fake_store
+    from launcher.compat.torch_compat import fake_store
     from launcher.parallel import shard_model
 
     model = rank_model(template or meta_model(cfg), cfg, layout, rank)
@@ -102,7 +102,7 @@ def build_rank(
 
 @functools.cache
 def _shard_shape(shape: tuple, placements: tuple, mesh_shape: tuple, coordinate: tuple) -> tuple:
-    from launcher.compat.torch_api import local_shard_extent
+    from launcher.compat.torch_compat import local_shard_extent
 
     return local_shard_extent(shape, mesh_shape, coordinate, placements)[0]
 

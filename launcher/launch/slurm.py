@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from launcher.compat.hydra_api import SUBMITIT_COMMAND, sbatch_script
+from launcher.compat.hydra_compat import SUBMITIT_COMMAND, sbatch_script
 from launcher.config.ft import ATTEMPT_ENV, REPLICA_ENV
 from launcher.config.layout_keys import given_degrees
 from launcher.config.schema import TrainConfig

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from launcher.compat.hydra_api import submitit_requeue_signal
+from launcher.compat.hydra_compat import submitit_requeue_signal
 from launcher.config.ft import REPLICA_ENV
 
 PORT_BASE, PORT_SPAN = 20000, 20000

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from launcher.compat.torch_api import (
+from launcher.compat.torch_compat import (
     bound_device,
     failure_line,
     leave_process_groups,

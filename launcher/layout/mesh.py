@@ -30,7 +30,7 @@ def build_mesh(layout: Layout, device_type: str = "cpu"):  # -> DeviceMesh
     shape = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     if layout.cp > 1:  # FSDP shards over dp_shard x cp (launcher/parallel/data.py)
-        from launcher.compat.torch_api import flatten_mesh
+        from launcher.compat.torch_compat import flatten_mesh
 
         flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
     return mesh

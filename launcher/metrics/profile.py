@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from launcher.compat.torch_api import dump_cuda_memory_snapshot, record_cuda_memory_history
+from launcher.compat.torch_compat import dump_cuda_memory_snapshot, record_cuda_memory_history
 from launcher.config.schema import ProfileConfig
 
 TOP = 5  # ops in the summary line

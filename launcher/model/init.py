@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from launcher.compat.torch_api import local_shard_extent
+from launcher.compat.torch_compat import local_shard_extent
 from launcher.config.model import ModelConfig
 from launcher.model.knobs import PLAIN, Knobs
 from launcher.model.moe import MoE

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.compat.torch_api import in_backward
+from launcher.compat.torch_compat import in_backward
 from launcher.config.model import ModelConfig
 from launcher.flops import expert_width
 from launcher.model.knobs import PLAIN, Knobs

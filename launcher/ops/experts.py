@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.compat.torch_api import grouped_mm, grouped_mm_kernel
+from launcher.compat.torch_compat import grouped_mm, grouped_mm_kernel
 from launcher.ops.fused import compute_dtype
 
 ALIGN = 8  # rows and widths: 16 bytes of bf16

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.compat.torch_api import enable_async_tp
+from launcher.compat.torch_compat import enable_async_tp
 from launcher.config.model import ModelConfig
 from launcher.config.options import BuildOptions
 from launcher.config.precision import autocast_for, fsdp_policy

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from launcher.compat.compile_api import compile_counts
+from launcher.compat.compile_compat import compile_counts
 from launcher.model.moe import moe_layers
 
 

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from launcher.compat.torch_api import all_gather_single, reduce_scatter_single
+from launcher.compat.torch_compat import all_gather_single, reduce_scatter_single
 from launcher.data.context_split import local_positions, rank_chunks
 from launcher.model.attention import CausalAttention, Positions
 from launcher.parallel.swap import swap_modules

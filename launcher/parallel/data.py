@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from launcher.compat.torch_api import replicate, sub_mesh
+from launcher.compat.torch_compat import replicate, sub_mesh
 from launcher.layout import Layout
 from launcher.model.moe import moe_layers
 from launcher.parallel.expert import expert_data_mesh, shard_experts

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from launcher.compat.torch_api import all_to_all_autograd, sub_mesh
+from launcher.compat.torch_compat import all_to_all_autograd, sub_mesh
 from launcher.model.moe import MoE, local, moe_layers
 
 

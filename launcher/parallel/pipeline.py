@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.compat.pipeline_api import pipeline_stage
+from launcher.compat.pipeline_compat import pipeline_stage
 from launcher.layout import SCHEDULE, stage_layers
 from launcher.model import Transformer
 from launcher.model.moe import moe_layers

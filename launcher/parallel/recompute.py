@@ -20,7 +20,7 @@
   a step between no recompute and full recompute for a layout that needs a little memory.
 - compiled under torch 2.13 only, full recompute keeps attention's output (one (batch, seq, heads x
   head_dim) tensor a block): that version's compiler fails on a tensor-parallel block whose recompute
-  re-runs SDPA (launcher/compat/torch_api.py `compiled_recompute_keeps_attention`).
+  re-runs SDPA (launcher/compat/torch_compat.py `compiled_recompute_keeps_attention`).
 
 The block's `forward` is wrapped in place (no wrapper module), so parameter names do not change.
 """
@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from launcher.compat.torch_api import attention_and_collective_ops, attention_ops, compiled_recompute_keeps_attention
+from launcher.compat.torch_compat import attention_and_collective_ops, attention_ops, compiled_recompute_keeps_attention
 from launcher.layout import Layout
 
 aten = torch.ops.aten

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from launcher.compat.pipeline_api import forward_only
-from launcher.compat.torch_api import foreach_mul_, foreach_norm
+from launcher.compat.pipeline_compat import forward_only
+from launcher.compat.torch_compat import foreach_mul_, foreach_norm
 from launcher.layout import Layout
 from launcher.model.documents import document_ids
 from launcher.model.moe import MoE, balance_step, discount, moe_counters, moe_layers

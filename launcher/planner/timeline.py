@@ -5,7 +5,7 @@ An action is (kind, microbatch, stage): kind F (forward), B (full backward), I (
 or W (weight gradient). Each rank runs its actions in its given order, each as soon as the rank is
 free and its inputs exist: F of stage s after F of s - 1; B or I of s after B or I of s + 1 (the
 last stage after its own F); W after the I of the same stage. Costs are per kind, in units of one
-stage's forward; p2p is free. Where the order comes from torch (`compat.pipeline_api.schedule_actions`) this is
+stage's forward; p2p is free. Where the order comes from torch (`compat.pipeline_compat.schedule_actions`) this is
 the timeline torch runs; the planner's closed forms (compute.py, cost.py, memory.py) are tested against it.
 
 A microbatch's activations on a stage are alive from its F to its B, or to its W: torch's input

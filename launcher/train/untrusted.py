@@ -5,8 +5,8 @@ index classes and tensors.
 DCP stores its index, `.metadata`, as a Python pickle and reads it with the full unpickler, which runs
 whatever code a crafted file names. A checkpoint may come from a shared or downloaded disk, so the
 project reads `.metadata` with an unpickler that admits only the classes a DCP index holds
-(`load_dcp_metadata`, given to `dcp_api.SafeFileSystemReader`), and non-tensor values with
-`torch.load(weights_only=True)` (`dcp_api.SafeLoadPlanner`). tests/unit/test_compat.py checks that the
+(`load_dcp_metadata`, given to `dcp_compat.SafeFileSystemReader`), and non-tensor values with
+`torch.load(weights_only=True)` (`dcp_compat.SafeLoadPlanner`). tests/unit/test_compat.py checks that the
 restricted unpickler reads what the full one reads from a checkpoint of the installed torch.
 """
 
@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.metadata import Metadata
 
-from launcher.compat.dcp_api import TORCH_SAVE_MAGIC, SafeFileSystemReader, SafeLoadPlanner, dcp_storage_items
+from launcher.compat.dcp_compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, SafeLoadPlanner, dcp_storage_items
 
 EXTRAS = "extras.json"
 # a one-process run (and export, generate) saves and loads without a process group on purpose; DCP warns

@@ -145,7 +145,7 @@ def report_line(beats: dict[int, Beat | None], now: float, stale_s: float, folde
 
 def dump_flight_recorder(rank: int) -> None:
     """This process's NCCL flight recorder, where torch writes it on a timeout (rank_env.flight_recorder_env)."""
-    from launcher.compat.torch_api import flight_recorder_trace
+    from launcher.compat.torch_compat import flight_recorder_trace
 
     prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     if prefix:

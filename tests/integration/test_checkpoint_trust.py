@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.compat.dcp_api import TORCH_SAVE_MAGIC, dcp_storage_items
+from launcher.compat.dcp_compat import TORCH_SAVE_MAGIC, dcp_storage_items
 from launcher.errors import LauncherError
 from launcher.train.export import export
 from launcher.train.loop import train

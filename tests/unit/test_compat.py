@@ -1,4 +1,4 @@
-"""Each private PyTorch API in launcher/compat/torch_api.py and launcher/compat/dcp_api.py still has the
+"""Each private PyTorch API in launcher/compat/torch_compat.py and launcher/compat/dcp_compat.py still has the
 signature and the behaviour the project relies on: these fail loudly on an upgrade that changes one, naming
 the API to port."""
 
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from launcher.compat import pipeline_api as pipeline_compat
-from launcher.compat import torch_api as compat
-from launcher.compat.dcp_api import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items
+from launcher.compat import pipeline_compat
+from launcher.compat import torch_compat as compat
+from launcher.compat.dcp_compat import TORCH_SAVE_MAGIC, SafeFileSystemReader, dcp_storage_items
 from launcher.model.init import initialized_model
 from launcher.train.checkpoint import Checkpointer, Stateful
 from launcher.train.optim import build_optimizer
@@ -67,7 +67,7 @@ def test_flatten_mesh_names_a_dimension_of_adjacent_ones() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from launcher.compat.torch_api import fake_store, flatten_mesh, sub_mesh
+    from launcher.compat.torch_compat import fake_store, flatten_mesh, sub_mesh
 
     dist.init_process_group("fake", store=fake_store(), rank=5, world_size=8)
     try:
@@ -374,7 +374,7 @@ def test_a_stopped_forkserver_is_replaced_by_one_with_the_environment_now(monkey
 
 
 def test_compile_counts_read_dynamos_graphs_and_breaks() -> None:
-    from launcher.compat.compile_api import compile_counts, reset_compile_counts
+    from launcher.compat.compile_compat import compile_counts, reset_compile_counts
 
     def broken(x: torch.Tensor) -> torch.Tensor:
         y = x.sin()

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.compat.compile_api import reset_compile_counts
-from launcher.compat.torch_api import fake_store
+from launcher.compat.compile_compat import reset_compile_counts
+from launcher.compat.torch_compat import fake_store
 from launcher.config.layout_keys import from_config
 from launcher.layout import build_mesh
 from launcher.model.init import materialize, meta_model

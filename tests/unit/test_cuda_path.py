@@ -173,7 +173,7 @@ def _shard_on_fake_world(cfg: TrainConfig, rank: int, world: int) -> dict[str, s
     """Parallelize `cfg`'s meta model as `rank` of a fake world; the mesh's group names by dimension."""
     import torch.distributed as dist
 
-    from launcher.compat import torch_api as compat
+    from launcher.compat import torch_compat as compat
     from launcher.model.init import meta_model as build
     from launcher.parallel import shard_model
 

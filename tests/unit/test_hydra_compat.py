@@ -1,4 +1,4 @@
-"""Each private Hydra / submitit API in launcher/compat/hydra_api.py still has the signature and the
+"""Each private Hydra / submitit API in launcher/compat/hydra_compat.py still has the signature and the
 behaviour the project relies on: these fail loudly on an upgrade that changes one, naming the API to port."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError
 
-from launcher.compat import hydra_api as hydra_compat
+from launcher.compat import hydra_compat
 from launcher.config.schema import CONF_DIR
 
 

@@ -171,7 +171,7 @@ def test_entry_points_and_submission_side_do_not_import_torch() -> None:
     """`plan` and SLURM submission stay light: the CLI, compat/, slurm*.py and the metrics sinks
     import torch only when used."""
     code = (
-        "import sys, launcher.launch.cli, launcher.compat.torch_api, launcher.compat.hydra_api\n"
+        "import sys, launcher.launch.cli, launcher.compat.torch_compat, launcher.compat.hydra_compat\n"
         "import launcher.launch.slurm, launcher.launch.slurm_job\n"
         "import launcher.metrics.sinks\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

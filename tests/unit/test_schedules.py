@@ -148,7 +148,7 @@ def test_planner_bubble_and_in_flight_match_torchs_action_orders() -> None:
     """The planner's closed forms against the timeline of the orders torch runs (forward, input and
     weight gradient equally long): the busiest rank's idle time, and each rank's peak of microbatch
     activations held (in units of all its layers)."""
-    from launcher.compat.pipeline_api import schedule_actions
+    from launcher.compat.pipeline_compat import schedule_actions
     from launcher.parallel.pipeline import schedule_class
     from launcher.planner.cost import bubble_slots
     from launcher.planner.memory import in_flight, logits_in_flight

@@ -206,6 +206,6 @@ def test_the_collective_timeout_outlasts_the_watchdogs_first_step() -> None:
 def test_flight_recorder_trace_is_a_pickle_of_this_process() -> None:
     import pickle
 
-    from launcher.compat.torch_api import flight_recorder_trace
+    from launcher.compat.torch_compat import flight_recorder_trace
 
     assert isinstance(pickle.loads(flight_recorder_trace()), dict)

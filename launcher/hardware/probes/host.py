@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from launcher.compat.torch_api import leave_process_groups
+from launcher.compat.torch_compat import leave_process_groups
 from launcher.config.model import ModelConfig
 from launcher.flops import head_dim
 from launcher.hardware.probes.cache import Probe, cached_measure

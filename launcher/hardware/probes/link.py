@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from launcher.compat.torch_api import leave_process_groups
+from launcher.compat.torch_compat import leave_process_groups
 from launcher.hardware.probes.cache import Probe, cached_measure
 from launcher.hardware.probes.harness import run_ranks, same_iteration_exit
 

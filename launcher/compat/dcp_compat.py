@@ -1,5 +1,5 @@
 """The private PyTorch APIs of distributed checkpoint (DCP) reading that the project uses (the rest:
-compat/torch_api.py): a file reader and load planner that trust nothing on disk beyond DCP's own index classes
+compat/torch_compat.py): a file reader and load planner that trust nothing on disk beyond DCP's own index classes
 and tensors, and the index's storage records. Each has a test in tests/unit/test_compat.py.
 """
 
@@ -58,7 +58,7 @@ def _dcp_classes() -> dict[str, type]:
 
 
 def __getattr__(name: str) -> Any:
-    """`from launcher.compat.dcp_api import SafeFileSystemReader` (or SafeLoadPlanner) builds them then."""
+    """`from launcher.compat.dcp_compat import SafeFileSystemReader` (or SafeLoadPlanner) builds them then."""
     if name in ("SafeFileSystemReader", "SafeLoadPlanner"):
         return _dcp_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Every private Hydra / submitit API the project uses, in one place (PyTorch's: compat/torch_api.py).
+"""Every private Hydra / submitit API the project uses, in one place (PyTorch's: compat/torch_compat.py).
 
 Each is used here for a reason (no public API does the same) and has a test in
 tests/unit/test_hydra_compat.py that checks the signature or behaviour the project relies on, so an

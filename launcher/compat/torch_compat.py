@@ -1,5 +1,6 @@
-"""Every private PyTorch API the project uses, in one place (Hydra's and submitit's: compat/hydra_api.py;
-DCP's reading side: compat/dcp_api.py; pipelining's: compat/pipeline_api.py; the compiler's: compat/compile_api.py).
+"""Every private PyTorch API the project uses, in one place (Hydra's and submitit's: compat/hydra_compat.py;
+DCP's reading side: compat/dcp_compat.py; pipelining's: compat/pipeline_compat.py; the compiler's:
+compat/compile_compat.py).
 
 Each is used here for a reason (no public API does the same) and has a test in tests/unit/test_compat.py
 that checks the signature or behaviour the project relies on, so an upgrade that changes one fails

@@ -1,4 +1,4 @@
-"""torch.distributed.pipelining's private side (the rest of torch's: compat/torch_api.py): the compute order a
+"""torch.distributed.pipelining's private side (the rest of torch's: compat/torch_compat.py): the compute order a
 schedule runs on each rank, a stage without 2.11's sends to its own rank, and evaluation under the V
 schedules. The first two are checked in tests/unit/test_compat.py, `forward_only` by the evaluations of
 tests/unit/test_schedules.py against one process (both under `make test-compat` too).
@@ -11,7 +11,7 @@ import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from launcher.compat.torch_api import fake_store
+from launcher.compat.torch_compat import fake_store
 
 if TYPE_CHECKING:
     import torch

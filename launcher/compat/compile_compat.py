@@ -1,4 +1,4 @@
-"""torch.compile's private side (the rest of torch's private APIs: compat/torch_api.py): the counters in which
+"""torch.compile's private side (the rest of torch's private APIs: compat/torch_compat.py): the counters in which
 dynamo records what it compiled and where it broke a graph. No public API reports either; the
 checks of their shape are in tests/unit/test_compat.py."""
 
