@@ -275,6 +275,11 @@ def compared_profiles(cfg: TrainConfig) -> list[HardwareConfig]:
     return profiles
 
 
+def calibrate_value(dirs: list[str]) -> str:
+    """plan.calibrate's value as a command line takes it back: DIR, or [DIR,DIR] (a bare a,b is a sweep)."""
+    return dirs[0] if len(dirs) == 1 else f"[{','.join(dirs)}]"
+
+
 def check_calibrate(value: Any) -> list[str]:
     """plan.calibrate's directories (one, or a list): each exists, and some run summary is under them."""
     dirs = [value] if isinstance(value, str) else value
@@ -288,7 +293,7 @@ def check_calibrate(value: Any) -> list[str]:
             )
     if not any(next(Path(name).rglob("summary.json"), None) for name in dirs):
         raise LauncherError(
-            f"plan.calibrate={','.join(dirs)}: no summary.json under it: give the directories of finished "
+            f"plan.calibrate={calibrate_value(dirs)}: no summary.json under it: give the directories of finished "
             "`train` runs (each writes run_dir/summary.json)"
         )
     for summary in (found for name in dirs for found in Path(name).rglob("summary.json")):

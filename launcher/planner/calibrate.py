@@ -1,7 +1,8 @@
-"""`plan plan.calibrate=DIR[,DIR...] hardware=NAME`: fit the profile NAME to the runs under the
-directories (launcher/planner/calibrate_fit.py), print each run's step time measured beside predicted before and
-after (fitted and held-out runs apart), and write the calibrated profile where `--config-dir` finds it:
-`plan.calibrate_out`/hardware/NAME_calibrated.yaml, every number resolved (a CPU's calibrated ones too).
+"""`plan plan.calibrate=DIR hardware=NAME` (several: `plan.calibrate=[DIR,DIR]`): fit the profile NAME to the
+runs under the directories (launcher/planner/calibrate_fit.py), print each run's step time measured beside
+predicted before and after (fitted and held-out runs apart), and write the calibrated profile where
+`--config-dir` finds it: `plan.calibrate_out`/hardware/NAME_calibrated.yaml, every number resolved (a
+CPU's calibrated ones too).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, TextIO
 import yaml
 
 from launcher.config.hardware import HardwareConfig, LinkConfig
-from launcher.config.validate import check_calibrate
+from launcher.config.validate import calibrate_value, check_calibrate
 from launcher.errors import LauncherError
 from launcher.files import make_dir, write_atomic
 from launcher.hardware.profile import LINK_EFFICIENCY, needs_calibration, resolved_hardware
@@ -40,7 +41,7 @@ def calibrate(
     make_dir(Path(out_dir) / "hardware", "plan.calibrate_out")  # before the fit: an unwritable one costs nothing
     runs, skipped = read_runs(dirs, hw)
     if not runs:
-        raise LauncherError(f"plan.calibrate={','.join(dirs)}: no usable run ({skipped[0]}): give finished runs")
+        raise LauncherError(f"plan.calibrate={calibrate_value(dirs)}: no usable run ({skipped[0]}): give finished runs")
     threads = sorted({r.threads for r in runs})
     if needs_calibration(hw) and len(threads) > 1:
         raise LauncherError(
@@ -179,7 +180,7 @@ def error_line(result: dict[str, Any]) -> str:
 def header(result: dict[str, Any], dirs: Sequence[str]) -> str:
     rows = result["runs"]
     return (
-        f"# `{result['hardware']}`: fitted by `plan plan.calibrate={','.join(dirs)}`"
+        f"# `{result['hardware']}`: fitted by `plan plan.calibrate={calibrate_value(dirs)}`"
         " (launcher/planner/calibrate_fit.py)\n"
         f"# to {len(rows)} runs, {sum(r['held_out'] for r in rows)} of them held out; {error_line(result)}.\n"
         "# Link bandwidths are what the runs' collectives reached (efficiency 1). Use it:\n"

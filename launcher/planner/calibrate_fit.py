@@ -1,4 +1,4 @@
-"""Learning from measured runs: `plan plan.calibrate=DIR[,DIR...] hardware=NAME`.
+"""Learning from measured runs: `plan plan.calibrate=DIR hardware=NAME`.
 
 Every finished run's summary.json records what it measured (median tokens/s), its layout and its
 composed config (`config`), so the planner can predict it again on any profile. This fits a few of
