@@ -94,6 +94,18 @@ def local_fused(model: nn.Module) -> None:
     swap_modules(model, FusedLinear, LocalFusedLinear)
 
 
+def compute_dtype_input(module: nn.Module, args: tuple) -> tuple | None:
+    """A half-block's input in autocast's dtype before `PrepareModuleInput` meets it. Under autocast the
+    residual stream (and so the norm's output) is fp32 and each matmul casts its input: the all-gather
+    (sequence parallelism) or the backward's all-reduce would move fp32, twice the bytes, and a cast
+    would sit between the gather and the matmul, where inductor's async-TP pass finds no pattern to
+    fuse. Cast once here, as the matmuls would: the same values, and the collectives move bf16."""
+    x, device = args[0], args[0].device.type
+    if not torch.is_autocast_enabled(device) or x.dtype == torch.get_autocast_dtype(device):
+        return None
+    return (x.to(torch.get_autocast_dtype(device)), *args[1:])
+
+
 def plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict[str, ParallelStyle]:
     """The plan for this rank's part of the model (pipeline stages hold some parts as None).
     `local_logits`: return the logits' vocabulary shard as a plain tensor (a pipeline stage's output)
@@ -148,7 +160,11 @@ def apply_tensor_parallel(
     Tied embeddings: the output projection shares the embedding's DTensor (both Shard(0) over the
     vocabulary)."""
     with tied_output(model):
-        parallelize_module(model, mesh, plan(model, sequence_parallel, local_logits))
+        styles = plan(model, sequence_parallel, local_logits)
+        parallelize_module(model, mesh, styles)
+    for name, style in styles.items():  # ahead of the plan's own hook, which gathers (or reduces) the input
+        if isinstance(style, PrepareModuleInput):
+            model.get_submodule(name).register_forward_pre_hook(compute_dtype_input, prepend=True)
     local_fused(model)
     stream = Shard(1) if sequence_parallel else Replicate()
     swap_modules(model, OutputLoss, lambda _: VocabParallelLoss(mesh, stream))

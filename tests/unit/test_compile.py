@@ -112,3 +112,43 @@ def test_a_run_says_what_compile_did(tmp_path: Path, capsys: pytest.CaptureFixtu
     summary = train(run, tmp_path / "run")
     assert summary["compiled"] == {"units": 2, "graphs": 1, "graph_breaks": 0, "break_reasons": {}}
     assert "compile: 2 modules compiled into 1 graph, no graph break" in capsys.readouterr().out
+
+
+MOVED: dict[str, set[torch.dtype]] = {}  # collective → dtypes it moves, filled by the recording backend
+
+
+def record_collectives(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """A compiler for AOT autograd's forward and backward graphs that notes their collectives' dtypes."""
+    from functorch.compile import make_boxed_func
+
+    for node in gm.graph.nodes:
+        name = str(node.target)
+        if node.op == "call_function" and name.startswith("_c10d_functional.") and "wait" not in name:
+            MOVED.setdefault(name.split(".")[1], set()).add(node.args[0].meta["val"].dtype)
+    return make_boxed_func(gm.forward)
+
+
+def collectives_in_compiled_graphs(tmp_path: Path, *keys: str) -> dict[str, set[torch.dtype]]:
+    """The dtypes each functional collective moves in the compiled blocks' forward and backward graphs
+    (AOT autograd's, as inductor receives them), after one step under bf16 autocast at tp=2 + SP."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    if "record_collectives" not in torch._dynamo.list_backends(exclude_tags=()):
+        backend = aot_autograd(fw_compiler=record_collectives, bw_compiler=record_collectives)
+        torch._dynamo.register_backend(backend, "record_collectives")
+    MOVED.clear()
+    [model], tokens, _ = build(tmp_path, "tp=2", "sequence_parallel=true", *keys, backend="record_collectives")
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return dict(MOVED)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_sequence_parallel_gathers_what_the_matmul_reads(recompute: str, tmp_path: Path) -> None:
+    """Under bf16 autocast the residual stream is fp32; a block's all-gather (and its backward's
+    reduce-scatter) must move bf16, the matmul's input dtype, with no cast between gather and matmul:
+    half the bytes, and the pattern inductor's async-TP pass fuses into one all-gather-matmul."""
+    moved = collectives_in_compiled_graphs(tmp_path, "dtype=bf16", f"recompute={recompute}")
+    assert moved.get("all_gather_into_tensor") == {torch.bfloat16}, moved
+    assert moved.get("reduce_scatter_tensor") == {torch.bfloat16}, moved
