@@ -161,10 +161,12 @@ def apply_tensor_parallel(
     vocabulary)."""
     with tied_output(model):
         styles = plan(model, sequence_parallel, local_logits)
+        # the cast runs before the plan's own hook, which gathers (or reduces) the input: registered first,
+        # not prepended later (torch 2.11's compiler fails to guard a prepended hook's neighbour)
+        for name, style in styles.items():
+            if isinstance(style, PrepareModuleInput):
+                model.get_submodule(name).register_forward_pre_hook(compute_dtype_input)
         parallelize_module(model, mesh, styles)
-    for name, style in styles.items():  # ahead of the plan's own hook, which gathers (or reduces) the input
-        if isinstance(style, PrepareModuleInput):
-            model.get_submodule(name).register_forward_pre_hook(compute_dtype_input, prepend=True)
     local_fused(model)
     stream = Shard(1) if sequence_parallel else Replicate()
     swap_modules(model, OutputLoss, lambda _: VocabParallelLoss(mesh, stream))
