@@ -204,10 +204,22 @@ def attention_ops() -> set[Any]:
     }
 
 
+def flex_attention_ops() -> set[Any]:
+    """FlexAttention's higher-order op (`torch.ops.higher_order.flex_attention`), where torch has it: the
+    kernel of document masks on CUDA (launcher/model/documents.py). A checkpoint's policy sees flex as that
+    one op, not the aten ops inside it (torch registers it with selective checkpointing's dispatch modes), so
+    a policy that keeps attention must name it beside SDPA's kernels, or backward reruns the masked attention."""
+    import torch
+
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    return set() if flex is None else {flex}
+
+
 def attention_and_collective_ops() -> set[Any]:
-    """The non-matmul ops selective recompute keeps the outputs of: the attention kernels, and the
+    """The non-matmul ops selective recompute keeps the outputs of: SDPA's attention kernels, and the
     functional all-reduce / reduce-scatter that finish a row-parallel matmul under tensor (and
-    sequence) parallelism, so that recomputation never repeats a collective."""
+    sequence) parallelism, so that recomputation never repeats a collective (and flex's op:
+    `flex_attention_ops`, a higher-order op rather than an aten one)."""
     import torch
 
     c10d = torch.ops._c10d_functional

@@ -8,9 +8,10 @@
   weight matmuls, and recomputes everything else in backward - norms, activations, RoPE, residual
   adds, dropout (same RNG state). No matmul is repeated, so it costs no matmul FLOPs, only
   elementwise work. Two choices beyond "save the matmuls":
-  * attention (SDPA): its output and log-sum-exp are saved. Recomputing them would repeat the
-    quadratic attention kernel (4 s h FLOPs per token forward, the block's costliest op at long
-    sequences) to free one h_q-wide tensor; and SDPA's backward needs that output anyway.
+  * attention (SDPA, and FlexAttention's higher-order op under document masks on CUDA): its output
+    and log-sum-exp are saved. Recomputing them would repeat the quadratic attention kernel (4 s h
+    FLOPs per token forward, the block's costliest op at long sequences) to free one h_q-wide tensor;
+    and attention's backward needs that output anyway.
   * tensor parallelism: a row-parallel matmul (input sharded on its contraction dimension) makes a
     partial sum that a collective completes; its output is recomputed and the collective's output
     (all-reduce, or sequence parallelism's reduce-scatter) saved instead, so recomputation never
@@ -20,7 +21,9 @@
   a step between no recompute and full recompute for a layout that needs a little memory.
 - compiled under torch 2.13 only, full recompute keeps attention's output (one (batch, seq, heads x
   head_dim) tensor a block): that version's compiler fails on a tensor-parallel block whose recompute
-  re-runs SDPA (launcher/compat/torch_compat.py `compiled_recompute_keeps_attention`).
+  re-runs SDPA (launcher/compat/torch_compat.py `compiled_recompute_keeps_attention`). The same
+  attention ops (`ATTENTION_OPS`) serve both policies, so a document-masked block keeps flex's output
+  there too.
 
 The block's `forward` is wrapped in place (no wrapper module), so parameter names do not change.
 """
@@ -35,13 +38,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from launcher.compat.torch_compat import attention_and_collective_ops, attention_ops, compiled_recompute_keeps_attention
+from launcher.compat.torch_compat import (
+    attention_and_collective_ops,
+    attention_ops,
+    compiled_recompute_keeps_attention,
+    flex_attention_ops,
+)
 from launcher.layout import Layout
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0}  # op → index of its input
-SAVE_OPS = attention_and_collective_ops()
-ATTENTION_OPS = attention_ops()
+ATTENTION_OPS = attention_ops() | flex_attention_ops()  # SDPA's kernels and, under document masks, flex's
+SAVE_OPS = attention_and_collective_ops() | ATTENTION_OPS
 
 
 def _partial_sum(op: Any, args: tuple) -> bool:

@@ -46,6 +46,10 @@ local ones) and, beside its two chunks' outputs, their concatenation (one more h
 rank keeps the causal masks of its two chunks (c = seq / 2cp tokens) against the keys up to their
 ends, c x (seq + c) in the compute dtype on all but cp rank 0 (a buffer; on accelerators the
 flash kernel's causal flag needs none: launcher/parallel/context.py).
+Document masks (data.document_mask): each forward of a microbatch (of a model chunk) builds its mask once and
+its backward reads it: on a CPU a dense additive (micro, 1, seq, seq) tensor in the residual stream's dtype
+(fp32: bf16 runs autocast there), on CUDA FlexAttention's block mask (kilobytes); with RoPE, the angles gathered
+at each token's position in its document ((2, micro, seq, head_dim), fp32) too. Counted with the activations.
 The busiest pipeline rank holds activations for the microbatches in flight: GPipe all m, 1F1B up to
 p on the first rank (p - r on rank r), interleaved 1F1B 2(p - r - 1) + (v - 1)p + 1 chunks of 1/v of
 its layers (p v + p - 1 on the first rank: Korthikanti's factor 1 + (p - 1)/(p v)).
@@ -77,6 +81,7 @@ GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
 OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.35}  # context, collective buffers, workspaces; cpu: the process
+FLEX_BLOCK = 128  # FlexAttention's block mask: tokens per block side (create_block_mask's default)
 
 
 @cache
@@ -216,15 +221,16 @@ def loss_bytes(m: ModelConfig, layout: Layout, elem: int, kind: str, tokens: int
 
 def memory(
     m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, flop_per_byte: float | None = None,
-    fused_attention: bool = True,
+    fused_attention: bool = True, documents: bool = False,
 ) -> Memory:  # fmt: skip
     """Memory of the busiest device (the first or the last pipeline rank, the first on a tie); `flop_per_byte`:
-    the device's (`Machine.flop_per_byte`, which sizes the chunked loss), by default its kind's."""
+    the device's (`Machine.flop_per_byte`, which sizes the chunked loss), by default its kind's; `documents`:
+    under document masks (`document_bytes`)."""
     state, kept = ends_state(m, seq, layout, elem, kind), ends_saved(m, seq, layout, elem, fused_attention)
-    first = _parts(m, seq, layout, elem, kind, 0, flop_per_byte, state[0], kept[0])
+    first = _parts(m, seq, layout, elem, kind, 0, flop_per_byte, state[0], kept[0], documents)
     if layout.pp == 1:
         return Memory(*first)
-    last = _parts(m, seq, layout, elem, kind, layout.pp - 1, flop_per_byte, state[1], kept[1])
+    last = _parts(m, seq, layout, elem, kind, layout.pp - 1, flop_per_byte, state[1], kept[1], documents)
     return Memory(*(last if sum(last) > sum(first) else first))  # Memory.total's sum (its `held` is 0)
 
 
@@ -286,15 +292,29 @@ def ends_saved(m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool)
 
 def rank_memory(
     m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int, flop_per_byte: float | None = None,
-    fused_attention: bool = True,
+    fused_attention: bool = True, documents: bool = False,
 ) -> Memory:  # fmt: skip
     state, kept = rank_state(m, seq, layout, elem, kind, rank), rank_saved(m, seq, layout, elem, fused_attention, rank)
-    return Memory(*_parts(m, seq, layout, elem, kind, rank, flop_per_byte, state, kept))
+    return Memory(*_parts(m, seq, layout, elem, kind, rank, flop_per_byte, state, kept, documents))
+
+
+def document_bytes(m: ModelConfig, seq: int, layout: Layout, kind: str, rank: int) -> float:
+    """What document masks add on pipeline rank `rank` at its peak (module docstring), for each forward of a model
+    chunk in flight (`in_flight` counts whole ranks' layers) of `layout.micro` sequences: the mask (on CUDA
+    FlexAttention's block mask, eight int32 tensors over FLEX_BLOCK-token blocks, four of them n x n; elsewhere
+    dense, fp32) and, with RoPE, its fp32 (2, head_dim) table gathered at each token's position in its document."""
+    if kind == "cuda":
+        blocks = -(-seq // FLEX_BLOCK)
+        mask = 4 * 4 * blocks * (blocks + 1)
+    else:
+        mask = MASTER_BYTES * seq * seq
+    rope = 2 * head_dim(m) * MASTER_BYTES * seq if m.positions == "rope" else 0
+    return layout.micro * (mask + rope) * in_flight(layout, rank) * layout.chunks
 
 
 def _parts(
     m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int, flop_per_byte: float | None,
-    state: tuple[float, ...], kept: tuple[float, ...],
+    state: tuple[float, ...], kept: tuple[float, ...], documents: bool = False,
 ) -> tuple[float, ...]:  # fmt: skip
     """`rank_memory`'s parts (Memory's but `held`) from its `rank_state` and `rank_saved`."""
     (sharded, grads, buffers), (saved, working, full, layers) = state, kept
@@ -302,6 +322,8 @@ def _parts(
     acts = saved * tokens * layers * in_flight(layout, rank)
     if full:
         acts += working * tokens
+    if documents:
+        acts += document_bytes(m, seq, layout, kind, rank)
     logits = loss_bytes(m, layout, elem, kind, tokens, flop_per_byte) if rank == layout.last_rank else 0.0
     if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, last in backward (docstring)
         table = GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)

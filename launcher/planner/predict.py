@@ -35,6 +35,7 @@ class Problem:
     fused_attention: bool = True  # SDPA's kernels, as the runtime calls them (False: Megatron before FlashAttention)
     compiled: bool = True  # blocks compiled (config compile; XLA on a TPU): eager pays unfused pointwise passes
     span: float = 0.0  # keys per query under document masking (flops.document_span); 0: the sequence
+    documents: bool = False  # data.document_mask: the masks forward builds and backward reads (memory.py)
     fp8: Fp8 | None = None  # dtype=fp8: the blocks' linear layers in fp8 (launcher/planner/fp8.py)
     device_snapshot: bool = False  # guard.snapshot=device under rollback: each rank's weights and Adam moments again
     ft: bool = False  # ft.replicas: the cross-group all-reduce's buckets (ft_config.BUCKET_BYTES)
@@ -75,7 +76,8 @@ def bottleneck(t: StepTime, efficiency: float) -> str:
 def problem_memory(problem: Problem, layout: Layout) -> Memory:
     """Memory of the busiest device of `layout` for `problem`."""
     m, mach = problem.model, problem.machine
-    mem = memory(m, problem.seq, layout, problem.elem, mach.kind, mach.flop_per_byte, problem.fused_attention)
+    args = (m, problem.seq, layout, problem.elem, mach.kind, mach.flop_per_byte, problem.fused_attention)
+    mem = memory(*args, documents=problem.documents)
     held = mem.checkpoint if problem.device_snapshot else 0.0  # what a checkpoint of this rank holds, on the device
     held += BUCKET_BYTES * BUCKETS_IN_FLIGHT if problem.ft else 0.0
     if held:  # (memory's own is 0)

@@ -91,6 +91,7 @@ def problem(cfg: TrainConfig, world: int) -> Problem:
         fp8=fp8_of(cfg),
         # documents of the typical length: each query attends within its own (flops.document_span)
         span=document_span([cfg.data.document_len], cfg.seq_len) if cfg.data.document_mask else 0.0,
+        documents=cfg.data.document_mask,  # and each forward's mask, the machine's kind says which (memory.py)
         device_snapshot=cfg.guard.spike == "rollback" and cfg.guard.snapshot == "device",
         ft=cfg.ft.on,
     )

@@ -51,6 +51,7 @@ from launcher.train.checkpoint import rng_states, set_rng_states
 from launcher.train.ckpt_pick import complete_checkpoints
 from launcher.train.faults import fault_plan
 from launcher.train.hooks import Hook, Step
+from launcher.train.pinned import shared_buffers
 
 if TYPE_CHECKING:
     from launcher.data import BatchLoader
@@ -120,21 +121,15 @@ def model_tensors(parts: list[nn.Module]) -> list[torch.Tensor]:
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every state tensor in a fixed order (empty before the first update: AdamW builds its state lazily)."""
     state = optimizer.state
-    return [
-        local(v)
-        for group in optimizer.param_groups
-        for p in group["params"]
-        for v in state.get(p, {}).values()
-        if isinstance(v, torch.Tensor)
-    ]
+    found = (v for group in optimizer.param_groups for p in group["params"] for v in state.get(p, {}).values())
+    return [local(v) for v in found if isinstance(v, torch.Tensor)]
 
 
 def copy_into(saved: list[torch.Tensor], live: list[torch.Tensor], where: torch.device) -> list[torch.Tensor]:
-    """`live` copied into `saved`, allocated on `where` when the tensors differ (the first snapshot; the
-    first after AdamW built its state); host buffers are pinned on CUDA, where copies then run at full speed."""
+    """`live` copied into `saved`, made on `where` (`shared_buffers`) when the tensors differ (the first snapshot;
+    the first after AdamW built its state); host buffers are pinned on CUDA, where copies run at full speed."""
     if [(s.shape, s.dtype) for s in saved] != [(t.shape, t.dtype) for t in live]:
-        pin = where.type == "cpu" and any(t.is_cuda for t in live)
-        saved = [torch.empty(t.shape, dtype=t.dtype, device=where, pin_memory=pin) for t in live]
+        saved = shared_buffers(live, where, pin=where.type == "cpu" and any(t.is_cuda for t in live))
     for s, t in zip(saved, live, strict=True):
         s.copy_(t, non_blocking=True)
     return saved

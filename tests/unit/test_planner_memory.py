@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 from launcher.config.schema import compose_config
-from launcher.flops import FLOP_PER_BYTE, GIB, device_flop_per_byte, loss_chunk_rows, loss_weight_bytes
+from launcher.flops import FLOP_PER_BYTE, GIB, device_flop_per_byte, head_dim, loss_chunk_rows, loss_weight_bytes
 from launcher.layout import Layout
 from launcher.planner import memory
 from launcher.planner.predict import predict
 from launcher.planner.request import problem
+from launcher.planner.timeline import in_flight
 from launcher.train.allocator import allocator_mode
 from tests.unit.test_planner import make_cfg
 
@@ -163,3 +165,60 @@ def test_a_device_snapshot_and_replica_groups_buckets_are_counted():
     ft_cfg = make_cfg(model="8b", hardware="h100_sxm")
     ft_cfg.ft.replicas = 2
     assert predict(problem(ft_cfg, 8), lay).memory.held == 2 * 64 * 2**20
+
+
+def docs_cfg(*keys: str) -> Any:
+    """1b on a CPU at seq 2048, micro 4, with document masks (`data.document_mask`) or without."""
+    return compose_config("+model=1b", "hardware=cpu", "seq_len=2048", "batch.micro=4", *keys)
+
+
+def test_document_masks_count_their_dense_mask_for_each_microbatch_in_flight():
+    """On a CPU each forward builds a dense fp32 (micro, 1, seq, seq) mask that its backward reads (1b at seq
+    2048, micro 4: 64 MiB), with the RoPE angles at each token's position in its document (4 MiB); a pipeline's
+    first rank holds both for each microbatch in flight. On CUDA FlexAttention's block mask: kilobytes."""
+    m, seq, micro = docs_cfg().model, 2048, 4
+    mask, rope = micro * seq * seq * 4, micro * seq * 2 * head_dim(m) * 4
+    assert (mask, rope) == (64 * 2**20, 4 * 2**20)
+    lay = Layout(micro=micro)
+    base = predict(problem(docs_cfg(), 1), lay).memory
+    docs = predict(problem(docs_cfg("data.document_mask=true"), 1), lay).memory
+    assert docs.activations - base.activations == docs.total - base.total == mask + rope
+    pipe = Layout(pp=2, micro=micro, microbatches=8)
+    assert in_flight(pipe, 0) == 2
+    plain, masked = (memory.rank_memory(m, seq, pipe, 4, "cpu", 0, documents=d) for d in (False, True))
+    assert masked.activations - plain.activations == 2 * (mask + rope)
+    h100 = [
+        predict(problem(docs_cfg("hardware=h100_sxm", *d), 1), lay).memory for d in ([], ["data.document_mask=true"])
+    ]
+    blocks = seq // memory.FLEX_BLOCK
+    assert h100[1].total - h100[0].total == micro * 16 * blocks * (blocks + 1) + rope  # 69 KiB of block mask
+    assert problem(docs_cfg(), 1).documents is False
+
+
+def test_a_tiny_forward_with_document_masks_holds_what_the_planner_adds():
+    """`tiny` at micro 2, seq 256 on this CPU: what a forward keeps for backward (bench/recompute.py's count
+    of the storages ops made that are alive after it) grows by the planner's document bytes, within 1% (the
+    positions within each document, 8 bytes a token, are not counted)."""
+    import gc
+
+    import torch
+
+    from bench.recompute import HeldBytes, _ptrs
+    from launcher.model.documents import document_ids
+    from launcher.model.init import initialized_model
+
+    cfg = compose_config("+model=tiny", "hardware=cpu", "seq_len=256", "batch.micro=2")
+    model = initialized_model(cfg.model, 0, torch.device("cpu"))
+    tokens = torch.randint(1, cfg.model.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
+    tokens[:, [50, 180]] = 0
+    held = []
+    for documents in (None, document_ids(tokens, 0)):
+        meter = HeldBytes()
+        with meter:
+            loss = model(tokens, tokens, documents)
+        gc.collect()
+        held.append(meter.alive(_ptrs([*model.parameters(), *model.buffers(), loss])))
+        loss.backward()
+    predicted = memory.document_bytes(cfg.model, 256, Layout(micro=2), "cpu", 0)
+    assert predicted == 2 * 256 * 256 * 4 + 2 * 256 * 2 * head_dim(cfg.model) * 4
+    assert predicted <= held[1] - held[0] <= 1.01 * predicted
