@@ -13,7 +13,10 @@ except under async TP (`async_tp`: compile + sequence parallel on CUDA; `layout.
 where torch splits each compiled block's all-gather / reduce-scatter into t chunks around its matmul:
 the first chunk of each stays exposed, the rest hides behind the block's compute at the usual
 CONTENTION. Only compiled code is fused: none under a zero-bubble schedule (its blocks run eager),
-and in a MoE block only the attention half (the block compiles around its routed FFN). On a
+and in a MoE block only the attention half (the block compiles around its routed FFN); and only a
+gather whose result a matmul reads as its left operand: selective recompute's re-gathers feed the
+weights' gradients (x^T g, the right operand) and stay exposed (tests/unit/test_compile.py checks
+that the gathers move bf16, the matmul's dtype, with no cast between them). On a
 CPU the host is the device, so DTensor's dispatch (the machine's calibrated host_overhead per block
 and microbatch) adds to the step too; accelerators run ahead of the host and hide it.
 
@@ -95,11 +98,12 @@ def tp_time(m: ModelConfig, layout: Layout, machine: Machine, busy: Pace, async_
     # (sequence parallelism: it re-gathers the inputs of the two column-parallel groups, half the bytes)
     sp_regather = 1.0 if layout.recompute == "selective" and layout.sequence_parallel else 0.0
     n, k, ends, act_bytes = busy.layers, busy.full, busy.ends, busy.activation_bytes
-    all_reduces = 4 * n + 2 * k + sp_regather * (n - k) + ends
-    blocks = (all_reduces - ends) * comm.all_reduce(lv, act_bytes, 1, t)
+    one = comm.all_reduce(lv, act_bytes, 1, t)
+    blocks, regathers = (4 * n + 2 * k) * one, sp_regather * (n - k) * one
     if async_tp_applies(layout, async_tp):  # chunked around the matmuls where compiled (the docstring)
         fused = blocks * (1.0 - moe.rank_moe_layers(m, layout, busy.rank) / (2.0 * max(1, n)))
         blocks = _exposed(fused, busy.compute, t, contention(machine)) + blocks - fused
+    blocks += regathers  # feed the weights' gradients as the right operand: torch fuses a gathered left one
     comm_s = blocks + ends * comm.all_reduce(lv, act_bytes, 1, t)
     comm_s += 3 * comm.all_reduce(lv, busy.tokens * 4.0, 1, t) if busy.rank == layout.last_rank else 0.0
     return comm_s, machine.host_overhead * busy.blocks_run

@@ -90,6 +90,20 @@ def test_async_tp_hides_only_what_torch_compiles(model: str, lay: Layout, world:
     assert exposed.tp_comm - hidden.tp_comm <= hidden_at_most * exposed.tp_comm
 
 
+def test_async_tp_leaves_selective_recomputes_regathers_exposed():
+    """Selective recompute re-gathers each column-parallel input for the weights' gradients, where the
+    gathered tensor is the matmul's right operand: torch's pass fuses only a gathered left operand, so the
+    re-gathers cost the same exposed time with async TP as without."""
+    cfg = make_cfg("70b", seq_len=8192, tp=8, sequence_parallel=True, async_tp=True)
+    lays = {r: Layout(tp=8, sequence_parallel=True, recompute=r) for r in ("none", "selective")}
+    hidden = {r: predict(problem(cfg, 8), lay).time.tp_comm for r, lay in lays.items()}
+    cfg.async_tp = False
+    exposed = {r: predict(problem(cfg, 8), lay).time.tp_comm for r, lay in lays.items()}
+    regathers = exposed["selective"] - exposed["none"]
+    assert regathers > 0
+    assert hidden["selective"] - hidden["none"] == pytest.approx(regathers, rel=1e-9)
+
+
 def test_async_tp_off_cuda_or_without_compile_is_one_line_before_spawn():
     for cfg, match in [
         (make_cfg("small", "cpu", tp=2, sequence_parallel=True, async_tp=True), r"async_tp=true needs CUDA"),
