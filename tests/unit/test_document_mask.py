@@ -4,6 +4,8 @@ FLOP count, and the combinations refused before any process starts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,30 @@ def test_flex_block_mask_matches_the_dense_mask() -> None:
     dense = masked_attention(q, k, v, attention_mask(docs, flex=False), 0.0)
     flex = masked_attention(q, k, v, attention_mask(docs, flex=True), 0.0)
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
+MASK_PEAK = """
+import resource, sys, torch
+from launcher.model.documents import block_mask
+seq, compiled = 8192, sys.argv[1] == "compiled"
+if compiled:  # compiled once per shape, first
+    block_mask(torch.zeros(1, seq, dtype=torch.long), compiled)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+mask = block_mask((torch.arange(seq) // 1000)[None], compiled)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024, mask.kv_num_blocks.sum().item())
+"""
+
+
+def test_the_cuda_block_mask_is_built_block_by_block() -> None:
+    """The CUDA path's block mask is built compiled (`block_mask`'s default there): eager evaluates the rule
+    for every (query, key) pair at once, (batch, seq, seq) int64 tensors; compiled, block by block. Each
+    build in a fresh process, the peak memory it adds (compiled: after the shape's first call, which compiles)."""
+    grown = {}
+    for how in ("compiled", "eager"):
+        out = subprocess.run([sys.executable, "-c", MASK_PEAK, how], capture_output=True, text=True, check=True)
+        grown[how] = [int(x) for x in out.stdout.split()]
+    assert grown["compiled"][1] == grown["eager"][1]  # the same visible blocks
+    assert grown["eager"][0] >= 256 and grown["compiled"][0] < 64, grown  # MiB the build added
 
 
 def alone_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
