@@ -274,6 +274,9 @@ class TrainConfig:
     threads: int | None = ranged(None, ge=1, integer=True)  # torch intra-op threads per worker; None: cores / workers
     max_local_workers: int = ranged(8, ge=1)
     dry_run: bool = False
+    # one training step of one rank per pipeline position on fake tensors, no process started: peak memory per
+    # category beside the planner's (launcher/simulate/, docs/simulate.md)
+    simulate: bool = False
     force: bool = False
 
 

@@ -145,7 +145,8 @@ def _train_task(cfg: TrainConfig) -> None:
     env = env_rank()
     replica, world = ft_step(cfg, env.world_size if env else None)
     # the run's one layout (resolve checks the ranges first: the world size and the layout read them)
-    layout, prediction, options = resolve(cfg, world)
+    # simulate: a layout predicted not to fit is simulated (will it?), not refused
+    layout, prediction, options = resolve(replace(cfg, force=True) if cfg.simulate else cfg, world)
     check_ft(cfg.ft, layout.dp_replicate)
     if cfg.dry_run:  # shapes only: a layout that would not fit is reported, not refused
         from launcher.launch.dryrun import dry_run
@@ -154,6 +155,8 @@ def _train_task(cfg: TrainConfig) -> None:
         if not prediction.fits and not cfg.force:
             print(f"note: {too_big(cfg, prediction)}")
         return
+    if cfg.simulate:  # one step of one rank per pipeline position on fake tensors, beside the planner
+        return _simulate(cfg, run_of(cfg, layout, prediction, options))
     if options.fp8 is not None:
         require("torchao", what="dtype=fp8")
     if not (emit := cfg.slurm.emit):  # emit: the job runs on the cluster's nodes, not this (login) node
@@ -183,6 +186,20 @@ def _train_task(cfg: TrainConfig) -> None:
             file=sys.stderr,
         )
         sys.exit(PREEMPTED)
+
+
+def _simulate(cfg: TrainConfig, run: Run) -> None:
+    """`simulate=true` (launcher/simulate/): its table, and simulate.json in the run directory."""
+    from launcher.planner import too_big
+    from launcher.planner.request import problem
+    from launcher.simulate import check, simulate
+
+    check(run)  # what fake tensors cannot represent: refused before the run directory is made
+    run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
+    make_dir(run_dir, "run_dir")
+    simulate(run, problem(cfg, run.layout.world_size), json_path=run_dir / "simulate.json")
+    if run.prediction is not None and not run.prediction.fits:
+        print(f"note: {too_big(cfg, run.prediction)}")
 
 
 def ft_step(cfg: TrainConfig, env_world: int | None) -> tuple[int | None, int | None]:

@@ -11,6 +11,7 @@ weights (init.from) the rank's setup reads into the shards after (launcher/model
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,20 +34,30 @@ from launcher.parallel.recompute import apply_recompute
 from launcher.parallel.runner import ParallelRunner, PipelineRunner, Runner
 from launcher.parallel.tensor import apply_tensor_parallel
 
+Allocate = Callable[..., None]  # `materialize`'s signature: (parts, seed, device, draw=True)
 
-def parallelize(model: nn.Module, layout: Layout, mesh: Any, options: BuildOptions, device: torch.device) -> Runner:
+
+def parallelize(
+    model: nn.Module,
+    layout: Layout,
+    mesh: Any,
+    options: BuildOptions,
+    device: torch.device,
+    allocate: Allocate = materialize,
+) -> Runner:
     """Cut `model` (the full model on the meta device: shapes only) for this rank of `layout`, then
     allocate this rank's shards on `device` and initialize them from the seed (launcher/model/init.py;
     with init.from only allocate them: the folder's weights come next): no rank ever holds the whole
     model. Everything about the cut comes from the layout; `options` say whether to compile, in which
     precision, and the seed.
 
-    `mesh`: the layout's DeviceMesh (`layout.build_mesh`); None for a world of one.
+    `mesh`: the layout's DeviceMesh (`layout.build_mesh`); None for a world of one. `allocate`: `materialize`'s
+    step (the simulation's allocates fake tensors: launcher/simulate/step.py).
     """
     emesh = expert_mesh(layout, mesh.device_type) if layout.ep > 1 else None
     fp8 = decide(model, options.fp8, layout.tp) if options.fp8 else {}  # the whole model's, before the split
     parts, stages = shard_model(model, layout, options, mesh, emesh, fp8)
-    materialize(parts, options.seed, device, draw=not options.init_from)  # init.from: the setup reads the folder
+    allocate(parts, options.seed, device, draw=not options.init_from)  # init.from: the setup reads the folder
     runner = _runner(parts, stages, layout, mesh, options, device)
     runner.fp8 = report(fp8, options.fp8) if options.fp8 else None
     if compiles(layout, options):
@@ -54,12 +65,18 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any, options: BuildOptio
     return runner
 
 
-def build_runner(cfg: ModelConfig, layout: Layout, mesh: Any, options: BuildOptions, device: torch.device) -> Runner:
+def build_runner(
+    cfg: ModelConfig,
+    layout: Layout,
+    mesh: Any,
+    options: BuildOptions,
+    device: torch.device,
+    allocate: Allocate = materialize,
+) -> Runner:
     """The model of `cfg` on meta, built with the run's knobs (launcher/model/knobs.py: the options',
     the layout's micro-batches, the device's), cut by `parallelize`: what a rank trains."""
-    return parallelize(
-        meta_model(cfg, run_knobs(cfg, options, layout.microbatches, device)), layout, mesh, options, device
-    )
+    model = meta_model(cfg, run_knobs(cfg, options, layout.microbatches, device))
+    return parallelize(model, layout, mesh, options, device, allocate)
 
 
 def compiles(layout: Layout, options: BuildOptions) -> bool:

@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("launcher.train",),
     ("launcher.hardware",),  # its probes run real blocks (model, parallel, train's allocator)
     ("launcher.planner",),
+    ("launcher.simulate",),  # the runtime on fake tensors beside the planner's figures
     ("launcher.launch",),
 )
 

@@ -1,0 +1,94 @@
+"""One rank of the layout built and stepped on fake tensors: its peak memory per category.
+
+The worker's own pieces, in its order (launcher/train/setup.py, loop.py): the mesh, `build_runner`
+(the meta model with the run's knobs, cut by `parallelize`), `build_optimizer`, then a step: forward/backward
+over the rank's batch, gradient clipping, the optimizer step, zero_grad. The step measured is a second one:
+AdamW allocates its moments in its first update, which runs first on zero gradients (the same update on the
+same tensors: every parameter, its gradient and its moments live at once, as in a first step's update). A first
+step's forward/backward holds less than the second's (no moments yet), so the peak over both is this one's, at
+half the time: full-size pipelines run thousands of layer passes at ~0.1 s each on fake tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from launcher.compat.fake_compat import Scalars, StepTracker, fake_mode, forget_meshes, propagation_unseen, strict
+from launcher.compat.torch_compat import fake_store
+from launcher.config.options import BuildOptions
+from launcher.config.run import Run
+from launcher.layout import Layout, build_mesh, rank_of
+from launcher.model.init import materialize
+from launcher.parallel import build_runner
+from launcher.parallel.runner import PipelineRunner, Runner
+from launcher.simulate.pipeline import RankStages, rank_actions, rank_stages, step_stages
+from launcher.train.optim import build_optimizer
+
+DEVICE = "cpu"  # torch's CPU build makes no fake CUDA tensors (docs/simulate.md)
+
+
+def sim_options(options: BuildOptions) -> BuildOptions:
+    """The run's options as simulated: no compile (nothing runs a kernel), no values drawn (`init_from`
+    set: `parallelize` only allocates), the precision the GPU run would use kept as it is."""
+    return replace(options, compile=False, init_from="(simulated: no values)")
+
+
+def fake_allocate(mode: Any) -> Any:
+    """`parallelize`'s allocation step under fake `mode`: the rank's shards as fake tensors, no values drawn.
+    Only the allocation: the cut runs outside fake mode, as FSDP2 over a TP mesh concatenates real mesh tensors
+    (a fake mode refuses them)."""
+
+    def allocate(parts: list, seed: int, device: torch.device, draw: bool = True) -> None:
+        with mode:
+            materialize(parts, seed, device, draw=False)
+
+    return allocate
+
+
+def rank_peak(run: Run, pp_rank: int) -> dict[str, int]:
+    """Bytes per category at the peak of a training step of the dp 0 / tp 0 rank of pipeline rank `pp_rank`,
+    its optimizer state allocated."""
+    layout, options = run.layout, run.options
+    rank = rank_of(layout, pp=pp_rank)
+    actions = rank_actions(layout, pp_rank) if layout.pp > 1 else []  # on a fake group of its own: first
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=layout.world_size)
+    try:
+        device, mode = torch.device(DEVICE), fake_mode()
+        mesh = build_mesh(layout, DEVICE)
+        runner = build_runner(run.model, layout, mesh, sim_options(options), device, fake_allocate(mode))
+        stages = rank_stages(layout, pp_rank, actions, mesh, options.precision) if layout.pp > 1 else None
+        strict(mode)
+        with mode:
+            optimizer, schedule = build_optimizer(runner.parts, run.optim, max(run.steps, 2))
+            rows = layout.micro * layout.microbatches  # the rank's batch, as its loader hands it
+            batch = tuple(torch.randint(0, run.model.vocab_size, (rows, options.seq_len)) for _ in range(2))
+            for p in optimizer.param_groups[0]["params"] + optimizer.param_groups[1]["params"]:
+                p.grad = torch.zeros_like(p)  # before the tracker: it counts them as gradients
+            tracker = StepTracker()
+            tracker.track_external(*runner.parts, optimizer)
+            with tracker, propagation_unseen(tracker), Scalars():
+                optimizer.step()  # the first update: AdamW's moments allocated
+                optimizer.zero_grad(set_to_none=True)
+                forward_backward(runner, layout, stages, batch)
+                runner.clip_grad_norm(run.optim.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                schedule.step()
+            return tracker.peak()
+    finally:
+        dist.destroy_process_group()
+        forget_meshes()
+
+
+def forward_backward(
+    runner: Runner, layout: Layout, stages: RankStages | None, batch: tuple[torch.Tensor, ...]
+) -> None:
+    """The runner's own forward/backward; a pipeline rank's stages in its schedule's order (pipeline.py)."""
+    if isinstance(runner, PipelineRunner) and stages is not None:
+        step_stages(runner, layout, stages, batch)
+    else:
+        runner.forward_backward(*batch)

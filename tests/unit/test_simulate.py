@@ -1,0 +1,149 @@
+"""`simulate=true` (launcher/simulate/): one rank per pipeline position stepped on fake tensors, its peak
+memory per category beside the planner's; what it refuses; a host tensor meeting the rank's tensors is caught."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import launcher.simulate.step as step
+from launcher.compat.fake_compat import CATEGORIES
+from launcher.config.precision import autocast_for
+from launcher.config.run import Run
+from launcher.config.schema import compose_config
+from launcher.errors import LauncherError
+from launcher.flops import GIB
+from launcher.launch.cli import run_of
+from launcher.model.init import initialized_model
+from launcher.model.knobs import run_knobs
+from launcher.parallel.runner import Runner
+from launcher.planner import resolve
+from launcher.planner.predict import Problem
+from launcher.planner.request import problem
+from launcher.simulate import check, simulate
+from launcher.train.optim import build_optimizer
+from tests.conftest import assert_bad_input, run_cli
+
+
+def resolved(*overrides: str) -> tuple[Run, Problem]:
+    """The Run `train OVERRIDES simulate=true` simulates, and the planner's problem for it."""
+    cfg = compose_config("hardware.peak_tflops=1.0", "force=true", *overrides)  # a peak given: nothing calibrated
+    layout, prediction, options = resolve(cfg)
+    return run_of(cfg, layout, prediction, options), problem(cfg, layout.world_size)
+
+
+def test_a_tensor_parallel_rank_holds_its_shards_and_adam_moments() -> None:
+    run, prob = resolved("+model=small", "tp=2", "seq_len=64")
+    peak = step.rank_peak(run, 0)
+    # fp32 shards, two fp32 moments of each and a step count per parameter: DTensor's sharding propagation
+    # runs its ops on global-shape fake tensors (the whole model's state at once), which must not count
+    assert peak["optimizer"] == pytest.approx(2 * peak["params"], rel=1e-4)
+    assert peak["activations"] > 0 and peak["total"] >= sum(v for k, v in peak.items() if k != "total")
+    result = simulate(run, prob, out=lambda _: None)
+    sim, plan = result["ranks"][0]["simulated_gib"], result["ranks"][0]["predicted_gib"]
+    assert sim["params"] == pytest.approx(plan["params"], rel=0.05)
+    assert sim["optimizer"] == pytest.approx(plan["optimizer"], rel=0.05)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_fake_step_holds_what_the_real_step_holds(dtype: str) -> None:
+    """One process: the same tracker over the same step on real tensors measures the same bytes per category."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    run, _ = resolved("+model=small", f"dtype={dtype}", "seq_len=64")
+    fake, device = step.rank_peak(run, 0), torch.device("cpu")
+    model = initialized_model(run.model, 0, device, run_knobs(run.model, run.options, 1, device))
+    runner = Runner(model, run.layout.micro, autocast_for(run.options.precision, device))
+    optimizer, _ = build_optimizer([model], run.optim, 2)
+    batch = [torch.randint(0, run.model.vocab_size, (run.layout.micro, 64)) for _ in range(2)]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        for _ in range(2):  # as simulated: AdamW's first update on zero gradients, then a step
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tracker.reset_mod_stats()
+            runner.forward_backward(*batch)
+            runner.clip_grad_norm(run.optim.grad_clip)
+    real = {key.value: nbytes for key, nbytes in tracker.get_tracker_snapshot("peak")[device].items() if key != "Total"}
+    assert {CATEGORIES[k]: v for k, v in real.items()} == {k: v for k, v in fake.items() if k != "total"}
+
+
+def test_every_pipeline_position_runs_its_schedule(tmp_path: Path) -> None:
+    run, prob = resolved("+model=small", "pp=2", "tp=2", "dp=2", "seq_len=64")
+    lines: list[str] = []
+    result = simulate(run, prob, out=lines.append, json_path=tmp_path / "simulate.json")
+    assert [r["pp"] for r in result["ranks"]] == [0, 1]
+    assert [r["rank"] for r in result["ranks"]] == [0, 4]  # dp 0 / tp 0 of each position
+    assert json.loads((tmp_path / "simulate.json").read_text())["ranks"] == result["ranks"]
+    assert any("tracker cannot see" in line for line in lines)
+    for row in result["ranks"]:  # FSDP shards over dp=2; each position's stage holds activations
+        assert row["simulated_gib"]["working"] > 0 and row["simulated_gib"]["params"] > 0
+
+
+def test_a_position_measures_the_same_after_another() -> None:
+    """Positions run one after another in this process, each on its own fake group: nothing cached by DTensor
+    may reach for the last one's groups (sequence parallelism did), nor change what a position measures."""
+    run, _ = resolved("+model=small", "tp=2", "pp=2", "sequence_parallel=true", "seq_len=64")
+    step.rank_peak(run, 0)
+    after = step.rank_peak(run, 1)
+    assert after == step.rank_peak(run, 1)
+
+
+def test_a_one_f_one_b_rank_holds_fewer_microbatches_than_gpipe() -> None:
+    schedules = [resolved("+model=small", "pp=2", f"pp_schedule={s}", "microbatches=4") for s in ("1f1b", "gpipe")]
+    first = [step.rank_peak(run, 0)["activations"] for run, _ in schedules]
+    assert first[0] < first[1]  # rank 0 of 1F1B: pp - 0 = 2 in flight, GPipe: all 4
+
+
+def test_a_host_tensor_meeting_the_ranks_tensors_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU-side cousin of a CPU tensor meeting CUDA activations: a tensor made outside the runtime's
+    allocation (here one a forward hook keeps from import time) cannot silently join the step."""
+    run, _ = resolved("+model=tiny", "tp=2", "seq_len=64")
+    kept = torch.ones(())  # a real tensor, as a module-level constant would be
+    build = step.build_runner
+
+    def with_mistake(*args: object) -> object:
+        runner = build(*args)
+        runner.parts[0].norm.register_forward_hook(lambda _m, _i, out: out * kept)
+        return runner
+
+    monkeypatch.setattr(step, "build_runner", with_mistake)
+    with pytest.raises(Exception, match="FakeTensor"):
+        step.rank_peak(run, 0)
+
+
+def test_what_fake_tensors_cannot_represent_is_refused() -> None:
+    run, _ = resolved("+model=moe_tiny", "ep=2")
+    with pytest.raises(LauncherError, match="routes tokens to experts by value"):
+        check(run)
+    run, _ = resolved("+model=tiny")
+    check(run)  # a dense model on plain causal attention: simulated
+    with pytest.raises(LauncherError, match="data.document_mask reads token values"):
+        check(replace(run, data=replace(run.data, document_mask=True)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [(("+model=tiny", "tp=3"), "tp"), (("+model=moe_tiny", "ep=2"), "simulate=true: model moe_tiny")],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...], expected: str) -> None:
+    result = run_cli("train", *args, "simulate=true", "hardware.peak_tflops=1.0", cwd=tmp_path)
+    assert_bad_input(result, expected, tmp_path)
+
+
+def test_8b_at_tp_8_fits_the_planner_within_a_fifth() -> None:
+    run, prob = resolved("+model=8b", "hardware=h100_sxm", "nodes=1", "tp=8")
+    row = simulate(run, prob, out=lambda _: None)["ranks"][0]
+    sim, plan = row["simulated_gib"], row["predicted_gib"]
+    assert run.options.precision == "autocast_bf16"  # the GPU run's precision, simulated on the CPU
+    assert sim["params"] == pytest.approx(plan["params"], rel=0.01)  # 1/8 of every matrix, fp32
+    assert sim["optimizer"] == pytest.approx(plan["optimizer"], rel=0.01)
+    assert sim["peak"] * GIB == pytest.approx(plan["peak"] * GIB, rel=0.2)
