@@ -28,7 +28,7 @@ BENCHES = [
     "data",
     "ft",
 ]
-ON_DEMAND = ["gpu_check"]  # needs a CUDA device: run by name only (`make gpu-check`)
+ON_DEMAND = ["gpu_check", "simulate_grid"]  # by name only: a CUDA device (`make gpu-check`); tens of minutes
 
 
 def main(argv: list[str]) -> None:
