@@ -21,7 +21,7 @@ from launcher.layout import build_mesh
 from launcher.model.init import materialize, meta_model
 from launcher.parallel.context import apply_context_parallel
 from launcher.planner import resolve
-from launcher.planner.memory import layer_activation_bytes
+from launcher.planner.activations import layer_activation_bytes
 
 
 def block_memory_worker(rank: int, world: int, seq_len: int) -> dict[str, Any]:

@@ -37,7 +37,8 @@ from launcher.model.transformer import Block
 from launcher.parallel import build_runner
 from launcher.parallel.pipeline import stage_module
 from launcher.planner import build_options, resolve
-from launcher.planner.memory import layer_activation_bytes, rank_memory, rank_params
+from launcher.planner.activations import layer_activation_bytes
+from launcher.planner.memory import rank_memory, rank_params
 from launcher.train.optim import build_optimizer
 
 TOLERANCE = 0.25  # step time

@@ -41,7 +41,7 @@ from launcher.model.transformer import Block
 from launcher.parallel import build_runner
 from launcher.parallel.recompute import apply_recompute
 from launcher.planner import build_options, resolve
-from launcher.planner.memory import layer_activation_bytes
+from launcher.planner.activations import layer_activation_bytes
 from launcher.train.optim import build_optimizer
 
 MODES = (  # name, recompute, recompute_layers, blocks in the stage

@@ -41,7 +41,7 @@ GRID: dict[str, tuple[str, ...]] = {
     # layouts this CPU also runs for real (their measured peaks: bench memory)
     "1b tp2": ("+model=1b", "tp=2"),
     "1b pp2": ("+model=1b", "pp=2"),
-    "1b fsdp2": ("+model=1b", "dp_shard=2"),
+    "1b fsdp2": ("+model=1b", "dp=2", "dp_shard=2"),
     "small tp2 sp": ("+model=small", "tp=2", "sequence_parallel=true"),
     "small pp2 gpipe": ("+model=small", "pp=2", "pp_schedule=gpipe"),
     "small tp2 selective": ("+model=small", "tp=2", "recompute=selective"),

@@ -23,23 +23,7 @@ buffers and cuBLAS workspaces on a GPU; on a CPU the worker process itself (Pyth
 launcher imported, a gloo group: 0.29-0.36 GiB of resident memory measured before the model is
 built).
 
-Activations per layer follow Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes for GPT with fp16
-activations and dropout), rebuilt term by term so that other shapes fit:
-  replicated across TP ranks (divided by t only with sequence parallelism): the inputs of the two
-  norms, of the QKV projection and of the MLP (4 tensors of h), and the two dropout masks (1 B each);
-  sharded by t: Q (h_q), K and V (h_kv each: GQA stores fewer), the output projection's input (h_q),
-  the MLP's intermediates (GELU: input and output, 2f; SwiGLU: the gate|up product and silu(gate) x
-  up, 3f, its node recomputing silu(gate): ops/pointwise.py; a MoE layer's routed experts gate and
-  up, 2f (ops/experts.py), 4f under zero-bubble schedules); the attention core: the softmax output
-  (a s elements), with dropout its mask and output; fused attention (SDPA's flash / memory-efficient
-  kernels, as the runtime) stores none of these a s-sized tensors, only a log-sum-exp per head (fp32).
-For GPT (f = 4h, h_q = h_kv = h, dropout, 2-byte activations) this gives exactly 10 + 24/t and
-5as/(ht). Full recompute keeps each layer's input (2sbh, /t with sequence parallelism) and needs one
-layer's full activations while it recomputes. Selective recompute (the op-level policy of
-launcher/parallel/recompute.py) keeps the layer's input and the outputs of its matmuls and of
-attention: Q, K, V, the attention output and its log-sum-exp, the MLP's up projections (SwiGLU 2f,
-GELU f; all sharded), and the two row-parallel results (h each: all-reduced or reduce-scattered).
-`recompute_layers=N` recomputes N blocks of each stage in full and the rest per the policy.
+Activations per layer and token: launcher/planner/activations.py.
 Context parallelism (cp ranks, each seq / cp tokens of every sequence) divides everything per token
 by cp, except K and V: attention saves the all-gathered K and V of the whole sequence (cp times the
 local ones) and, beside its two chunks' outputs, their concatenation (one more h); on a CPU each
@@ -65,15 +49,14 @@ from launcher.flops import (
     FLOP_PER_BYTE,
     GIB,
     ParamCounts,
-    expert_width,
     head_dim,
-    kv_heads,
     loss_chunk_rows,
     param_counts,
 )
 from launcher.layout import Layout, rank_stages, stage_layers, stage_size
+from launcher.planner.activations import input_bytes, layer_activation_bytes, stream_bytes
 from launcher.planner.memo import on_fields
-from launcher.planner.moe import mean_routed_per_layer, rank_expert_params, rank_moe_layers, routed_params, row_bytes
+from launcher.planner.moe import mean_routed_per_layer, rank_expert_params, rank_moe_layers, routed_params
 from launcher.planner.timeline import in_flight, logits_in_flight
 
 MASTER_BYTES = 4  # fp32 parameters
@@ -120,59 +103,6 @@ def rank_params(m: ModelConfig, layout: Layout, rank: int) -> int:
         if not m.tied_embeddings or layout.pp > 1:
             total += pc.output_matmul // t
     return total
-
-
-def norm_stats_bytes(m: ModelConfig, elem: int) -> int:
-    """Bytes per token that torch's eager norms save besides their input (Korthikanti et al. count the
-    input only; measured against saved-tensor hooks in tests/integration/test_planner_vs_runtime.py): two norms per
-    layer; RMSNorm saves x*rstd (h) and rstd, LayerNorm mean and rstd."""
-    return 2 * elem * (m.dim + 1) if m.norm == "rmsnorm" else 2 * elem * 2
-
-
-def selective_bytes(m: ModelConfig, layout: Layout, elem: int) -> float:
-    """Saved bytes per token of one layer under the selective policy (see the module docstring)."""
-    h, t, f = m.dim, layout.tp, m.ffn_dim
-    hq, hkv = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m)
-    replicated = 3 * elem * h  # the input and the two row-parallel results
-    sharded = elem * (2 * hq + 2 * hkv + (2 if m.mlp == "swiglu" else 1) * f) + 4.0 * m.n_heads
-    return (replicated / t if layout.sequence_parallel else replicated) + sharded / t
-
-
-@on_fields("tp", "cp", "sequence_parallel", "recompute", "zero_bubble")
-def layer_activation_bytes(
-    m: ModelConfig, seq: int, layout: Layout, elem: int, fused_attention: bool = True
-) -> tuple[float, float]:
-    """(saved bytes per token of one layer under `layout.recompute`, bytes per token of one layer's
-    full working set); `fused_attention`: SDPA's kernels, which the runtime calls (False: the score
-    matrix stored, Megatron before FlashAttention)."""
-    h, t = m.dim, layout.tp
-    mlp, routed = (3 if m.mlp == "swiglu" else 2) * m.ffn_dim, 0.0
-    if m.moe.experts:  # a token's MLP: top_k routed + shared experts; its routed rows and routing
-        mlp = ((4 if layout.zero_bubble else 2) * m.moe.top_k + 3 * m.moe.shared_experts) * expert_width(m)
-        routed = row_bytes(m, elem) * t  # not split by tp: the MoE layer runs whole on each tp rank
-    hq, hkv, a = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m), m.n_heads
-    mask = 1 if m.dropout > 0 else 0
-    replicated = 4 * elem * h + 2 * mask * h + norm_stats_bytes(m, elem)
-    # attention saves K and V as its core reads them: all-gathered over the cp ranks (cp x the local ones);
-    # under cp each local chunk's output is saved, and their concatenation (the output projection's input)
-    cp_out = hq if layout.cp > 1 else 0
-    sharded = elem * (2 * hq + cp_out + 2 * hkv * layout.cp + mlp) + routed
-    if fused_attention:
-        core = 4.0 * a
-    else:
-        core = elem * a * seq + mask * (1 + elem) * a * seq
-    rep = replicated / t if layout.sequence_parallel else replicated
-    full = rep + (sharded + core) / t
-    if layout.recompute == "full":
-        return input_bytes(m, layout, elem), full
-    if layout.recompute == "selective":
-        return selective_bytes(m, layout, elem), full
-    return full, full
-
-
-def input_bytes(m: ModelConfig, layout: Layout, elem: int) -> float:
-    """Saved bytes per token of a layer recomputed in full: its input (split by tp with sequence parallelism)."""
-    return elem * m.dim / layout.tp if layout.sequence_parallel else elem * m.dim
 
 
 @on_fields("pp", "chunks", "v_shape", "recompute", "recompute_layers")
@@ -226,7 +156,8 @@ def memory(
     """Memory of the busiest device (the first or the last pipeline rank, the first on a tie); `flop_per_byte`:
     the device's (`Machine.flop_per_byte`, which sizes the chunked loss), by default its kind's; `documents`:
     under document masks (`document_bytes`)."""
-    state, kept = ends_state(m, seq, layout, elem, kind), ends_saved(m, seq, layout, elem, fused_attention)
+    stream = stream_bytes(elem, kind, layout)
+    state, kept = ends_state(m, seq, layout, elem, kind), ends_saved(m, seq, layout, elem, fused_attention, stream)
     first = _parts(m, seq, layout, elem, kind, 0, flop_per_byte, state[0], kept[0], documents)
     if layout.pp == 1:
         return Memory(*first)
@@ -239,14 +170,16 @@ def ends(layout: Layout) -> tuple[int, ...]:
     return (0,) if layout.pp == 1 else (0, layout.pp - 1)
 
 
-def rank_saved(m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, rank: int) -> tuple[float, ...]:
+def rank_saved(
+    m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, rank: int, stream: int = 0
+) -> tuple[float, ...]:
     """Pipeline rank `rank`'s activations per token and microbatch in flight, whatever its batch split: (saved
     bytes of one of its layers on average, one layer's full working set, its blocks recomputed in full, its blocks)."""
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
-    saved, working = layer_activation_bytes(m, seq, layout, elem, fused)
+    saved, working = layer_activation_bytes(m, seq, layout, elem, fused, stream or elem)
     full = full_layers(m.n_layers, layout, rank)
     if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
-        saved = (saved * (layers - full) + input_bytes(m, layout, elem) * full) / layers
+        saved = (saved * (layers - full) + input_bytes(m, layout, stream or elem) * full) / layers
     return saved, working, full, layers
 
 
@@ -285,16 +218,20 @@ def ends_state(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str) -
 
 
 @on_fields("tp", "cp", "sequence_parallel", "recompute", "recompute_layers", "pp", "chunks", "v_shape", "zero_bubble")
-def ends_saved(m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool) -> tuple[tuple[float, ...], ...]:
+def ends_saved(
+    m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, stream: int = 0
+) -> tuple[tuple[float, ...], ...]:
     """`rank_saved` of each of the `ends`."""
-    return tuple(rank_saved(m, seq, layout, elem, fused, r) for r in ends(layout))
+    return tuple(rank_saved(m, seq, layout, elem, fused, r, stream) for r in ends(layout))
 
 
 def rank_memory(
     m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int, flop_per_byte: float | None = None,
     fused_attention: bool = True, documents: bool = False,
 ) -> Memory:  # fmt: skip
-    state, kept = rank_state(m, seq, layout, elem, kind, rank), rank_saved(m, seq, layout, elem, fused_attention, rank)
+    stream = stream_bytes(elem, kind, layout)
+    state = rank_state(m, seq, layout, elem, kind, rank)
+    kept = rank_saved(m, seq, layout, elem, fused_attention, rank, stream)
     return Memory(*_parts(m, seq, layout, elem, kind, rank, flop_per_byte, state, kept, documents))
 
 

@@ -11,6 +11,7 @@ half the time: full-size pipelines run thousands of layer passes at ~0.1 s each 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -55,6 +56,7 @@ def rank_peak(run: Run, pp_rank: int) -> dict[str, int]:
     layout, options = run.layout, run.options
     rank = rank_of(layout, pp=pp_rank)
     actions = rank_actions(layout, pp_rank) if layout.pp > 1 else []  # on a fake group of its own: first
+    hook = sys.excepthook  # each process group wraps it in a "[rankN]:" prefix: one position's, not a stack
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=layout.world_size)
     try:
         device, mode = torch.device(DEVICE), fake_mode()
@@ -81,6 +83,7 @@ def rank_peak(run: Run, pp_rank: int) -> dict[str, int]:
             return tracker.peak()
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
         forget_meshes()
 
 

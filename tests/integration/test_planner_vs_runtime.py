@@ -18,8 +18,12 @@ forward that are still alive after it; with recompute=none that count equals the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import replace
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from bench.planner_accuracy import (
     ACT_TOLERANCE,
@@ -28,16 +32,20 @@ from bench.planner_accuracy import (
     single_process_memory,
     two_rank_worker,
 )
-from bench.recompute import held_bytes, memory_rows, tp2_memory_worker
+from bench.recompute import Stage, config, held_bytes, memory_rows, tp2_memory_worker
+from launcher.compat.torch_compat import fake_store
 from launcher.config.layout_keys import from_config
 from launcher.config.schema import compose_config
 from launcher.flops import head_dim
+from launcher.layout import build_mesh
 from launcher.model.attention import rope_tables
 from launcher.model.init import initialized_model
 from launcher.model.transformer import Block
+from launcher.parallel import build_runner
 from launcher.parallel.pipeline import split_weight_passes
+from launcher.parallel.recompute import apply_recompute
 from launcher.planner import build_options
-from launcher.planner.memory import layer_activation_bytes
+from launcher.planner.activations import layer_activation_bytes, stream_bytes
 from tests.dist import run
 
 SEQ = 128
@@ -104,6 +112,58 @@ def test_held_bytes_equal_saved_tensor_hooks_without_recompute():
         x = torch.randn(1, SEQ, m.dim, requires_grad=True)
         counts.append(count(block, rope, x)[0] if count is block_saved_bytes else count([block], rope, x))
     assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_autocast_saved_bytes_exact(recompute: str):
+    """Under bf16 autocast (one process, pure TP, DDP) the residual stream stays fp32: a block keeps exactly the
+    planner's bytes per token (`stream_bytes`: fp32 norm inputs and statistics, the projections' fp32 input,
+    RoPE's tables cast; the fp32 input under recompute), beside the bf16 copies of wo and w2 that autocast's
+    weight cache holds until the forward's region ends (the planner's working copy of the weights, a buffer)."""
+    cfg = compose_config(
+        "+model=small", "hardware=cpu", f"seq_len={SEQ}", "batch.micro=1", "dtype=bf16", f"recompute={recompute}"
+    )
+    m, lay = cfg.model, from_config(cfg, 1)
+    assert stream_bytes(2, "cpu", lay) == 4 and stream_bytes(2, "cuda", replace(lay, dp_shard=2)) == 2
+    rope = rope_tables(head_dim(m), m.max_seq_len, m.rope_theta, torch.device("cpu"))
+    torch.manual_seed(0)
+    stage = Stage([Block(m)])
+    apply_recompute(stage, lay)
+    x = torch.randn(1, SEQ, m.dim, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        held = held_bytes(list(stage.layers.values()), rope, x)
+    block = stage.layers["0"]
+    casts = 2 * (block.attention.wo.weight.numel() + block.feed_forward.w2.weight.numel())
+    assert held == layer_activation_bytes(m, SEQ, lay, 2, True, stream_bytes(2, "cpu", lay))[0] * SEQ + casts
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp2_saved_bytes_exact_with_sequence_parallelism_and_autocast(dtype: str, sp: bool, fake_tp2: None):
+    """One block of the tp=2 model as the worker builds it (rank 0 on the fake group: shapes are what count), every
+    recompute policy: under sequence parallelism each projection saves its all-gathered input (whole on the rank),
+    under autocast the residual stream is fp32 and the tensor-parallel hook casts the projections' input first."""
+    for recompute in ("none", "selective", "full"):
+        cfg = config(SEQ, 2, f"recompute={recompute}", f"dtype={dtype}", f"sequence_parallel={sp}")
+        lay = from_config(cfg, 2)
+        model = build_runner(cfg.model, lay, build_mesh(lay), build_options(cfg, lay), torch.device("cpu")).parts[0]
+        torch.manual_seed(0)
+        x = torch.randn(1, SEQ // 2 if sp else SEQ, cfg.model.dim, requires_grad=True)
+        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
+            held = held_bytes([model.layers["0"]], model.rope, x)
+        block = model.layers["0"]
+        weights = block.attention.wo.weight.to_local().numel() + block.feed_forward.w2.weight.to_local().numel()
+        elem = 2 if dtype == "bf16" else 4
+        casts = 2 * weights if dtype == "bf16" else 0  # autocast's weight cache (see the test above)
+        saved = layer_activation_bytes(cfg.model, SEQ, lay, elem, True, stream_bytes(elem, "cpu", lay))[0]
+        assert held == saved * SEQ + casts, recompute
+
+
+@pytest.fixture
+def fake_tp2() -> Iterator[None]:
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.mark.slow

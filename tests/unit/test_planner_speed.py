@@ -48,7 +48,7 @@ def calls(fn: Any, m: Any, machine: Any, lay: Layout) -> list[tuple[tuple[Any, .
         "ranks_full": lambda r: (m.n_layers, lay),
         "layer_activation_bytes": lambda r: (m, 4096, lay, 2, r == 0),  # fused attention and not
         "rank_work": lambda r: (m, 4096, lay, machine),
-        "ends_saved": lambda r: (m, 4096, lay, 2, r == 0),
+        "ends_saved": lambda r: (m, 4096, lay, 2, r == 0, 4 if r else 2),  # the stream: autocast or not
         "ends_state": lambda r: (m, 4096, lay, 2, "cpu" if r == 0 else "cuda"),  # cpu: cp's causal masks
         "microbatch_time": lambda r: (m, 4096, lay, *timed(r)),
         "lower_bound": lambda r: (m, 4096, lay, *timed(r)),

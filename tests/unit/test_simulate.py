@@ -16,7 +16,6 @@ from launcher.config.precision import autocast_for
 from launcher.config.run import Run
 from launcher.config.schema import compose_config
 from launcher.errors import LauncherError
-from launcher.flops import GIB
 from launcher.launch.cli import run_of
 from launcher.model.init import initialized_model
 from launcher.model.knobs import run_knobs
@@ -139,11 +138,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...],
     assert_bad_input(result, expected, tmp_path)
 
 
-def test_8b_at_tp_8_fits_the_planner_within_a_fifth() -> None:
+def test_8b_at_tp_8_the_planner_is_above_the_simulation_within_30_percent() -> None:
     run, prob = resolved("+model=8b", "hardware=h100_sxm", "nodes=1", "tp=8")
     row = simulate(run, prob, out=lambda _: None)["ranks"][0]
     sim, plan = row["simulated_gib"], row["predicted_gib"]
     assert run.options.precision == "autocast_bf16"  # the GPU run's precision, simulated on the CPU
     assert sim["params"] == pytest.approx(plan["params"], rel=0.01)  # 1/8 of every matrix, fp32
     assert sim["optimizer"] == pytest.approx(plan["optimizer"], rel=0.01)
-    assert sim["peak"] * GIB == pytest.approx(plan["peak"] * GIB, rel=0.2)
+    # the planner is never under (the step peaks at forward's end, before any gradient: the planner counts a set,
+    # and a bf16 copy of every weight where autocast caches only the row-parallel ones), and within 30%
+    assert sim["peak"] <= plan["peak"] <= 1.3 * sim["peak"]
