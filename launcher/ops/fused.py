@@ -79,6 +79,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+def autocast_input(module: nn.Module, args: tuple) -> tuple | None:
+    """A forward pre-hook: the module's first input in the matmul's dtype (`compute_dtype`), cast once before the
+    module, as its matmuls would cast it inside (None: already in that dtype, or no autocast)."""
+    x = args[0]
+    dtype = compute_dtype(x)
+    return None if x.dtype == dtype else (x.to(dtype), *args[1:])
+
+
 def converted(linears: tuple[nn.Linear, ...]) -> bool:
     """Whether a layer computes its own product (dtype=fp8: torchao's `Float8Linear` casts and scales
     each weight itself), so the projections run one by one instead of as one stacked matmul."""

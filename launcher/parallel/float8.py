@@ -29,13 +29,13 @@ import sys
 from collections import Counter
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from launcher.config.options import Fp8Options
 from launcher.config.precision import COLUMN, ROW, fp8_layer
 from launcher.model.moe import MoE
+from launcher.ops.fused import autocast_input
 
 MOE = "MoE layer: high precision (torchao's float8 grouped GEMM, CUDA only, is not used)"
 # What torchao's import logs at WARNING (each logger, and a phrase of the one record dropped) that float8
@@ -112,14 +112,11 @@ def convert(part: nn.Module, decisions: dict[str, str], options: Fp8Options) -> 
             mod.register_forward_pre_hook(_autocast_input)
 
 
-def _autocast_input(mod: nn.Module, args: tuple) -> tuple:
+def _autocast_input(mod: nn.Module, args: tuple) -> tuple | None:
     """The input in autocast's dtype, as `Float8Linear` casts it under CUDA autocast only: under a
     CPU's (dtype=fp8 with emulation) the high-precision gradient matmuls of rowwise_with_gw_hp
     would otherwise mix bf16 gradients with fp32 inputs."""
-    device = args[0].device.type
-    if device == "cuda" or not torch.is_autocast_enabled(device):
-        return args
-    return (args[0].to(torch.get_autocast_dtype(device)), *args[1:])
+    return None if args[0].is_cuda else autocast_input(mod, args)
 
 
 def precompute_scales(parts: list[nn.Module], options: Fp8Options | None) -> None:

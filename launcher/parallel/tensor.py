@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 
 from launcher.model.init import tied_output
 from launcher.model.moe import MoE
-from launcher.ops.fused import FusedLinear, converted
+from launcher.ops.fused import FusedLinear, autocast_input, converted
 from launcher.ops.loss import OutputLoss
 from launcher.parallel.swap import swap_modules
 from launcher.parallel.vocab import VocabParallelLoss
@@ -92,18 +92,6 @@ def local_fused(model: nn.Module) -> None:
     """Every `FusedLinear` of `model` on its layers' local shards. Also the MoE shared experts', which
     launcher/parallel/expert.py cuts the same way after this plan."""
     swap_modules(model, FusedLinear, LocalFusedLinear)
-
-
-def compute_dtype_input(module: nn.Module, args: tuple) -> tuple | None:
-    """A half-block's input in autocast's dtype before `PrepareModuleInput` meets it. Under autocast the
-    residual stream (and so the norm's output) is fp32 and each matmul casts its input: the all-gather
-    (sequence parallelism) or the backward's all-reduce would move fp32, twice the bytes, and a cast
-    would sit between the gather and the matmul, where inductor's async-TP pass finds no pattern to
-    fuse. Cast once here, as the matmuls would: the same values, and the collectives move bf16."""
-    x, device = args[0], args[0].device.type
-    if not torch.is_autocast_enabled(device) or x.dtype == torch.get_autocast_dtype(device):
-        return None
-    return (x.to(torch.get_autocast_dtype(device)), *args[1:])
 
 
 def plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict[str, ParallelStyle]:
@@ -161,11 +149,15 @@ def apply_tensor_parallel(
     vocabulary)."""
     with tied_output(model):
         styles = plan(model, sequence_parallel, local_logits)
-        # the cast runs before the plan's own hook, which gathers (or reduces) the input: registered first,
-        # not prepended later (torch 2.11's compiler fails to guard a prepended hook's neighbour)
+        # Under autocast the residual stream (and so a norm's output) is fp32 and each matmul casts its input:
+        # the all-gather (sequence parallelism) or the backward's all-reduce would move fp32, twice the bytes,
+        # with a cast between the gather and the matmul, where inductor's async-TP pass finds no pattern to
+        # fuse. So each half-block's input is cast once, before the plan's own hook gathers (or reduces) it:
+        # the same values, and the collectives move bf16. Registered first, not prepended later (torch 2.11's
+        # compiler fails to guard a prepended hook's neighbour).
         for name, style in styles.items():
             if isinstance(style, PrepareModuleInput):
-                model.get_submodule(name).register_forward_pre_hook(compute_dtype_input)
+                model.get_submodule(name).register_forward_pre_hook(autocast_input)
         parallelize_module(model, mesh, styles)
     local_fused(model)
     stream = Shard(1) if sequence_parallel else Replicate()

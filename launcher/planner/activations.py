@@ -34,7 +34,7 @@ from launcher.layout import Layout
 from launcher.planner.memo import on_fields
 from launcher.planner.moe import row_bytes
 
-MASTER_BYTES = 4  # fp32: the residual stream under autocast
+MASTER_BYTES = 4  # fp32: master weights (memory.py), and the residual stream under autocast
 
 
 def norm_stats_bytes(m: ModelConfig, elem: int) -> int:

@@ -54,12 +54,11 @@ from launcher.flops import (
     param_counts,
 )
 from launcher.layout import Layout, rank_stages, stage_layers, stage_size
-from launcher.planner.activations import input_bytes, layer_activation_bytes, stream_bytes
+from launcher.planner.activations import MASTER_BYTES, input_bytes, layer_activation_bytes, stream_bytes
 from launcher.planner.memo import on_fields
 from launcher.planner.moe import mean_routed_per_layer, rank_expert_params, rank_moe_layers, routed_params
 from launcher.planner.timeline import in_flight, logits_in_flight
 
-MASTER_BYTES = 4  # fp32 parameters
 GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy

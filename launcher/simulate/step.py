@@ -68,7 +68,7 @@ def rank_peak(run: Run, pp_rank: int) -> dict[str, int]:
             optimizer, schedule = build_optimizer(runner.parts, run.optim, max(run.steps, 2))
             rows = layout.micro * layout.microbatches  # the rank's batch, as its loader hands it
             batch = tuple(torch.randint(0, run.model.vocab_size, (rows, options.seq_len)) for _ in range(2))
-            for p in optimizer.param_groups[0]["params"] + optimizer.param_groups[1]["params"]:
+            for p in (p for group in optimizer.param_groups for p in group["params"]):
                 p.grad = torch.zeros_like(p)  # before the tracker: it counts them as gradients
             tracker = StepTracker()
             tracker.track_external(*runner.parts, optimizer)
