@@ -146,13 +146,13 @@ def delta(sim: float, plan: float) -> str:
 
 TABLE_HEAD = (
     "GiB per rank, simulated / predicted (working: activations, temporaries, buffers)",
-    f"{'pp':>3} {'rank':>6}  " + "  ".join(f"{c:>15}" for c in COLUMNS) + "   planner vs simulated   time",
+    f"{'pp':>3} {'rank':>6}  " + "  ".join(f"{c:>13}" for c in COLUMNS) + "   planner vs simulated   time",
 )
 
 
 def row_line(row: dict[str, Any]) -> str:
     """One pipeline position: each column simulated / predicted, GiB; the planner's error on the peak."""
     sim, plan = row["simulated_gib"], row["predicted_gib"]
-    cells = "  ".join(f"{sim[c]:>7.2f}/{plan[c]:<7.2f}" for c in COLUMNS)
+    cells = "  ".join(f"{sim[c]:>6.2f}/{plan[c]:<6.2f}" for c in COLUMNS)  # 120 columns at 999.99 GiB
     verdict = delta(sim["peak"], plan["peak"])
-    return f"{row['pp']:>3} {row['rank']:>6}  {cells}   {verdict:<21} {row['seconds']:>5.1f} s"
+    return f"{row['pp']:>3} {row['rank']:>6}  {cells}   {verdict:<20} {row['seconds']:>5.1f} s"
