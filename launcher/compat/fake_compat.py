@@ -1,13 +1,15 @@
 """The fake-tensor machinery of the simulation (launcher/simulate/): torch's private `FakeTensorMode` and
 `MemTracker` (torch._subclasses, torch.distributed._tools), and what the runtime needs around them.
 
-- `Scalars`: a host read (`.item()`: the loss, the gradient norm) of a fake tensor has no value; it reads 1
-  (which clips nothing).
 - `StepTracker`: torch's tracker refuses a root module called twice between resets; gradient
   accumulation and pipeline microbatches do exactly that, so a repeat call starts the module's stats again
-  (the categories and the peak, which are all we read, are kept). It keeps the global peak only.
+  (the categories and the peak, which are all we read, are kept). It keeps the global peak only. A host read
+  (`.item()`: the loss, the gradient norm) of a fake tensor has no value: under the tracker it reads 1 (which
+  clips nothing); one mode does both, as each mode stacked costs every op a Python dispatch.
 - `propagation_unseen`: DTensor's sharding propagation allocates nothing real; the tracker does not count it.
 - `forget_meshes`: no cached DTensor decision outlives a position's process group.
+- `forward_hooks`: the tracker's hooks of a microbatch's forward, removed after its backward (they would hold
+  its graph, and a pipeline stage's received input, to the end of the step).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils._python_dispatch import TorchDispatchMode
 
+SCALAR = torch.ops.aten._local_scalar_dense.default  # a host read: `.item()`
 TOTAL = "Total"  # MemTracker's key of a snapshot's sum
 # MemTracker's categories (`_MemRefType` values) → the names printed and written
 CATEGORIES = {
@@ -77,22 +79,38 @@ def forget_meshes() -> None:
     _clear_sharding_prop_cache()
 
 
-class Scalars(TorchDispatchMode):
-    """`.item()` of a fake tensor reads 1 (see the module docstring)."""
+@contextlib.contextmanager
+def forward_hooks() -> Iterator[list[Any]]:
+    """The handles of the backward hooks torch's tracker registers on module inputs during a forward, to remove
+    after that forward's backward. Each is a multi-grad hook whose closure holds the grad_fn of the very input it
+    is registered on: a cycle through autograd's C++ nodes that Python's collector cannot see. Left in place,
+    every microbatch's graph stays alive to the leaves, and a pipeline stage's received input (a leaf) and its
+    gradient stay counted to the step's end (+2 hidden states per microbatch the real, untracked run frees)."""
+    import torch.distributed._tools.mod_tracker as mod_tracker
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return 1.0 if args[0].is_floating_point() else 1
-        return func(*args, **(kwargs or {}))
+    handles: list[Any] = []
+    register = mod_tracker.register_multi_grad_hook
+
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        handles.append(register(*args, **kwargs))
+        return handles[-1]
+
+    mod_tracker.register_multi_grad_hook = kept
+    try:
+        yield handles
+    finally:
+        mod_tracker.register_multi_grad_hook = register
 
 
 class StepTracker(MemTracker):
     """torch's MemTracker, for modules called once per microbatch (see the module docstring), blind to
-    DTensor's sharding propagation (`propagation_unseen`)."""
+    DTensor's sharding propagation (`propagation_unseen`); `.item()` reads 1 (see the module docstring)."""
 
     propagating = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is SCALAR:
+            return 1.0 if args[0].is_floating_point() else 1
         if self.propagating:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)

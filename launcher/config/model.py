@@ -28,6 +28,10 @@ class MoEConfig:
     # planner, ep > 1: the busiest ep rank's routed (token, expert) rows over the mean; 1.1 assumes routing
     # balanced (a fresh model's first steps can route most tokens to one expert: docs/planner.md)
     rank_imbalance: float = ranged(1.1, ge=1)
+    # a benchmark's knob (Megatron's force load balancing): token t's pick j goes to expert (t*k + j) % experts,
+    # gated by the router's scores there; every expert gets its share of rows, known without reading a tensor
+    # (simulate=true sets it: fake tensors have no values to route by)
+    force_balance: bool = False
 
 
 @dataclass(unsafe_hash=True)  # hashed by its fields: the planner memoises on the model (planner/memo.py)

@@ -15,6 +15,12 @@ Balancing (`model.moe.balance`):
 - `seq_aux_loss_coef` > 0: DeepSeek-V3's sequence-wise version of the same loss, on top of any balance.
 Auxiliary losses enter through the gradient only (`_AddAuxLoss`): the reported loss stays the LM loss.
 
+`model.moe.force_balance` (a benchmark's knob, as Megatron's force load balancing; `simulate=true` sets it):
+token t's pick j goes to expert (t*k + j) % E instead of the router's top k, gated by the router's scores at
+those experts (the router still learns, the routing costs what it does). Every expert's rows are then known
+on the host (`balanced_picks`): no op has an output shape read from a tensor, none reads one back, so the
+layer runs on fake tensors, which have no values.
+
 Expert parallelism (launcher/parallel/expert.py) sets `exchange`: the experts' weights are then this
 rank's slice, and `route` exchanges tokens with an all-to-all before and after them.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -97,8 +104,10 @@ class MoE(nn.Module):
         self.seq_aux_coef = moe.seq_aux_loss_coef
         self.bias_rate = moe.bias_update_rate
         self.aux_scale = knobs.aux_scale  # the auxiliary losses' scale per micro-batch (1 / microbatches)
-        # expert parallelism's (x, counts) -> outputs over the ep ranks, set by launcher/parallel/expert.py
-        self.exchange: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.force_balance = moe.force_balance  # round-robin picks, counts known on the host (`balanced_picks`)
+        # expert parallelism's (x, counts, host=counts on the host | None) -> outputs over the ep ranks, set by
+        # launcher/parallel/expert.py
+        self.exchange: Callable[..., torch.Tensor] | None = None
         self.router = nn.Parameter(torch.empty(moe.experts, cfg.dim))
         self.experts = Experts(moe.experts, cfg.dim, expert_width(cfg), knobs.expert_impl)
         self.shared: nn.Module | None = None
@@ -119,11 +128,14 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         logits = F.linear(flat.float(), local(self.router).float())  # routing in fp32
         scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
-        choose = scores + self.expert_bias if self.balance == "bias" else scores
-        idx = choose.topk(self.top_k, dim=-1).indices
+        if self.force_balance:
+            idx, host = balanced_picks(flat.shape[0], self.top_k, self.n_experts, flat.device)
+        else:
+            choose = scores + self.expert_bias if self.balance == "bias" else scores
+            idx, host = choose.topk(self.top_k, dim=-1).indices, None
         weights = scores.gather(1, idx)
         weights = weights / weights.sum(-1, keepdim=True)
-        y = self.route(flat, idx, weights.to(x.dtype))
+        y = self.route(flat, idx, weights.to(x.dtype), host)
         if self.shared is not None:
             y = y + self.shared(flat)
         y = y.view(shape)
@@ -142,32 +154,70 @@ class MoE(nn.Module):
             aux = aux + self.seq_aux_coef * per_seq
         return _AddAuxLoss.apply(y, aux, self.aux_scale) if aux.requires_grad else y
 
-    def route(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Send each token to its top-k experts, sum their outputs weighted by the gates."""
+    def route(
+        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, host: list[int] | None = None
+    ) -> torch.Tensor:
+        """Send each token to its top-k experts, sum their outputs weighted by the gates. `host`: each expert's
+        picks, known on the host (force_balance): no count is read from a tensor."""
         tokens, k = idx.shape
         expert = idx.reshape(-1)
         token = torch.arange(tokens, device=x.device).repeat_interleave(k)
         gate = weights.reshape(-1)
         order = expert.argsort(stable=True)  # grouped by expert, in token order inside a group
         expert, token, gate = expert[order], token[order], gate[order]
-        counts = torch.bincount(expert, minlength=self.n_experts)
-        routed = counts.sum()
-        if self.capacity_factor is not None:  # each expert keeps its first `capacity` tokens
-            capacity = math.ceil(self.capacity_factor * tokens * k / self.n_experts)
-            starts = torch.cumsum(counts, 0) - counts
-            keep = torch.arange(expert.numel(), device=x.device) - starts[expert] < capacity
-            expert, token, gate = expert[keep], token[keep], gate[keep]
-            counts = counts.clamp(max=capacity)
+        capacity = expert_capacity(self.capacity_factor, tokens, k, self.n_experts)
+        if host is None:
+            counts = torch.bincount(expert, minlength=self.n_experts)
+            routed = counts.sum()
+            if capacity is not None:  # each expert keeps its first `capacity` tokens
+                starts = torch.cumsum(counts, 0) - counts
+                keep = torch.arange(expert.numel(), device=x.device) - starts[expert] < capacity
+                expert, token, gate = expert[keep], token[keep], gate[keep]
+                counts = counts.clamp(max=capacity)
+        else:  # force_balance: the same, from counts known on the host
+            routed = tokens * k
+            token, gate, counts, host = balanced_capacity(token, gate, host, capacity)
         if torch.is_grad_enabled() and not in_backward():  # training forward (not a recompute)
             self.tokens_per_expert += counts
             self.dropped += routed - counts.sum()
-        out = self._experts(x[token], counts)
+        out = self._experts(x[token], counts, host)
         return _Combine.apply(out, gate, token, x.shape, x.dtype)
 
-    def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, counts: torch.Tensor, host: list[int] | None = None) -> torch.Tensor:
         if self.exchange is None:
-            return self.experts(x, counts.tolist())
-        return self.exchange(x, counts)
+            return self.experts(x, counts.tolist() if host is None else host)
+        return self.exchange(x, counts, host=host)
+
+
+def expert_capacity(factor: float | None, tokens: int, k: int, experts: int) -> int | None:
+    """The picks each expert keeps under `capacity_factor`; None: dropless."""
+    return None if factor is None else math.ceil(factor * tokens * k / experts)
+
+
+def balanced_picks(tokens: int, k: int, experts: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """force_balance: token t's pick j is expert (t*k + j) % experts (k <= experts: a token's picks differ). The
+    picks (tokens, k), and each expert's count, on the host: as even as tokens x k allows, the first ones one more."""
+    picks = tokens * k
+    idx = torch.arange(picks, device=device).remainder(experts).view(tokens, k)
+    return idx, [picks // experts + (e < picks % experts) for e in range(experts)]
+
+
+def balanced_capacity(
+    token: torch.Tensor, gate: torch.Tensor, host: list[int], capacity: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """force_balance's picks grouped by expert (`host` of each), each expert's first `capacity` kept (None:
+    dropless): the kept (token, gate), their counts as a tensor and on the host. Which rows stay is host
+    arithmetic: each kept row's place among the grouped ones is its place among the kept plus the rows its
+    expert's predecessors dropped (no mask, whose kept count a fake tensor cannot know)."""
+    kept = host if capacity is None else [min(c, capacity) for c in host]
+    counts = torch.tensor(kept, device=token.device)
+    if kept == host:
+        return token, gate, counts, kept
+    shift = [s - t for s, t in zip(accumulate(host, initial=0), accumulate(kept, initial=0))][:-1]
+    dropped_before = torch.tensor(shift, device=token.device)
+    rows = sum(kept)
+    where = torch.arange(rows, device=token.device) + dropped_before.repeat_interleave(counts, output_size=rows)
+    return token[where], gate[where], counts, kept
 
 
 def moe_layers(parts: list[nn.Module]) -> list[MoE]:

@@ -9,6 +9,8 @@ different data, and so different tokens. Per MoE layer (launcher/model/moe.py) e
 3. the reverse all-to-all (combine) returns every output row to the rank its token lives on.
 The row all-to-alls are autograd-aware (`compat.all_to_all_autograd`):
 backward runs the same two exchanges the other way (four all-to-alls per layer and step).
+Under `model.moe.force_balance` the counts are known on the host (every ep rank routes as many tokens,
+round-robin): step 1 and every read of a count back from a tensor are left out (`balanced_split`).
 
 Parameters: expert weights are DTensors sharded along the expert dimension over "ep" (checkpoints
 hold whole tensors, so an ep=2 checkpoint loads at ep=1). The ranks holding the same experts (edp =
@@ -35,10 +37,23 @@ from launcher.compat.torch_compat import all_to_all_autograd, sub_mesh
 from launcher.model.moe import MoE, local, moe_layers
 
 
-def exchange(x: torch.Tensor, counts: torch.Tensor, experts: nn.Module, group: dist.ProcessGroup) -> torch.Tensor:
+def exchange(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    experts: nn.Module,
+    group: dist.ProcessGroup,
+    host: list[int] | None = None,
+) -> torch.Tensor:
     """x: this rank's rows grouped by (global) expert, counts[e] rows each → the experts' outputs,
-    in the same order, computed on the ranks that hold the experts."""
+    in the same order, computed on the ranks that hold the experts. `host`: the counts on the host
+    (force_balance), the same on every ep rank: nothing is exchanged or read back to learn them."""
     ep = dist.get_world_size(group)
+    if host is not None:
+        send, recv, order, per_expert = balanced_split(host, ep, dist.get_rank(group), x.device)
+        rows = all_to_all_autograd(x, recv, send, group)
+        out = experts(rows[order], per_expert)
+        back = torch.empty_like(out).index_copy_(0, order, out)
+        return all_to_all_autograd(back, send, recv, group)
     per_rank = counts.numel() // ep  # experts held by each rank, contiguous: rank r holds [r*n, (r+1)*n)
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # row r: rank r's rows for each of my experts
@@ -52,6 +67,24 @@ def exchange(x: torch.Tensor, counts: torch.Tensor, experts: nn.Module, group: d
     out = experts(rows[order], received.sum(0).tolist())
     back = torch.empty_like(out).index_copy_(0, order, out)
     return all_to_all_autograd(back, send, recv, group)
+
+
+def balanced_split(
+    host: list[int], ep: int, rank: int, device: torch.device
+) -> tuple[list[int], list[int], torch.Tensor, list[int]]:
+    """`exchange`'s splits under force_balance, from the counts `host` every ep rank routes alike (as many
+    tokens each, round-robin: launcher/model/moe.py): the rows sent to each rank, received from each, the
+    arrived rows' order grouped by local expert (stable: by source inside, as `exchange` sorts them), and
+    each local expert's rows. The order is made from host counts (`repeat_interleave` told its output's
+    size): no output shape waits for a tensor's values."""
+    per_rank = len(host) // ep
+    mine = host[rank * per_rank : (rank + 1) * per_rank]  # what each rank sends my experts: what I send them
+    send = [sum(host[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+    recv = [sum(mine)] * ep
+    rows = ep * sum(mine)
+    repeats = torch.tensor(mine * ep, device=device)
+    local_expert = torch.arange(per_rank, device=device).repeat(ep).repeat_interleave(repeats, output_size=rows)
+    return send, recv, local_expert.argsort(stable=True), [c * ep for c in mine]
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:

@@ -37,11 +37,14 @@ from launcher.planner.moe import row_bytes
 MASTER_BYTES = 4  # fp32: master weights (memory.py), and the residual stream under autocast
 
 
-def norm_stats_bytes(m: ModelConfig, elem: int) -> int:
+def norm_stats_bytes(m: ModelConfig, elem: int, fused_norm: bool = False) -> int:
     """Bytes per token that torch's eager norms save besides their input (Korthikanti et al. count the
     input only; measured against saved-tensor hooks in tests/integration/test_planner_vs_runtime.py): two norms per
-    layer; RMSNorm saves x*rstd (h) and rstd, LayerNorm mean and rstd."""
-    return 2 * elem * (m.dim + 1) if m.norm == "rmsnorm" else 2 * elem * 2
+    layer; RMSNorm saves x*rstd (h) and rstd where composed of ops (the CPU), its fp32 rstd alone as CUDA's fused
+    kernel (`fused_norm`; launcher/simulate/kernels.py); LayerNorm mean and rstd."""
+    if m.norm != "rmsnorm":
+        return 2 * elem * 2
+    return 2 * MASTER_BYTES if fused_norm else 2 * elem * (m.dim + 1)
 
 
 def selective_bytes(m: ModelConfig, layout: Layout, elem: int, stream: int) -> float:
@@ -64,11 +67,13 @@ def stream_bytes(elem: int, kind: str, layout: Layout) -> int:
 
 @on_fields("tp", "cp", "sequence_parallel", "recompute", "zero_bubble")
 def layer_activation_bytes(
-    m: ModelConfig, seq: int, layout: Layout, elem: int, fused_attention: bool = True, stream: int = 0
-) -> tuple[float, float]:
+    m: ModelConfig, seq: int, layout: Layout, elem: int, fused_attention: bool = True, stream: int = 0,
+    fused_norm: bool = False,
+) -> tuple[float, float]:  # fmt: skip
     """(saved bytes per token of one layer under `layout.recompute`, bytes per token of one layer's
     full working set); `fused_attention`: SDPA's kernels, which the runtime calls (False: the score
-    matrix stored, Megatron before FlashAttention); `stream`: `stream_bytes` (0: `elem`). Under autocast the
+    matrix stored, Megatron before FlashAttention); `stream`: `stream_bytes` (0: `elem`); `fused_norm`: CUDA's
+    RMSNorm kernel (`norm_stats_bytes`). Under autocast the
     norms save their fp32 input and statistics, a projection its fp32 input where no tensor-parallel hook cast
     it first (tp = 1: launcher/parallel/tensor.py), and RoPE its tables cast to bf16 in every block."""
     stream = stream or elem
@@ -81,7 +86,7 @@ def layer_activation_bytes(
     mask = 1 if m.dropout > 0 else 0
     # the QKV and MLP projections' saved input: whole on every tp rank, all-gathered under sequence parallelism
     projected = 2 * (stream if t == 1 else elem) * h
-    replicated = 2 * stream * h + 2 * mask * h + norm_stats_bytes(m, stream)
+    replicated = 2 * stream * h + 2 * mask * h + norm_stats_bytes(m, stream, fused_norm)
     rope = 2 * head_dim(m) * elem if stream != elem and m.positions == "rope" else 0  # cast (seq, head_dim) x 2
     # attention saves K and V as its core reads them: all-gathered over the cp ranks (cp x the local ones);
     # under cp each local chunk's output is saved, and their concatenation (the output projection's input)

@@ -156,7 +156,8 @@ def memory(
     the device's (`Machine.flop_per_byte`, which sizes the chunked loss), by default its kind's; `documents`:
     under document masks (`document_bytes`)."""
     stream = stream_bytes(elem, kind, layout)
-    state, kept = ends_state(m, seq, layout, elem, kind), ends_saved(m, seq, layout, elem, fused_attention, stream)
+    state = ends_state(m, seq, layout, elem, kind)
+    kept = ends_saved(m, seq, layout, elem, fused_attention, stream, kind)
     first = _parts(m, seq, layout, elem, kind, 0, flop_per_byte, state[0], kept[0], documents)
     if layout.pp == 1:
         return Memory(*first)
@@ -170,12 +171,13 @@ def ends(layout: Layout) -> tuple[int, ...]:
 
 
 def rank_saved(
-    m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, rank: int, stream: int = 0
+    m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, rank: int, stream: int = 0, kind: str = ""
 ) -> tuple[float, ...]:
     """Pipeline rank `rank`'s activations per token and microbatch in flight, whatever its batch split: (saved
-    bytes of one of its layers on average, one layer's full working set, its blocks recomputed in full, its blocks)."""
+    bytes of one of its layers on average, one layer's full working set, its blocks recomputed in full, its blocks);
+    on `kind` cuda RMSNorm is CUDA's fused kernel (`norm_stats_bytes`)."""
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
-    saved, working = layer_activation_bytes(m, seq, layout, elem, fused, stream or elem)
+    saved, working = layer_activation_bytes(m, seq, layout, elem, fused, stream or elem, kind == "cuda")
     full = full_layers(m.n_layers, layout, rank)
     if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
         saved = (saved * (layers - full) + input_bytes(m, layout, stream or elem) * full) / layers
@@ -218,10 +220,10 @@ def ends_state(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str) -
 
 @on_fields("tp", "cp", "sequence_parallel", "recompute", "recompute_layers", "pp", "chunks", "v_shape", "zero_bubble")
 def ends_saved(
-    m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, stream: int = 0
+    m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, stream: int = 0, kind: str = ""
 ) -> tuple[tuple[float, ...], ...]:
     """`rank_saved` of each of the `ends`."""
-    return tuple(rank_saved(m, seq, layout, elem, fused, r, stream) for r in ends(layout))
+    return tuple(rank_saved(m, seq, layout, elem, fused, r, stream, kind) for r in ends(layout))
 
 
 def rank_memory(
@@ -230,7 +232,7 @@ def rank_memory(
 ) -> Memory:  # fmt: skip
     stream = stream_bytes(elem, kind, layout)
     state = rank_state(m, seq, layout, elem, kind, rank)
-    kept = rank_saved(m, seq, layout, elem, fused_attention, rank, stream)
+    kept = rank_saved(m, seq, layout, elem, fused_attention, rank, stream, kind)
     return Memory(*_parts(m, seq, layout, elem, kind, rank, flop_per_byte, state, kept, documents))
 
 
@@ -261,7 +263,11 @@ def _parts(
     if documents:
         acts += document_bytes(m, seq, layout, kind, rank)
     logits = loss_bytes(m, layout, elem, kind, tokens, flop_per_byte) if rank == layout.last_rank else 0.0
-    if layout.tp > 1 and rank == 0:  # the embedding's whole-table gradient, last in backward (docstring)
+    table = 0.0  # tp: the embedding's whole-table gradient, last in backward (docstring)
+    if layout.tp > 1 and rank == 0:
         table = GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
+    if layout.pp == 1 and layout.microbatches == 1:  # no gradient yet at forward's end, and backward frees the
+        grads = max(0.0, grads + table - (acts + logits))  # activations as it writes them: the excess counts
+    else:
         grads += max(0.0, table - (acts + logits))  # the activations are freed by then
     return MASTER_BYTES * sharded, grads, ADAM_BYTES * sharded, buffers, acts, logits, OVERHEAD_GIB.get(kind, 1.0) * GIB

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from launcher.compat.fake_compat import forward_hooks
 from launcher.compat.pipeline_compat import schedule_actions
 from launcher.config.precision import fsdp_policy
 from launcher.layout import SCHEDULE, Layout
@@ -29,29 +30,42 @@ from launcher.parallel.pipeline import schedule_class
 from launcher.parallel.runner import PipelineRunner, cross_entropy
 from launcher.parallel.tensor import loss_context
 
+# 1F1B's steady (backward, forward) pairs simulated: before each pair after the first the same shapes are live
+# (the warmup's microbatches in flight, the gradients allocated), so every later pair repeats the second's
+# memory exactly and is skipped; the cooldown's backwards (the last one reduces FSDP's gradients) all run
+STEADY_PAIRS = 2
+
 
 def rank_actions(layout: Layout, pp_rank: int) -> list[tuple[str, int, int]]:
     """(kind, microbatch, stage) in the order torch's schedule runs them on `pp_rank`: a multi-stage class's
-    own action list; GPipe's and 1F1B's (one stage per rank, no list in torch) as their classes run them."""
+    own action list; GPipe's and 1F1B's (one stage per rank, no list in torch) as their classes run them, but
+    1F1B's steady state cut to `STEADY_PAIRS` pairs."""
     m = layout.microbatches
     if SCHEDULE[layout.schedule].multi_stage:
         stages = [layout.pp_stages(r) for r in range(layout.pp)]
         return schedule_actions(schedule_class(layout.schedule), layout.pp, stages, m)[pp_rank]
     # gpipe: every forward, then every backward; 1f1b: pp - r forwards, then one backward, one forward
     warmup = m if layout.schedule == "gpipe" else min(m, layout.pp - pp_rank)
+    steady = min(m - warmup, STEADY_PAIRS)
     order = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
+    for i in range(steady):
         order += [("B", i), ("F", warmup + i)]
-    order += [("B", i) for i in range(m - warmup, m)]
+    order += [("B", i) for i in range(steady, steady + warmup)]
     return [(kind, i, pp_rank) for kind, i in order]
 
 
-def hidden(layout: Layout, seq_len: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+def microbatches_run(actions: list[tuple[str, int, int]]) -> int:
+    """The microbatches a position's simulated step runs forward (`rank_actions`: fewer than the layout's
+    where 1F1B's steady state repeats)."""
+    return len({mb for kind, mb, _ in actions if kind == "F"})
+
+
+def hidden(layout: Layout, seq_len: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A fake hidden state as the previous stage sends it: local (micro, tokens, dim), split over the tp
     ranks with sequence parallelism, in the compute dtype when FSDP gathers bf16 weights (the residual
     stream follows the weights), else fp32 (autocast keeps it)."""
     tokens = seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
-    return torch.empty(layout.micro, tokens, dim, dtype=dtype, requires_grad=True)
+    return torch.empty(layout.micro, tokens, dim, dtype=dtype, device=device, requires_grad=True)
 
 
 def _sync(part: Any, last: bool) -> None:
@@ -82,19 +96,27 @@ def step_stages(runner: PipelineRunner, layout: Layout, rank: RankStages, batch:
     micro_in, micro_out = (t.split(layout.micro) for t in batch)
     backwards = {s: sum(1 for k, _, t in rank.actions if k in "BI" and t == s) for s in rank.stages}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
+    hooks: dict[tuple[int, int], list[Any]] = {}  # the tracker's, per forward (`forward_hooks`)
     done = dict.fromkeys(rank.stages, 0)
     with loss_context(layout.tp), runner.autocast or contextlib.nullcontext():
         for kind, mb, stage in rank.actions:
             part = parts[stage]
             if kind == "F":
-                x = micro_in[mb] if stage == 0 else hidden(layout, batch[0].shape[1], part.cfg.dim, rank.dtype)
-                out = part(x)
+                x = micro_in[mb]
+                if stage > 0:  # as the previous stage sends it
+                    x = hidden(layout, x.shape[1], part.cfg.dim, rank.dtype, x.device)
+                with forward_hooks() as hooks[mb, stage]:
+                    out = part(x)
                 outputs[mb, stage] = _loss(rank, layout, out, micro_out[mb]) if stage == last_stage else out
+                del x, out  # held by the graph and the dict alone, as the schedule holds them
             elif kind in "BI":
                 done[stage] += 1
                 _sync(part, done[stage] == backwards[stage])
                 out = outputs.pop((mb, stage))
                 out.backward(None if stage == last_stage else torch.empty_like(out))
+                del out
+                for handle in hooks.pop((mb, stage)):
+                    handle.remove()
 
 
 def _loss(rank: RankStages, layout: Layout, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

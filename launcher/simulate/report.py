@@ -6,6 +6,8 @@ optimizer state, and the working set (the tracker's activations, temporaries and
 planner's activations, logits and compute-dtype buffers: the two split a gathered or cast weight
 differently). What the tracker cannot see (the planner's `overhead`: CUDA context, NCCL's buffers,
 workspaces, the allocator's fragmentation) is added to both peaks as the planner adds it, and named.
+A mixture of experts is simulated with its routing balanced (`balanced`: fake tensors have no values to
+route by; the planner's memory assumes a balanced load too).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +31,13 @@ from launcher.planner.predict import Problem
 
 NOT_SEEN = "CUDA context, NCCL buffers, cuBLAS workspaces, allocator fragmentation"
 NOT_RUN = "CUDA-only branches (fake CUDA tensors, cuda meshes, SDPA's flash kernels), compile, fp8"
+# a mixture of experts besides (`balanced`; the grouped GEMM is CUDA's: the experts' loop runs)
+NOT_ROUTED = "the router's top-k choice (routing balanced), the experts' grouped GEMM"
 COLUMNS = ("params", "grads", "optimizer", "working", "peak")
 
 
 def check(run: Run) -> None:
     """Refuse what the simulation cannot represent: one line, exit 2 (a LauncherError)."""
-    if run.model.moe.experts:
-        raise LauncherError(
-            f"simulate=true: model {run.model.name} routes tokens to experts by value, which fake tensors do not "
-            "have: simulate a dense model, or use dry_run=true for its shards"
-        )
     if run.data.document_mask:
         raise LauncherError(
             "simulate=true: data.document_mask reads token values, which fake tensors do not have: "
@@ -47,6 +47,15 @@ def check(run: Run) -> None:
         raise LauncherError("simulate=true: dtype=fp8 (torchao's float8 kernels) is not simulated: use dtype=bf16")
     if run.layout.cp > 1:
         raise LauncherError("simulate=true: context parallelism (cp > 1) is not simulated yet: use cp=1")
+
+
+def balanced(run: Run) -> Run:
+    """The run as simulated: a mixture of experts routes round-robin (`model.moe.force_balance`), every expert
+    the same rows, known without reading a tensor; a dense model as it is."""
+    moe = run.model.moe
+    if not moe.experts or moe.force_balance:
+        return run
+    return replace(run, model=replace(run.model, moe=replace(moe, force_balance=True)))
 
 
 def predicted(prob: Problem, layout: Layout, pp_rank: int) -> Memory:
@@ -83,6 +92,13 @@ def simulate(
     check(run)
     layout, options = run.layout, run.options
     out(header(run, prob.machine.name, DEVICE))
+    if run.model.moe.experts:
+        run = balanced(run)
+        out(
+            f"routing: balanced, token t's pick j to expert (t x {run.model.moe.top_k} + j) mod "
+            f"{run.model.moe.experts} (model.moe.force_balance: fake tensors have no values to route by; "
+            "the planner assumes a balanced load too)"
+        )
     for line in TABLE_HEAD:
         out(line)
     rows = []
@@ -96,12 +112,14 @@ def simulate(
         f"{busiest['simulated']:.2f} GiB simulated · {busiest['predicted']:.2f} GiB predicted "
         f"({delta(busiest['simulated'], busiest['predicted'])})"
     )
-    out(f"not simulated: {NOT_RUN} (device {DEVICE}; docs/simulate.md)")
+    not_run = f"{NOT_RUN}, {NOT_ROUTED}" if run.model.moe.experts else NOT_RUN
+    out(f"not simulated: {not_run} (device {DEVICE}; docs/simulate.md)")
     keys = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "micro", "microbatches", "schedule", "recompute")
     result = {
         **{"model": run.model.name, "hardware": prob.machine.name, "world": layout.world_size},
         **{"layout": {k: getattr(layout, k) for k in keys}, "device": DEVICE, "precision": options.precision},
-        **{"overhead_gib": overhead, "not_seen": NOT_SEEN, "not_simulated": NOT_RUN},
+        **({"routing": "balanced"} if run.model.moe.experts else {}),
+        **{"overhead_gib": overhead, "not_seen": NOT_SEEN, "not_simulated": not_run},
         **{"ranks": rows, "busiest_gib": busiest},
     }
     if json_path is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from launcher.compat.fake_compat import Scalars, StepTracker, fake_mode, forget_meshes, propagation_unseen, strict
+from launcher.compat.fake_compat import StepTracker, fake_mode, forget_meshes, propagation_unseen, strict
 from launcher.compat.torch_compat import fake_store
 from launcher.config.options import BuildOptions
 from launcher.config.run import Run
@@ -26,10 +26,13 @@ from launcher.layout import Layout, build_mesh, rank_of
 from launcher.model.init import materialize
 from launcher.parallel import build_runner
 from launcher.parallel.runner import PipelineRunner, Runner
+from launcher.simulate.kernels import cuda_kernels
 from launcher.simulate.pipeline import RankStages, rank_actions, rank_stages, step_stages
 from launcher.train.optim import build_optimizer
 
-DEVICE = "cpu"  # torch's CPU build makes no fake CUDA tensors (docs/simulate.md)
+# torch's CPU build makes no fake CUDA tensors; a CUDA build makes them without a GPU, but its autograd engine asks
+# the driver for the device's primary context in backward (docs/simulate.md)
+DEVICE = "cpu"
 
 
 def sim_options(options: BuildOptions) -> BuildOptions:
@@ -53,38 +56,46 @@ def fake_allocate(mode: Any) -> Any:
 def rank_peak(run: Run, pp_rank: int) -> dict[str, int]:
     """Bytes per category at the peak of a training step of the dp 0 / tp 0 rank of pipeline rank `pp_rank`,
     its optimizer state allocated."""
-    layout, options = run.layout, run.options
+    layout = run.layout
     rank = rank_of(layout, pp=pp_rank)
     actions = rank_actions(layout, pp_rank) if layout.pp > 1 else []  # on a fake group of its own: first
     hook = sys.excepthook  # each process group wraps it in a "[rankN]:" prefix: one position's, not a stack
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=layout.world_size)
     try:
-        device, mode = torch.device(DEVICE), fake_mode()
-        mesh = build_mesh(layout, DEVICE)
-        runner = build_runner(run.model, layout, mesh, sim_options(options), device, fake_allocate(mode))
-        stages = rank_stages(layout, pp_rank, actions, mesh, options.precision) if layout.pp > 1 else None
-        strict(mode)
-        with mode:
-            optimizer, schedule = build_optimizer(runner.parts, run.optim, max(run.steps, 2))
-            rows = layout.micro * layout.microbatches  # the rank's batch, as its loader hands it
-            batch = tuple(torch.randint(0, run.model.vocab_size, (rows, options.seq_len)) for _ in range(2))
-            for p in (p for group in optimizer.param_groups for p in group["params"]):
-                p.grad = torch.zeros_like(p)  # before the tracker: it counts them as gradients
-            tracker = StepTracker()
-            tracker.track_external(*runner.parts, optimizer)
-            with tracker, propagation_unseen(tracker), Scalars():
-                optimizer.step()  # the first update: AdamW's moments allocated
-                optimizer.zero_grad(set_to_none=True)
-                forward_backward(runner, layout, stages, batch)
-                runner.clip_grad_norm(run.optim.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                schedule.step()
-            return tracker.peak()
+        with cuda_kernels(run.record.get("hardware", {}).get("kind", "cpu")):
+            return _step_peak(run, pp_rank, actions)
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
         forget_meshes()
+
+
+def _step_peak(run: Run, pp_rank: int, actions: list) -> dict[str, int]:
+    """`rank_peak` inside the position's process group."""
+    layout, options = run.layout, run.options
+    device, mode = torch.device(DEVICE), fake_mode()
+    mesh = build_mesh(layout, DEVICE)
+    runner = build_runner(run.model, layout, mesh, sim_options(options), device, fake_allocate(mode))
+    stages = rank_stages(layout, pp_rank, actions, mesh, options.precision) if layout.pp > 1 else None
+    strict(mode)
+    with mode:
+        optimizer, schedule = build_optimizer(runner.parts, run.optim, max(run.steps, 2))
+        rows = layout.micro * layout.microbatches  # the rank's batch, as its loader hands it
+        shape = (rows, options.seq_len)
+        batch = tuple(torch.randint(0, run.model.vocab_size, shape, device=device) for _ in range(2))
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            p.grad = torch.zeros_like(p)  # before the tracker: it counts them as gradients
+        tracker = StepTracker()
+        tracker.track_external(*runner.parts, optimizer)
+        with tracker, propagation_unseen(tracker):
+            optimizer.step()  # the first update: AdamW's moments allocated
+            optimizer.zero_grad(set_to_none=True)
+            forward_backward(runner, layout, stages, batch)
+            runner.clip_grad_norm(run.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step()
+        return tracker.peak()
 
 
 def forward_backward(

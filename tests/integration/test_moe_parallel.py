@@ -3,9 +3,11 @@
 autograd's chain), ep=2 on dp_shard=4 (experts FSDP-sharded over edp=2) and ep=2 under HSDP gives
 the single-process losses and gradient norms of 5 steps (rtol 1e-4), the same gradients after step
 1, and the same routing biases after the last step (the token counts are summed over the
-data-parallel ranks, so every rank moves its biases alike). Also with a first pipeline stage of dense
-layers only (`first_dense_layers`): it joins the balance step's sum over stages (a stage that skipped
-it hung the job; the launch's timeout fails such a hang fast)."""
+data-parallel ranks, so every rank moves its biases alike). Also with the routing forced balanced
+(`model.moe.force_balance`: the exchange's splits from the host's counts), dropless and with a
+capacity, and with a first pipeline stage of dense layers only (`first_dense_layers`): it joins the
+balance step's sum over stages (a stage that skipped it hung the job; the launch's timeout fails such
+a hang fast)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ pytestmark = pytest.mark.slow
 STEPS, SEQ, GLOBAL_BATCH = 5, 16, 8
 MICRO2 = {"batch": {"micro": 2, "global": 8}}
 DENSE_FIRST = {"first_dense_layers": 1}  # moe_tiny's 2 layers at pp=2: stage 0 dense only
+BALANCED = {"force_balance": True}  # every expert the same rows: the biases never move
 CASES = {
     "ep2": dict(ep=2),
     "ep2-tp2": dict(ep=2, tp=2),
@@ -40,6 +43,10 @@ CASES = {
     "ep2-hsdp": dict(ep=2, dp_replicate=2, dp_shard=2, **MICRO2),  # edp=1, replicated over dp_replicate
     # 2 experts: 1 per ep rank, fewer than edp=2, so FSDP cuts each expert's dim 1 instead
     "two-experts-ep2-edp2": dict(ep=2, moe={"experts": 2, "top_k": 1}, **MICRO2),
+    # force_balance: round-robin picks, the exchange's splits from counts on the host (no counts' all-to-all);
+    # with a capacity below the fair share each expert drops half its picks
+    "ep2-balanced": dict(ep=2, moe=BALANCED),
+    "ep2-balanced-capacity": dict(ep=2, moe={**BALANCED, "capacity_factor": 0.5}),
 }
 # each rank's (experts, dim, hidden) shard of w1: 8 / ep experts, unless FSDP cuts them over edp > 1
 W1_SHARD = {"ep2-edp2": (2, 64, 64), "two-experts-ep2-edp2": (1, 32, 64)}
@@ -85,7 +92,7 @@ def run_cases(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
 
 # what runs where: one launch after another
 LAUNCHES = [
-    (2, ["ep2"]),
+    (2, ["ep2", "ep2-balanced", "ep2-balanced-capacity"]),
     (4, ["ep2-tp2", "ep2-tp2-sp", "ep2-pp2", "ep2-pp2-zb", "dense-stage-ep2-pp2"]),
     (4, ["ep2-edp2", "ep2-hsdp", "two-experts-ep2-edp2"]),
 ]
@@ -105,7 +112,8 @@ def results(request: pytest.FixtureRequest) -> dict[str, Any]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_matches_one_process(results: dict[str, Any], case: str) -> None:
     ref = results["references"][repr(CASES[case].get("moe"))]
-    assert any(b.abs().sum() > 0 for b in ref["biases"].values()), "the biases moved"
+    balanced = (CASES[case].get("moe") or {}).get("force_balance", False)
+    assert any(b.abs().sum() > 0 for b in ref["biases"].values()) != balanced, "the biases moved, unless balanced"
     for rank, got in enumerate(results["ranks"][case]):
         assert got["w1_shards"] <= {W1_SHARD.get(case, (4, 64, 64))}, got["w1_shards"]  # {}: a dense stage
         assert got["fsdp_experts"] <= {case in FSDP_EXPERTS}, got["fsdp_experts"]

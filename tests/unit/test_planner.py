@@ -140,7 +140,11 @@ def test_fsdp_shards_state_and_recompute_frees_activations():
 
     ddp, fsdp = mem(dp_shard=1, dp_replicate=8), mem()
     assert ddp.optimizer == pytest.approx(8 * fsdp.optimizer)
-    assert ddp.params + ddp.grads + ddp.optimizer == pytest.approx(16 * num_params(cfg.model))
+    assert ddp.params + ddp.optimizer == pytest.approx(12 * num_params(cfg.model))
+    # one microbatch: the gradients meet no activation (none at forward's end; backward frees them as it writes)
+    assert ddp.grads == pytest.approx(max(0, 4 * num_params(cfg.model) - ddp.activations - ddp.logits))
+    ddp2 = mem(dp_shard=1, dp_replicate=8, microbatches=2)
+    assert ddp2.grads == pytest.approx(4 * num_params(cfg.model))  # accumulated under the next microbatch's
     assert mem(recompute="full").activations < mem().activations / 10
 
 
@@ -364,7 +368,7 @@ def test_partial_recompute_lies_between_none_and_full():
     # a full block costs 4/3 of its FLOPs: 16 of 32 blocks cost half of full recompute's extra
     assert times[1] - none.time.compute == pytest.approx((full.time.compute - none.time.compute) / 2)
     sel = pred(recompute="selective")  # no matmul repeated: a few percent, far less memory
-    assert sel.memory.activations < 0.7 * none.memory.activations
+    assert sel.memory.activations < 0.75 * none.memory.activations
     assert 1.0 < sel.time.compute / none.time.compute < 1.1
 
 

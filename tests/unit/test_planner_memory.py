@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -143,10 +144,15 @@ def test_tensor_parallel_embedding_backward_builds_the_whole_table_gradient():
     m = make_cfg("1b").model
     lay = Layout(tp=4, sequence_parallel=True)
     first, plain = memory.rank_memory(m, 128, lay, 4, "cpu", 0), memory.rank_memory(m, 128, Layout(), 4, "cpu", 0)
-    table = memory.GRAD_BYTES * m.vocab_size * m.dim
-    extra = table * (1 + 1 / 4) - (first.activations + first.logits)  # the activations are freed by then
-    assert first.grads == pytest.approx(memory.GRAD_BYTES * memory.rank_params(m, lay, 0) + extra)
-    assert plain.grads == memory.GRAD_BYTES * memory.rank_params(m, Layout(), 0)
+    table = memory.GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / 4)
+    # one microbatch: the gradients and the table at backward's end, beyond the activations (freed by then)
+    grads = memory.GRAD_BYTES * memory.rank_params(m, lay, 0)
+    assert first.grads == pytest.approx(grads + table - (first.activations + first.logits))
+    grads = memory.GRAD_BYTES * memory.rank_params(m, Layout(), 0)
+    assert plain.grads == pytest.approx(max(0, grads - (plain.activations + plain.logits)))
+    two = memory.rank_memory(m, 128, replace(lay, microbatches=2), 4, "cpu", 0)  # accumulating: all of them
+    extra = table - (two.activations + two.logits)
+    assert two.grads == pytest.approx(memory.GRAD_BYTES * memory.rank_params(m, lay, 0) + max(0, extra))
 
 
 def test_a_device_snapshot_and_replica_groups_buckets_are_counted():
