@@ -3,8 +3,8 @@
 each category simulated / predicted and the planner's error on the peak (the same columns as the
 simulation's table; the overhead the tracker cannot see left out of both).
 
-`--quick`: the layouts of `1b` and smaller and `8b` (a few minutes here); the whole grid adds `70b` and `405b`
-(tens of minutes on two cores: a position of a 405b pipeline is ~30 s of fake-tensor dispatch).
+`--quick`: the layouts of `1b` and smaller, `8b` and `mixtral_8x7b` (a few minutes here); the whole grid adds
+`70b` and `405b` (about ten minutes more on two cores).
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ GRID: dict[str, tuple[str, ...]] = {
     "70b tp8 pp2 hsdp2x2": ("+model=70b", *H100, "nodes=8", "tp=8", "pp=2", "dp_replicate=2", "dp_shard=2"),
     "70b tp8 pp4 dp2 full": ("+model=70b", *H100, "nodes=8", "tp=8", "pp=4", "dp=2", "recompute=full"),
     "405b tp8 pp16": ("+model=405b", *H100, "nodes=2048", "tp=8", "pp=16"),
+    # a mixture of experts (routing balanced): expert parallelism over 8 ranks, its experts FSDP-sharded over 2
+    "mixtral ep8": ("+model=mixtral_8x7b", *H100, "nodes=2", "ep=8"),
+    "mixtral ep8 tp2 pp2": ("+model=mixtral_8x7b", *H100, "nodes=4", "ep=8", "tp=2", "pp=2"),
     # layouts this CPU also runs for real (their measured peaks: bench memory)
     "1b tp2": ("+model=1b", "tp=2"),
     "1b pp2": ("+model=1b", "pp=2"),

@@ -20,8 +20,8 @@ fp32 on every rank (the profiler shows the full-table `aten::zeros`), then keeps
 freed: the step's peak is the larger of the two (peak RSS: 1.3-1.5x that table on 125m tp=2 and 1b
 tp=4, bench memory), counted with the gradients. Fixed overhead per device: the CUDA context, NCCL's
 buffers and cuBLAS workspaces on a GPU; on a CPU the worker process itself (Python, torch and the
-launcher imported, a gloo group: 0.29-0.36 GiB of resident memory measured before the model is
-built).
+launcher imported, a gloo group, the library code its first step runs: 0.26 GiB of resident memory
+after `tiny` is built, 0.28-0.30 beyond the simulated tensors after two steps, bench simulate_real).
 
 Activations per layer and token: launcher/planner/activations.py.
 Context parallelism (cp ranks, each seq / cp tokens of every sequence) divides everything per token
@@ -62,7 +62,7 @@ from launcher.planner.timeline import in_flight, logits_in_flight
 GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
-OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.35}  # context, collective buffers, workspaces; cpu: the process
+OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.30}  # context, collective buffers, workspaces; cpu: the process
 FLEX_BLOCK = 128  # FlexAttention's block mask: tokens per block side (create_block_mask's default)
 
 
@@ -266,8 +266,10 @@ def _parts(
     table = 0.0  # tp: the embedding's whole-table gradient, last in backward (docstring)
     if layout.tp > 1 and rank == 0:
         table = GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
-    if layout.pp == 1 and layout.microbatches == 1:  # no gradient yet at forward's end, and backward frees the
-        grads = max(0.0, grads + table - (acts + logits))  # activations as it writes them: the excess counts
-    else:
-        grads += max(0.0, table - (acts + logits))  # the activations are freed by then
+    ddp = layout.dp_replicate > 1 and layout.fsdp_shard == 1  # its buckets hold the gradients from the start
+    if layout.pp == 1 and layout.microbatches == 1 and not ddp:  # no gradient yet at forward's end; backward frees
+        casts = buffers if layout.fsdp_shard == 1 else 0.0  # the activations (and autocast's weight casts: FSDP's
+        grads = max(0.0, grads + table - (acts + logits + casts))  # gathered ones stay) as it writes them
+    else:  # the table at the end of a microbatch's backward: that microbatch's activations are freed by then,
+        grads += max(0.0, table - (acts / in_flight(layout, rank) + logits))  # the others' still in flight
     return MASTER_BYTES * sharded, grads, ADAM_BYTES * sharded, buffers, acts, logits, OVERHEAD_GIB.get(kind, 1.0) * GIB

@@ -140,11 +140,12 @@ def test_fsdp_shards_state_and_recompute_frees_activations():
 
     ddp, fsdp = mem(dp_shard=1, dp_replicate=8), mem()
     assert ddp.optimizer == pytest.approx(8 * fsdp.optimizer)
-    assert ddp.params + ddp.optimizer == pytest.approx(12 * num_params(cfg.model))
-    # one microbatch: the gradients meet no activation (none at forward's end; backward frees them as it writes)
-    assert ddp.grads == pytest.approx(max(0, 4 * num_params(cfg.model) - ddp.activations - ddp.logits))
-    ddp2 = mem(dp_shard=1, dp_replicate=8, microbatches=2)
-    assert ddp2.grads == pytest.approx(4 * num_params(cfg.model))  # accumulated under the next microbatch's
+    assert ddp.params + ddp.grads + ddp.optimizer == pytest.approx(16 * num_params(cfg.model))  # DDP's buckets
+    # FSDP, one microbatch: the gradients meet no activation (none at forward's end; backward frees them as it
+    # writes them); two microbatches: the first one's meet the second's activations
+    sharded = 4 * num_params(cfg.model) / 8
+    assert fsdp.grads == pytest.approx(max(0, sharded - fsdp.activations - fsdp.logits)) == 0
+    assert mem(microbatches=2).grads == pytest.approx(sharded)
     assert mem(recompute="full").activations < mem().activations / 10
 
 

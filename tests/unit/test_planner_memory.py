@@ -70,7 +70,7 @@ def test_the_chunked_loss_on_an_h200_moves_the_output_weight_a_few_times_and_the
 
 def test_cpu_overhead_is_the_worker_process():
     m = make_cfg("small").model
-    assert memory.rank_memory(m, 128, Layout(), 4, "cpu", 0).overhead == pytest.approx(0.35 * GIB)
+    assert memory.rank_memory(m, 128, Layout(), 4, "cpu", 0).overhead == pytest.approx(0.30 * GIB)
 
 
 FREED = """
@@ -153,6 +153,13 @@ def test_tensor_parallel_embedding_backward_builds_the_whole_table_gradient():
     two = memory.rank_memory(m, 128, replace(lay, microbatches=2), 4, "cpu", 0)  # accumulating: all of them
     extra = table - (two.activations + two.logits)
     assert two.grads == pytest.approx(memory.GRAD_BYTES * memory.rank_params(m, lay, 0) + max(0, extra))
+    # pipelined: at the end of a microbatch's backward the other microbatches' activations are still in flight
+    # (the 405b's first stage at tp=8 pp=16: -13% of the simulated peak when they were counted freed)
+    piped = replace(lay, pp=2, microbatches=4)
+    p0 = memory.rank_memory(m, 128, piped, 4, "cpu", 0)
+    freed = p0.activations / in_flight(piped, 0)
+    assert in_flight(piped, 0) == 2 and freed < table
+    assert p0.grads == pytest.approx(memory.GRAD_BYTES * memory.rank_params(m, piped, 0) + table - freed)
 
 
 def test_a_device_snapshot_and_replica_groups_buckets_are_counted():
