@@ -219,3 +219,24 @@ def test_a_cuda_profile_s_rmsnorm_keeps_what_cuda_s_fused_kernel_keeps() -> None
     m = resolved("+model=small")[0].model
     assert norm_stats_bytes(m, 2, fused_norm=True) == 2 * 4  # two norms' rstd a token; the inputs apart
     assert norm_stats_bytes(m, 2) == 2 * 2 * (m.dim + 1)  # the composite's x * rstd and rstd
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("+model=small", "tp=8", "sequence_parallel=true", "model.n_heads=8", "model.n_kv_heads=8"),
+        ("+model=small", "pp=4", "dp=2", "pp_schedule=1f1b", "microbatches=8"),
+        ("+model=moe_tiny", "ep=8", "dp_shard=8"),
+    ],
+    ids=["tp8-sp", "pp4-fsdp2", "ep8"],
+)
+def test_layouts_no_gpu_check_can_run_simulate(args: tuple[str, ...]) -> None:
+    """The layouts the one-GPU check cannot run (tp=8, pp=4 over FSDP, ep=8) step on fake tensors, every position,
+    each holding its shards, its optimizer state and a working set."""
+    run, prob = resolved(*args, "seq_len=64")
+    result = simulate(run, prob, out=lambda _: None)
+    assert len(result["ranks"]) == run.layout.pp
+    for row in result["ranks"]:
+        sim, plan = row["simulated_gib"], row["predicted_gib"]
+        assert sim["params"] > 0 and sim["working"] > 0
+        assert sim["optimizer"] == pytest.approx(plan["optimizer"], rel=0.05)
