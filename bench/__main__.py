@@ -28,7 +28,8 @@ BENCHES = [
     "data",
     "ft",
 ]
-ON_DEMAND = ["gpu_check", "simulate_grid"]  # by name only: a CUDA device (`make gpu-check`); tens of minutes
+# by name only: a CUDA device (`make gpu-check`); tens of minutes (simulate_real: real runs of 1b on this CPU too)
+ON_DEMAND = ["gpu_check", "simulate_grid", "simulate_real"]
 
 
 def main(argv: list[str]) -> None:

@@ -96,6 +96,7 @@ def step_stages(runner: PipelineRunner, layout: Layout, rank: RankStages, batch:
     micro_in, micro_out = (t.split(layout.micro) for t in batch)
     backwards = {s: sum(1 for k, _, t in rank.actions if k in "BI" and t == s) for s in rank.stages}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
+    logits: dict[tuple[int, int], torch.Tensor] = {}  # the last stage's outputs, until their backward
     hooks: dict[tuple[int, int], list[Any]] = {}  # the tracker's, per forward (`forward_hooks`)
     done = dict.fromkeys(rank.stages, 0)
     with loss_context(layout.tp), runner.autocast or contextlib.nullcontext():
@@ -107,14 +108,17 @@ def step_stages(runner: PipelineRunner, layout: Layout, rank: RankStages, batch:
                     x = hidden(layout, x.shape[1], part.cfg.dim, rank.dtype, x.device)
                 with forward_hooks() as hooks[mb, stage]:
                     out = part(x)
-                outputs[mb, stage] = _loss(rank, layout, out, micro_out[mb]) if stage == last_stage else out
-                del x, out  # held by the graph and the dict alone, as the schedule holds them
+                if stage == last_stage:  # torch's stage caches its output (the logits) until the backward
+                    logits[mb, stage], out = out, _loss(rank, layout, out, micro_out[mb])
+                outputs[mb, stage] = out
+                del x, out  # held by the graph and the dicts alone, as the schedule holds them
             elif kind in "BI":
                 done[stage] += 1
                 _sync(part, done[stage] == backwards[stage])
                 out = outputs.pop((mb, stage))
                 out.backward(None if stage == last_stage else torch.empty_like(out))
                 del out
+                logits.pop((mb, stage), None)
                 for handle in hooks.pop((mb, stage)):
                     handle.remove()
 
