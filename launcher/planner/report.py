@@ -95,11 +95,13 @@ def to_table(preds: list[Prediction], title: list[str], out: TextIO | None = Non
         return _print(full, out)  # `wide`: past the terminal's edge
     rows = [_compact_cells(p, i) for i, p in enumerate(preds, 1)]
     same = tuple(h for h in ("micro x m", "recompute") if len({row[h] for row in rows}) == 1)
-    for short, moved in ((False, ()), (True, ()), (True, same), (True, (*same, "bottleneck"))):
+    # then the batch split, then recompute too, even where the rows differ: `wide` has every column
+    split, last = (True, (*same, "bottleneck", "micro x m")), (True, ("bottleneck", "micro x m", "recompute"))
+    for short, moved in ((False, ()), (True, ()), (True, same), (True, (*same, "bottleneck")), split, last):
         table = compact_table(rows, short, moved)
         if table.width <= width:
             break
-    if shared := [f"{h} {rows[0][h]}" for h in moved if h != "bottleneck"]:
+    if shared := [f"{h} {rows[0][h]}" for h in moved if h in same]:
         _say(f"in every layout: {', '.join(shared)}", out)
     _print(table, out)
     if "bottleneck" in moved:
