@@ -54,12 +54,6 @@ def rank_actions(layout: Layout, pp_rank: int) -> list[tuple[str, int, int]]:
     return [(kind, i, pp_rank) for kind, i in order]
 
 
-def microbatches_run(actions: list[tuple[str, int, int]]) -> int:
-    """The microbatches a position's simulated step runs forward (`rank_actions`: fewer than the layout's
-    where 1F1B's steady state repeats)."""
-    return len({mb for kind, mb, _ in actions if kind == "F"})
-
-
 def hidden(layout: Layout, seq_len: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A fake hidden state as the previous stage sends it: local (micro, tokens, dim), split over the tp
     ranks with sequence parallelism, in the compute dtype when FSDP gathers bf16 weights (the residual
