@@ -23,6 +23,10 @@ GRID: dict[str, tuple[str, ...]] = {
     "8b tp4 fsdp2": ("+model=8b", *H100, "nodes=1", "tp=4", "dp_shard=2"),
     "8b fsdp8": ("+model=8b", *H100, "nodes=1", "dp_shard=8"),
     "8b ddp2 tp4": ("+model=8b", *H100, "nodes=1", "tp=4", "dp=2", "dp_shard=1"),
+    # context parallelism at 8k tokens; fp8 (torchao's float8 training: its fp8 weight and input casts)
+    "8b tp4 cp2 8k": ("+model=8b", *H100, "nodes=1", "tp=4", "cp=2", "seq_len=8192"),
+    "8b fsdp8 fp8": ("+model=8b", *H100, "nodes=1", "dp_shard=8", "dtype=fp8"),
+    "8b tp8 fp8": ("+model=8b", *H100, "nodes=1", "tp=8", "dtype=fp8"),
     "8b tp2 pp4 1f1b": ("+model=8b", *H100, "nodes=1", "tp=2", "pp=4", "pp_schedule=1f1b"),
     "8b tp2 pp4 interleaved": (
         *("+model=8b", *H100, "nodes=1", "tp=2", "pp=4"),
@@ -37,6 +41,7 @@ GRID: dict[str, tuple[str, ...]] = {
     "70b tp8 fsdp8": ("+model=70b", *H100, "nodes=8", "tp=8", "dp_shard=8"),
     "70b tp8 pp2 hsdp2x2": ("+model=70b", *H100, "nodes=8", "tp=8", "pp=2", "dp_replicate=2", "dp_shard=2"),
     "70b tp8 pp4 dp2 full": ("+model=70b", *H100, "nodes=8", "tp=8", "pp=4", "dp=2", "recompute=full"),
+    "70b tp8 cp2 pp4 8k": ("+model=70b", *H100, "nodes=8", "tp=8", "cp=2", "pp=4", "seq_len=8192", "batch.micro=1"),
     "405b tp8 pp16": ("+model=405b", *H100, "nodes=2048", "tp=8", "pp=16"),
     # a mixture of experts (routing balanced): expert parallelism over 8 ranks, its experts FSDP-sharded over 2
     "mixtral ep8": ("+model=mixtral_8x7b", *H100, "nodes=2", "ep=8"),

@@ -8,9 +8,10 @@ glibc keeps every freed block below 1 GiB) and once under `cpu_allocator=lean` (
 to the system), each rank's peak resident set (summary.json `peak_mem_gib_per_rank`); and `train ... simulate=true`
 with the same overrides (simulate.json). What each side counts:
 
-- measured: the worker process's peak RSS: the interpreter, the pages of torch's libraries it touched, the launcher,
-  its gloo group, the data loader (the corpus is memory-mapped: the pages its batches read), the tensors at their
-  peak, and what glibc keeps of freed tensors (under `fast` all of it below 1 GiB, with its fragmentation).
+- measured: the worker process's peak RSS less its mapped files (torch's libraries, the memory-mapped corpus: as many
+  pages as the page cache makes them, launcher/metrics/meter.py): the interpreter, the launcher, its gloo group, the
+  data loader, the tensors at their peak, and what glibc keeps of freed tensors (under `fast` all of it below 1 GiB,
+  with its fragmentation).
 - simulated: the tracker's peak of what the step's tensors hold at the busiest pipeline position (parameters,
   gradients, AdamW's moments, activations, temporaries), plus the planner's per-device `overhead` (cpu: the worker
   process itself, a constant: launcher/planner/memory.py).
@@ -53,14 +54,16 @@ def models(layers_1b: int) -> dict[str, tuple[str, ...]]:
 
 
 def session_rss(session: int) -> dict[int, tuple[float, float]]:
-    """(resident, peak resident) GiB of each process of `session` (a `train`, its forkserver and workers)."""
+    """(resident, peak resident) GiB of each process of `session` (a `train`, its forkserver and workers), less
+    their mapped files' pages now, as the runs measure themselves (launcher/metrics/meter.py)."""
     out = {}
     for entry in Path("/proc").iterdir():
         try:
             if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3]) != session:
                 continue
             status = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line)
-            out[int(entry.name)] = tuple(int(status[k].split()[0]) / 2**20 for k in ("VmRSS", "VmHWM"))
+            files = int(status["RssFile"].split()[0])
+            out[int(entry.name)] = tuple((int(status[k].split()[0]) - files) / 2**20 for k in ("VmRSS", "VmHWM"))
         except (OSError, ValueError, IndexError, KeyError):  # gone, or no memory (a zombie)
             continue
     return out
@@ -182,9 +185,10 @@ def main(argv: list[str]) -> None:
     if args.quick:
         names.pop("1b")
     print(
-        f"GiB per rank, peak: RSS of {args.steps}-step runs on 2 gloo processes (measured: as trained, cpu_allocator "
-        f"fast; lean), tracked peak per pipeline position + the planner's overhead = simulated; errors against the "
-        f"worst rank; outside: lean RSS less the tracked peak; a run over {args.limit_gib:.1f} GiB is stopped (≥)"
+        f"GiB per rank, peak: RSS less mapped files of {args.steps}-step runs on 2 gloo processes (measured: as "
+        f"trained, cpu_allocator fast; lean), tracked peak per pipeline position + the planner's overhead = "
+        f"simulated; errors against the worst rank; outside: lean RSS less the tracked peak; a run over "
+        f"{args.limit_gib:.1f} GiB is stopped (≥)"
     )
     print(HEAD)
     print("-" * len(HEAD))

@@ -18,13 +18,14 @@ VERSIONS=(2.11.0 2.15.0)
 # The subset: every private-API check, every block kind compiled (one graph each, tests/unit/test_compile.py),
 # then one run of each parallelism against one process (the module fixtures run only the cases selected
 # here), DCP save / resume / reshard, the CUDA path's
-# FSDP bf16 policy and fused AdamW; tied embeddings over four stages (their pair groups); a failed save
+# FSDP bf16 policy and fused AdamW (MoE experts in units of one rank too); tied embeddings over four stages (their pair groups); a failed save
 # (DCP's errors), a spike rolled back under tp=2, the watchdog (faulthandler, the flight recorder's
 # private dump); torchao's float8 training under FSDP's float8 all-gather, resumed as bf16 under tp=2;
 # FlexAttention's document mask and the document ids handed to pipeline stages. About 3 minutes a version.
 TESTS=(
     tests/unit/test_compat.py
     tests/unit/test_cuda_path.py
+    tests/unit/test_moe_cuda_path.py
     tests/unit/test_compile.py
     "tests/integration/test_parallel.py::test_matches_single_process[tp2-sp-pre-rmsnorm]"
     "tests/integration/test_parallel.py::test_matches_single_process[pp2-interleaved-pre-rmsnorm]"

@@ -16,20 +16,35 @@ def memory_gib(device: torch.device) -> float:
     memory it held at its peak: the caching allocator's peak reservation, plus what lives outside the
     allocator (the CUDA context, NCCL's buffers), measured now as the device's used memory less the
     reservation (cudaMemGetInfo: the GPU assumed to be this process's alone). CPU: the process's peak
-    resident set."""
+    resident set less its mapped files now (`mapped_files_kib`)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         outside = max(0, total - free - torch.cuda.memory_reserved(device))
         return (torch.cuda.max_memory_reserved(device) + outside) / GIB
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / (GIB if sys.platform == "darwin" else 2**20)
+    if sys.platform == "darwin":
+        return peak / GIB
+    return (peak - mapped_files_kib()) / 2**20
+
+
+def mapped_files_kib() -> int:
+    """The resident pages of the files this process maps (torch's libraries, the memory-mapped corpus), KiB: clean,
+    shared by every rank on the machine and reclaimable, and their count is the page cache's, not the run's (on
+    Linux 6.x a library freshly written to disk is cached in large folios: the same `import torch` maps 220 or 280
+    MiB). The peak resident set less these is the run's own memory, the same on every machine (within the pages
+    first read after the peak: the libraries are mapped, and mostly read, at import)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("RssFile:"))
+    except (OSError, StopIteration):  # no procfs
+        return 0
 
 
 def memory_measure(device: torch.device) -> str:
     """What `memory_gib` measures, in words (summary.json's `peak_mem_measure`)."""
     if device.type == "cuda":
         return "device memory: allocator peak reserved + CUDA context and NCCL buffers (mem_get_info)"
-    return "process peak resident set"
+    return "process peak resident set less mapped files"
 
 
 class Meter:

@@ -134,9 +134,9 @@ def grouped_swiglu(
 
 
 class GradDivide(torch.autograd.Function):
-    """The experts' weights outside FSDP (edp = 1): FSDP's part done here. Forward passes the weight (cast
-    to the input's dtype: FSDP's parameter dtype, or theirs); backward divides its gradient by the
-    data-parallel ranks, as FSDP divides each micro-batch's reduced gradient."""
+    """The experts' weights outside FSDP (edp = 1, a policy that casts nothing): FSDP's part done here. Forward
+    passes the weight; backward divides its gradient by the data-parallel ranks, as FSDP divides each
+    micro-batch's reduced gradient."""
 
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, factor: float) -> torch.Tensor:
@@ -168,6 +168,6 @@ class Experts(nn.Module):
         else:
             compute = loop_swiglu if self.split_weights else node_swiglu
         weights = [local(w) for w in (self.w1, self.w3, self.w2)]
-        if self.grad_divide != 1.0:  # outside FSDP (edp = 1: launcher/parallel/expert.py): do its part
-            weights = [GradDivide.apply(w.to(x.dtype), self.grad_divide) for w in weights]
+        if self.grad_divide != 1.0:  # outside FSDP (edp = 1 and no cast: launcher/parallel/expert.py): do its part
+            weights = [GradDivide.apply(w, self.grad_divide) for w in weights]
         return compute(x, counts, *weights)

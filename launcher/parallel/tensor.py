@@ -27,6 +27,7 @@ fused projections (launcher/ops/fused.py) run on the local shards (`LocalFusedLi
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -160,6 +161,11 @@ def apply_tensor_parallel(
                 model.get_submodule(name).register_forward_pre_hook(autocast_input)
         parallelize_module(model, mesh, styles)
     local_fused(model)
+    if local_logits:
+        # The last stage's logits are the view `to_local` returns, and FSDP2 warns (once, mid-output) that an
+        # in-place op on a wrapped module's view would skip its pre-backward hook. The pipeline's loss reads them out
+        # of place (`loss_context`); a clone to silence it would cost one more copy of the logits per microbatch.
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor", UserWarning)
     stream = Shard(1) if sequence_parallel else Replicate()
     swap_modules(model, OutputLoss, lambda _: VocabParallelLoss(mesh, stream))
 

@@ -80,8 +80,9 @@ def layer_activation_bytes(
     h, t = m.dim, layout.tp
     mlp, routed = (3 if m.mlp == "swiglu" else 2) * m.ffn_dim, 0.0
     if m.moe.experts:  # a token's MLP: top_k routed + shared experts; its routed rows and routing
-        mlp = ((4 if layout.zero_bubble else 2) * m.moe.top_k + 3 * m.moe.shared_experts) * expert_width(m)
-        routed = row_bytes(m, elem) * t  # not split by tp: the MoE layer runs whole on each tp rank
+        experts = ((4 if layout.zero_bubble else 2) * m.moe.top_k + 3 * m.moe.shared_experts) * expert_width(m)
+        # not split by tp (x t against the division below): the MoE layer runs whole on each tp rank
+        mlp, routed = 0, (row_bytes(m, elem) + elem * experts) * t
     hq, hkv, a = m.n_heads * head_dim(m), kv_heads(m) * head_dim(m), m.n_heads
     mask = 1 if m.dropout > 0 else 0
     # the QKV and MLP projections' saved input: whole on every tp rank, all-gathered under sequence parallelism

@@ -15,13 +15,15 @@ compute-dtype + fp32 bytes for every parameter of the stage. ZeRO-2
 backward: the rank's parameters whole in the compute dtype at the end of forward. Under tensor
 parallelism the vocabulary-parallel embedding's backward (DTensor's strategy for
 `embedding_dense_backward`, torch 2.13) allocates the gradient of the whole (vocab x h) table in
-fp32 on every rank (the profiler shows the full-table `aten::zeros`), then keeps this rank's rows:
-(1 + 1/t) x vocab x h x 4 bytes at the end of the first rank's backward, when the activations are
-freed: the step's peak is the larger of the two (peak RSS: 1.3-1.5x that table on 125m tp=2 and 1b
-tp=4, bench memory), counted with the gradients. Fixed overhead per device: the CUDA context, NCCL's
+the weight's dtype on every rank (the profiler shows the full-table `aten::zeros`: fp32, bf16 under
+FSDP's bf16 policy), then keeps this rank's rows: (1 + 1/t) x vocab x h x 4 (or 2) bytes at the end
+of the first rank's backward, when the activations are freed: the step's peak is the larger of the
+two (peak RSS: 1.3-1.5x that table on 125m tp=2 and 1b tp=4, bench memory), counted with the
+gradients. Fixed overhead per device: the CUDA context, NCCL's
 buffers and cuBLAS workspaces on a GPU; on a CPU the worker process itself (Python, torch and the
-launcher imported, a gloo group, the library code its first step runs: 0.26 GiB of resident memory
-after `tiny` is built, 0.28-0.30 beyond the simulated tensors after two steps, bench simulate_real).
+launcher imported, a gloo group, what its first step allocates beside the tensors: 0.23-0.25 GiB beyond the
+simulated tensors after two steps of `tiny`, 0.26-0.30 of `small`, resident memory less mapped files (the libraries'
+pages: shared, and as many as the page cache makes them, metrics/meter.py), bench simulate_real).
 
 Activations per layer and token: launcher/planner/activations.py.
 Context parallelism (cp ranks, each seq / cp tokens of every sequence) divides everything per token
@@ -62,7 +64,7 @@ from launcher.planner.timeline import in_flight, logits_in_flight
 GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
-OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.30}  # context, collective buffers, workspaces; cpu: the process
+OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.25}  # context, collective buffers, workspaces; cpu: the process
 FLEX_BLOCK = 128  # FlexAttention's block mask: tokens per block side (create_block_mask's default)
 
 
@@ -174,14 +176,29 @@ def rank_saved(
     m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, rank: int, stream: int = 0, kind: str = ""
 ) -> tuple[float, ...]:
     """Pipeline rank `rank`'s activations per token and microbatch in flight, whatever its batch split: (saved
-    bytes of one of its layers on average, one layer's full working set, its blocks recomputed in full, its blocks);
-    on `kind` cuda RMSNorm is CUDA's fused kernel (`norm_stats_bytes`)."""
+    bytes of one of its layers on average, what backward rebuilds of one layer at a time, its blocks recomputed in
+    full, its blocks); on `kind` cuda RMSNorm is CUDA's fused kernel (`norm_stats_bytes`)."""
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
     saved, working = layer_activation_bytes(m, seq, layout, elem, fused, stream or elem, kind == "cuda")
     full = full_layers(m.n_layers, layout, rank)
+    # selective recompute rebuilds what a layer did not save (its norms' outputs, the activation function's)
+    rebuilt = working - saved if layout.recompute == "selective" else 0.0
     if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
         saved = (saved * (layers - full) + input_bytes(m, layout, stream or elem) * full) / layers
-    return saved, working, full, layers
+        rebuilt = working
+    return saved, rebuilt, full, layers
+
+
+def embedding_table_bytes(m: ModelConfig, layout: Layout, stream: int) -> float:
+    """Bytes the tensor-parallel embedding's backward adds beyond its rows' gradient in `rank_state` (docstring):
+    the whole table's gradient, in the dtype of the weight it runs with (the residual stream's: bf16 under FSDP's
+    policy, else fp32), beside this rank's rows; under a pipeline FSDP accumulates each microbatch's gradient
+    unsynced, in fp32, as the DTensor the backward returns: the whole table, from the first microbatch's backward
+    to the step's reduce-scatter (`to_accumulated_grad_if_needed`), where the rows alone were counted."""
+    table, t = m.vocab_size * m.dim, layout.tp
+    if layout.pp > 1 and layout.fsdp_shard > 1:
+        return table * (stream + GRAD_BYTES * (1 - 1 / t))
+    return table * stream * (1 + 1 / t)
 
 
 def rank_state(m: ModelConfig, seq: int, layout: Layout, elem: int, kind: str, rank: int) -> tuple[float, float, float]:
@@ -255,17 +272,15 @@ def _parts(
     state: tuple[float, ...], kept: tuple[float, ...], documents: bool = False,
 ) -> tuple[float, ...]:  # fmt: skip
     """`rank_memory`'s parts (Memory's but `held`) from its `rank_state` and `rank_saved`."""
-    (sharded, grads, buffers), (saved, working, full, layers) = state, kept
+    (sharded, grads, buffers), (saved, rebuilt, _, layers) = state, kept
     tokens = layout.micro * seq // layout.cp  # this rank's share of each sequence
-    acts = saved * tokens * layers * in_flight(layout, rank)
-    if full:
-        acts += working * tokens
+    acts = (saved * layers * in_flight(layout, rank) + rebuilt) * tokens
     if documents:
         acts += document_bytes(m, seq, layout, kind, rank)
     logits = loss_bytes(m, layout, elem, kind, tokens, flop_per_byte) if rank == layout.last_rank else 0.0
     table = 0.0  # tp: the embedding's whole-table gradient, last in backward (docstring)
     if layout.tp > 1 and rank == 0:
-        table = GRAD_BYTES * m.vocab_size * m.dim * (1 + 1 / layout.tp)
+        table = embedding_table_bytes(m, layout, stream_bytes(elem, kind, layout))
     ddp = layout.dp_replicate > 1 and layout.fsdp_shard == 1  # its buckets hold the gradients from the start
     if layout.pp == 1 and layout.microbatches == 1 and not ddp:  # no gradient yet at forward's end; backward frees
         casts = buffers if layout.fsdp_shard == 1 else 0.0  # the activations (and autocast's weight casts: FSDP's

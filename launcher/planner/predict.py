@@ -82,10 +82,14 @@ def problem_memory(problem: Problem, layout: Layout) -> Memory:
     held += BUCKET_BYTES * BUCKETS_IN_FLIGHT if problem.ft else 0.0
     if held:  # (memory's own is 0)
         mem = replace(mem, held=held)
+    return with_fp8(problem, layout, mem, max(rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)))
+
+
+def with_fp8(problem: Problem, layout: Layout, mem: Memory, layers: int) -> Memory:
+    """`mem` of a rank holding `layers` blocks, plus their fp8 weight copies under dtype=fp8 (planner/fp8.py)."""
     if problem.fp8 is None:
         return mem
-    layers = max(rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape))
-    return replace(mem, buffers=mem.buffers + weight_bytes(problem.fp8, m, layout, layers))
+    return replace(mem, buffers=mem.buffers + weight_bytes(problem.fp8, problem.model, layout, layers))
 
 
 def _time_args(problem: Problem, layout: Layout) -> tuple[Any, ...]:

@@ -54,11 +54,11 @@ def rank_actions(layout: Layout, pp_rank: int) -> list[tuple[str, int, int]]:
     return [(kind, i, pp_rank) for kind, i in order]
 
 
-def hidden(layout: Layout, seq_len: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A fake hidden state as the previous stage sends it: local (micro, tokens, dim), split over the tp
-    ranks with sequence parallelism, in the compute dtype when FSDP gathers bf16 weights (the residual
-    stream follows the weights), else fp32 (autocast keeps it)."""
-    tokens = seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
+def hidden(layout: Layout, tokens: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fake hidden state as the previous stage sends it: local (micro, tokens, dim) of the rank's `tokens` of
+    each sequence (its cp share), split over the tp ranks with sequence parallelism, in the compute dtype when FSDP
+    gathers bf16 weights (the residual stream follows the weights), else fp32 (autocast keeps it)."""
+    tokens //= layout.tp if layout.sequence_parallel else 1
     return torch.empty(layout.micro, tokens, dim, dtype=dtype, device=device, requires_grad=True)
 
 

@@ -26,11 +26,13 @@ from launcher.errors import LauncherError
 from launcher.flops import GIB
 from launcher.layout import Layout, rank_of
 from launcher.layout.text import describe
-from launcher.planner.memory import rank_memory
-from launcher.planner.predict import Problem
+from launcher.planner.memory import rank_layers, rank_memory
+from launcher.planner.predict import Problem, with_fp8
 
 NOT_SEEN = "CUDA context, NCCL buffers, cuBLAS workspaces, allocator fragmentation"
-NOT_RUN = "CUDA-only branches (fake CUDA tensors, cuda meshes, SDPA's flash kernels), compile, fp8"
+NOT_RUN = "CUDA-only branches (fake CUDA tensors, cuda meshes, SDPA's flash kernels), compile"
+# context parallelism on a GPU profile: the CPU's chunk masks, where a GPU's flash kernel takes torch's causal bias
+NOT_MASKED = "cp's causal bias (the CPU's chunk masks are held instead: (seq/2cp)^2 x 2cp elements at most)"
 # a mixture of experts besides (`balanced`; the grouped GEMM is CUDA's: the experts' loop runs)
 NOT_ROUTED = "the router's top-k choice (routing balanced), the experts' grouped GEMM"
 COLUMNS = ("params", "grads", "optimizer", "working", "peak")
@@ -38,15 +40,16 @@ COLUMNS = ("params", "grads", "optimizer", "working", "peak")
 
 def check(run: Run) -> None:
     """Refuse what the simulation cannot represent: one line, exit 2 (a LauncherError)."""
+    if run.record.get("hardware", {}).get("kind") == "tpu":
+        raise LauncherError(
+            "simulate=true: a TPU profile's step runs under XLA, whose memory torch's fake tensors do not show: "
+            "use `plan` for its prediction, or a cuda or cpu hardware profile"
+        )
     if run.data.document_mask:
         raise LauncherError(
             "simulate=true: data.document_mask reads token values, which fake tensors do not have: "
             "set data.document_mask=false"
         )
-    if run.options.fp8 is not None:
-        raise LauncherError("simulate=true: dtype=fp8 (torchao's float8 kernels) is not simulated: use dtype=bf16")
-    if run.layout.cp > 1:
-        raise LauncherError("simulate=true: context parallelism (cp > 1) is not simulated yet: use cp=1")
 
 
 def balanced(run: Run) -> Run:
@@ -60,10 +63,9 @@ def balanced(run: Run) -> Run:
 
 def predicted(prob: Problem, layout: Layout, pp_rank: int) -> Memory:
     """The planner's memory for pipeline rank `pp_rank` of `layout` in `prob` (`planner.request.problem`)."""
-    mach = prob.machine
-    return rank_memory(
-        prob.model, prob.seq, layout, prob.elem, mach.kind, pp_rank, mach.flop_per_byte, prob.fused_attention
-    )
+    mach, m = prob.machine, prob.model
+    mem = rank_memory(m, prob.seq, layout, prob.elem, mach.kind, pp_rank, mach.flop_per_byte, prob.fused_attention)
+    return with_fp8(prob, layout, mem, rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[pp_rank])
 
 
 def simulated_gib(peak: dict[str, int]) -> dict[str, float]:
@@ -112,7 +114,8 @@ def simulate(
         f"{busiest['simulated']:.2f} GiB simulated · {busiest['predicted']:.2f} GiB predicted "
         f"({delta(busiest['simulated'], busiest['predicted'])})"
     )
-    not_run = f"{NOT_RUN}, {NOT_ROUTED}" if run.model.moe.experts else NOT_RUN
+    masked = layout.cp > 1 and prob.machine.kind != "cpu"
+    not_run = ", ".join([NOT_RUN] + [NOT_ROUTED] * bool(run.model.moe.experts) + [NOT_MASKED] * masked)
     out(f"not simulated: {not_run} (device {DEVICE}; docs/simulate.md)")
     keys = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "micro", "microbatches", "schedule", "recompute")
     result = {

@@ -2,7 +2,8 @@
 
 The worker's own pieces, in its order (launcher/train/setup.py, loop.py): the mesh, `build_runner`
 (the meta model with the run's knobs, cut by `parallelize`), `build_optimizer`, then a step: forward/backward
-over the rank's batch, gradient clipping, the optimizer step, zero_grad. The step measured is a second one:
+over the rank's batch (a cp rank's share of each sequence), gradient clipping, the optimizer step (and float8's
+scales precomputed for FSDP's float8 all-gather), zero_grad. The step measured is a second one:
 AdamW allocates its moments in its first update, which runs first on zero gradients (the same update on the
 same tensors: every parameter, its gradient and its moments live at once, as in a first step's update). A first
 step's forward/backward holds less than the second's (no moments yet), so the peak over both is this one's, at
@@ -25,6 +26,7 @@ from launcher.config.run import Run
 from launcher.layout import Layout, build_mesh, rank_of
 from launcher.model.init import materialize
 from launcher.parallel import build_runner
+from launcher.parallel.float8 import precompute_scales
 from launcher.parallel.runner import PipelineRunner, Runner
 from launcher.simulate.kernels import cuda_kernels
 from launcher.simulate.pipeline import RankStages, rank_actions, rank_stages, step_stages
@@ -81,7 +83,7 @@ def _step_peak(run: Run, pp_rank: int, actions: list) -> dict[str, int]:
     with mode:
         optimizer, schedule = build_optimizer(runner.parts, run.optim, max(run.steps, 2))
         rows = layout.micro * layout.microbatches  # the rank's batch, as its loader hands it
-        shape = (rows, options.seq_len)
+        shape = (rows, options.seq_len // layout.cp)  # a cp rank's two chunks of each sequence (data/context_split.py)
         batch = tuple(torch.randint(0, run.model.vocab_size, shape, device=device) for _ in range(2))
         for p in (p for group in optimizer.param_groups for p in group["params"]):
             p.grad = torch.zeros_like(p)  # before the tracker: it counts them as gradients
@@ -89,10 +91,12 @@ def _step_peak(run: Run, pp_rank: int, actions: list) -> dict[str, int]:
         tracker.track_external(*runner.parts, optimizer)
         with tracker, propagation_unseen(tracker):
             optimizer.step()  # the first update: AdamW's moments allocated
+            precompute_scales(runner.parts, options.fp8)  # as the loop does after each update (float8 all-gather)
             optimizer.zero_grad(set_to_none=True)
             forward_backward(runner, layout, stages, batch)
             runner.clip_grad_norm(run.optim.grad_clip)
             optimizer.step()
+            precompute_scales(runner.parts, options.fp8)
             optimizer.zero_grad(set_to_none=True)
             schedule.step()
         return tracker.peak()

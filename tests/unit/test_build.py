@@ -121,7 +121,7 @@ def test_steps_0_builds_reports_memory_and_stops(tmp_path: Any) -> None:
     assert summary["steps"] == 0 and summary["smoke_loss"] > 0
     assert summary["peak_mem_gib_per_rank"] == [summary["peak_mem_gib"]] and summary["peak_mem_gib"] > 0
     assert summary["cpu_allocator"] == "lean", "a memory check measures the run, not glibc's cache"
-    assert summary["peak_mem_measure"] == "process peak resident set"
+    assert summary["peak_mem_measure"] == "process peak resident set less mapped files"
     assert not (tmp_path / "r" / "metrics.jsonl").exists() or not (tmp_path / "r" / "metrics.jsonl").read_text()
     assert not (tmp_path / "r" / "checkpoints").exists(), "nothing trained, nothing saved"
 

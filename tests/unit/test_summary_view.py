@@ -44,7 +44,7 @@ def run_summary(prediction: bool = True) -> dict[str, Any]:
         "compile": False,
         "optimizer_impl": "fused",
         "wall_time_s": 6.47868162299892,
-        "peak_mem_measure": "process peak resident set",
+        "peak_mem_measure": "process peak resident set less mapped files",
         "cpu_allocator": "fast",
         "config": {"seq_len": 256, "model": {"name": "tiny"}},
     }
