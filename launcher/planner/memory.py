@@ -63,7 +63,8 @@ from launcher.planner.timeline import in_flight, logits_in_flight
 
 GRAD_BYTES = 4  # fp32 gradients
 ADAM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
-LOGIT_EXTRA_BYTES = 8  # fp32 upcast and log-softmax of the logits inside cross-entropy
+LOG_SOFTMAX_BYTES = 4  # cross-entropy's fp32 log-softmax of the logits, saved for backward
+LOSS_BACKWARD_BYTES = 8  # at a microbatch's loss backward: the log-softmax's gradient and the logits', fp32
 OVERHEAD_GIB = {"cuda": 2.0, "tpu": 0.5, "cpu": 0.25}  # context, collective buffers, workspaces; cpu: the process
 FLEX_BLOCK = 128  # FlexAttention's block mask: tokens per block side (create_block_mask's default)
 
@@ -142,12 +143,14 @@ def loss_chunk_bytes(m: ModelConfig, tokens: int, elem: int, flop_per_byte: floa
 
 def loss_bytes(m: ModelConfig, layout: Layout, elem: int, kind: str, tokens: int, flop_per_byte: float | None) -> float:
     """The last rank's loss working set for `tokens` per microbatch: with the chunked loss d loss / d h
-    and one chunk's logits; else the logits of the microbatches in flight, with their fp32 upcast and
-    log-softmax."""
+    and one chunk's logits; else the logits of the microbatches in flight with their saved fp32 log-softmax
+    (the fp32 upcast of bf16 logits is freed after forward), and at one microbatch's loss backward two fp32
+    gradients of the same size (the simulation's peak of `1b` pp=2's last stage, which the real run matches)."""
     if chunked_loss(layout):
         ratio = FLOP_PER_BYTE.get(kind, FLOP_PER_BYTE["cuda"]) if flop_per_byte is None else flop_per_byte
         return tokens * m.dim * elem + loss_chunk_bytes(m, tokens, elem, ratio, layout.tp)
-    return tokens * m.vocab_size / layout.tp * (elem + LOGIT_EXTRA_BYTES) * logits_in_flight(layout)
+    per_token = (elem + LOG_SOFTMAX_BYTES) * logits_in_flight(layout) + LOSS_BACKWARD_BYTES
+    return tokens * m.vocab_size / layout.tp * per_token
 
 
 def memory(
