@@ -179,8 +179,8 @@ def rank_saved(
     m: ModelConfig, seq: int, layout: Layout, elem: int, fused: bool, rank: int, stream: int = 0, kind: str = ""
 ) -> tuple[float, ...]:
     """Pipeline rank `rank`'s activations per token and microbatch in flight, whatever its batch split: (saved
-    bytes of one of its layers on average, what backward rebuilds of one layer at a time, its blocks recomputed in
-    full, its blocks); on `kind` cuda RMSNorm is CUDA's fused kernel (`norm_stats_bytes`)."""
+    bytes of one of its layers on average, what backward rebuilds of one layer at a time, its blocks); on `kind`
+    cuda RMSNorm is CUDA's fused kernel (`norm_stats_bytes`)."""
     layers = rank_layers(m.n_layers, layout.pp, layout.chunks, layout.v_shape)[rank]
     saved, working = layer_activation_bytes(m, seq, layout, elem, fused, stream or elem, kind == "cuda")
     full = full_layers(m.n_layers, layout, rank)
@@ -189,7 +189,7 @@ def rank_saved(
     if full:  # those blocks keep their input only; one of them at a time is rebuilt in backward
         saved = (saved * (layers - full) + input_bytes(m, layout, stream or elem) * full) / layers
         rebuilt = working
-    return saved, rebuilt, full, layers
+    return saved, rebuilt, layers
 
 
 def embedding_table_bytes(m: ModelConfig, layout: Layout, stream: int) -> float:
@@ -275,7 +275,7 @@ def _parts(
     state: tuple[float, ...], kept: tuple[float, ...], documents: bool = False,
 ) -> tuple[float, ...]:  # fmt: skip
     """`rank_memory`'s parts (Memory's but `held`) from its `rank_state` and `rank_saved`."""
-    (sharded, grads, buffers), (saved, rebuilt, _, layers) = state, kept
+    (sharded, grads, buffers), (saved, rebuilt, layers) = state, kept
     tokens = layout.micro * seq // layout.cp  # this rank's share of each sequence
     acts = (saved * layers * in_flight(layout, rank) + rebuilt) * tokens
     if documents:
