@@ -152,8 +152,8 @@ def header(run: Run, hardware: str, device: str) -> str:
     layout, options = run.layout, run.options
     return (
         f"simulate: {run.model.name} on {hardware}, {layout.world_size:,} ranks · {describe(layout)} x "
-        f"{options.seq_len} tokens · {precision_text(options.precision, None)} · one rank per pipeline position, "
-        f"a step (optimizer state allocated) on fake tensors ({device})"
+        f"{options.seq_len} tokens · {precision_text(options.precision, options.fp8)} · one rank per pipeline "
+        f"position, a step (optimizer state allocated) on fake tensors ({device})"
     )
 
 

@@ -278,7 +278,9 @@ def test_fp8_is_simulated_with_torchao_s_float8_layers(monkeypatch: pytest.Monke
     monkeypatch.setattr(step, "build_runner", spy)
     run, prob = resolved("+model=small", "hardware=h100_sxm", "nodes=1", "dtype=fp8", "fp8.min_features=64")
     assert run.options.fp8 is not None and prob.fp8 is not None
-    result = simulate(run, prob, out=lambda _: None)
+    lines: list[str] = []
+    result = simulate(run, prob, out=lines.append)
     assert float8 == {"Float8Linear"}
+    assert "fp8 (tensorwise) + bf16 (FSDP mixed precision)" in lines[0]  # the header names what runs
     sim, plan = result["ranks"][0]["simulated_gib"], result["ranks"][0]["predicted_gib"]
     assert plan["peak"] == pytest.approx(sim["peak"], rel=0.15)
